@@ -1,0 +1,46 @@
+"""Mirror the installed package layout as a tree of symlinks under .typecheck/kvpool.
+
+The top-level folders are installed as kvpool.client, kvpool.raft_master, ... (setuptools
+package-dir). Static tools (mypy, import-linter) read files, not the editable install's import
+hook, so they are pointed at this mirror: real directories, each file a symlink to its source.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAPPING = {
+    "kvpool": "kvpool",
+    "client": "kvpool/client",
+    "raft_master": "kvpool/raft_master",
+    "store_node": "kvpool/store_node",
+    "proto": "kvpool/proto",
+    "chaos": "kvpool/chaos",
+}
+
+
+def main() -> int:
+    out = ROOT / ".typecheck"
+    shutil.rmtree(out, ignore_errors=True)
+    for src_name, dst_name in MAPPING.items():
+        src = ROOT / src_name
+        if not src.is_dir():
+            continue
+        for path in src.rglob("*"):
+            if "__pycache__" in path.parts or path.is_dir():
+                continue
+            if path.suffix not in (".py", ".pyi") and path.name != "py.typed":
+                continue
+            target = out / dst_name / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(path, target)
+    print(f"linked the package tree into {out.relative_to(ROOT)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Configuration: one frozen dataclass per process, from defaults < TOML < ``KVPOOL_*`` env < flags.
+
+Each field carries its help text and kind in ``metadata``; the CLI builds its flags from the same
+fields, so ``--help`` and the TOML keys and the environment variables always agree:
+
+=====================  =================================  ==================================
+field                  TOML key (section ``[master]``…)   environment
+=====================  =================================  ==================================
+``cpu_cache_size``     ``cpu_cache_size = "16GiB"``       ``KVPOOL_CPU_CACHE_SIZE=16GiB``
+=====================  =================================  ==================================
+
+Every invalid value is reported at start, all at once, each with its name (:class:`ConfigError`).
+No module reads global configuration: the process assembles its config once and passes it down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import tomllib
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from kvpool.errors import ConfigError
+from kvpool.units import parse_duration, parse_size
+
+ENV_PREFIX = "KVPOOL_"
+_HOSTPORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(?P<port>[0-9]{1,5})$")
+
+C = TypeVar("C")
+
+
+def opt(default: Any, help: str, kind: str = "", *, flag: bool = True) -> Any:
+    """A config field: ``kind`` is ``size`` (bytes with units), ``duration`` (seconds), ``secret``
+    (never printed) or ``""`` (by type)."""
+    return field(default=default, metadata={"help": help, "kind": kind, "flag": flag})
+
+
+def split_hostport(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:7300"`` → ``("127.0.0.1", 7300)``; raises ValueError naming the problem."""
+    m = _HOSTPORT.match(address.strip())
+    if not m:
+        raise ValueError(f"not a host:port address: {address!r}")
+    port = int(m.group("port"))
+    if port > 65535:
+        raise ValueError(f"port {port} out of range in {address!r}")
+    return m.group("host").strip("[]"), port
+
+
+def is_loopback_host(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def physical_memory_bytes() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+# --- process configs -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    log_level: str = opt("info", "log level: debug, info, warning, error")
+    log_format: str = opt("auto", "log format: json, console, or auto (console on a terminal)")
+
+
+@dataclass(frozen=True)
+class MasterConfig(LogConfig):
+    """A `kvpool master`: one member of the Raft group holding the block index."""
+
+    listen: str = opt("127.0.0.1:7300", "gRPC address (host:port) clients and nodes call")
+    raft_listen: str = opt("127.0.0.1:7310", "Raft address (host:port) the other masters dial")
+    raft_peers: tuple[str, ...] = opt((), "Raft addresses of the other masters, comma-separated")
+    data_dir: str = opt(
+        "", "directory for the Raft journal and snapshots (required unless --in-memory)"
+    )
+    in_memory: bool = opt(False, "keep the index in memory only (tests, demos): lost on restart")
+    raft_secret: str = opt(
+        "",
+        "shared secret of the master group (encrypts and authenticates Raft traffic); required",
+        "secret",
+    )
+    heartbeat_interval_s: float = opt(1.0, "how often store nodes heartbeat", "duration")
+    node_timeout_s: float = opt(5.0, "a node silent this long is declared down", "duration")
+    raft_min_timeout_s: float = opt(0.4, "Raft election timeout, lower bound", "duration")
+    raft_max_timeout_s: float = opt(1.2, "Raft election timeout, upper bound", "duration")
+    raft_append_period_s: float = opt(0.05, "Raft leader heartbeat period", "duration")
+    raft_leader_fallback_s: float = opt(
+        2.0, "an isolated leader steps down after this long without a quorum", "duration"
+    )
+    raft_connection_timeout_s: float = opt(2.0, "Raft peer connection timeout", "duration")
+    raft_connection_retry_s: float = opt(1.0, "Raft redial period for lost peers", "duration")
+    raft_compaction_min_entries: int = opt(20000, "compact the Raft log after this many entries")
+    raft_compaction_min_time_s: float = opt(
+        300.0, "compact the Raft log at least this often", "duration"
+    )
+    commit_batch_max_entries: int = opt(
+        8192, "most put entries merged into one Raft entry (group commit)"
+    )
+    commit_timeout_s: float = opt(5.0, "longest wait for one Raft commit", "duration")
+    stuck_follower_s: float = opt(
+        5.0, "force a snapshot for a follower whose log has not advanced this long", "duration"
+    )
+    dedupe_capacity: int = opt(65536, "request ids remembered for exactly-once retries")
+    ready_file: str = opt("", "write a JSON file with the bound addresses once serving", flag=True)
+
+    def validate(self) -> list[str]:
+        errors = _validate_addresses(self, ("listen", "raft_listen"))
+        for peer in self.raft_peers:
+            try:
+                split_hostport(peer)
+            except ValueError as e:
+                errors.append(f"raft_peers: {e}")
+        if self.raft_listen in self.raft_peers:
+            errors.append("raft_peers: must not contain this master's own raft_listen address")
+        if not self.in_memory and not self.data_dir:
+            errors.append(
+                "data_dir: required unless in_memory is set (the index must survive a restart)"
+            )
+        if not self.raft_secret:
+            errors.append(
+                "raft_secret: required; Raft peer traffic is pickle and must be "
+                "authenticated (set KVPOOL_RAFT_SECRET or --raft-secret)"
+            )
+        if not 0 < self.raft_min_timeout_s < self.raft_max_timeout_s:
+            errors.append("raft_min_timeout_s/raft_max_timeout_s: need 0 < min < max")
+        if not 0 < self.raft_append_period_s < self.raft_min_timeout_s:
+            errors.append("raft_append_period_s: must be positive and below raft_min_timeout_s")
+        if self.raft_leader_fallback_s <= self.raft_max_timeout_s:
+            errors.append("raft_leader_fallback_s: must exceed raft_max_timeout_s")
+        if self.raft_connection_timeout_s <= self.raft_max_timeout_s:
+            errors.append("raft_connection_timeout_s: must exceed raft_max_timeout_s")
+        if not 0 < self.heartbeat_interval_s < self.node_timeout_s:
+            errors.append("heartbeat_interval_s: must be positive and below node_timeout_s")
+        for name in ("raft_compaction_min_entries", "commit_batch_max_entries", "dedupe_capacity"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name}: must be at least 1")
+        return errors
+
+
+@dataclass(frozen=True)
+class NodeConfig(LogConfig):
+    """A `kvpool node`: one store node holding block bytes."""
+
+    node_id: str = opt("", "stable name of this node (default: the host name)")
+    masters: tuple[str, ...] = opt(("127.0.0.1:7300",), "gRPC addresses of the masters")
+    listen: str = opt("127.0.0.1:0", "gRPC address of the admin service (port 0 = any)")
+    data_listen: str = opt("127.0.0.1:0", "data-plane TCP address (port 0 = any)")
+    advertise_host: str = opt("", "host clients should dial (default: the listen host)")
+    zone: str = opt("", "failure-domain label (rack, zone) for replica anti-affinity")
+    cpu_cache_size: int = opt(1 << 30, "size of the CPU (shared-memory) tier", "size")
+    max_memory_fraction: float = opt(
+        0.7, "refuse a CPU tier above this share of the machine's memory"
+    )
+    high_watermark: float = opt(0.85, "start evicting above this fill of a tier")
+    low_watermark: float = opt(0.70, "evict down to this fill of a tier")
+    max_block_size: int = opt(64 << 20, "largest block accepted", "size")
+    staged_ttl_s: float = opt(
+        30.0,
+        "staged (uncommitted) blocks older than this are checked against the index and reclaimed",
+        "duration",
+    )
+    eviction_report_interval_s: float = opt(
+        0.2, "how often evictions are reported to the index", "duration"
+    )
+    request_timeout_s: float = opt(5.0, "timeout of calls to the masters", "duration")
+    ready_file: str = opt("", "write a JSON file with the bound addresses once registered")
+
+    @property
+    def resolved_node_id(self) -> str:
+        return self.node_id or socket.gethostname()
+
+    def validate(self) -> list[str]:
+        errors = _validate_addresses(self, ("listen", "data_listen"))
+        if not self.masters:
+            errors.append("masters: at least one master address is required")
+        for m in self.masters:
+            try:
+                split_hostport(m)
+            except ValueError as e:
+                errors.append(f"masters: {e}")
+        if self.cpu_cache_size <= 0:
+            errors.append("cpu_cache_size: must be positive")
+        limit = int(physical_memory_bytes() * self.max_memory_fraction)
+        if self.cpu_cache_size > limit:
+            errors.append(
+                f"cpu_cache_size: {self.cpu_cache_size} bytes is above "
+                f"{self.max_memory_fraction:.0%} of this machine's memory ({limit} bytes); "
+                "lower it or raise max_memory_fraction"
+            )
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            errors.append("low_watermark/high_watermark: need 0 < low < high <= 1")
+        if not 0 < self.max_memory_fraction <= 1:
+            errors.append("max_memory_fraction: must be in (0, 1]")
+        if self.max_block_size <= 0:
+            errors.append("max_block_size: must be positive")
+        elif self.max_block_size > self.cpu_cache_size:
+            errors.append("max_block_size: must not exceed cpu_cache_size")
+        return errors
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """A client embedded in an engine."""
+
+    masters: tuple[str, ...] = opt(("127.0.0.1:7300",), "gRPC addresses of the masters")
+    timeout_s: float = opt(2.0, "deadline of every call", "duration")
+    replicas: int = opt(1, "replicas written per block")
+    max_value_size: int = opt(64 << 20, "largest value accepted by put", "size")
+    connections_per_node: int = opt(2, "data-plane connections pooled per node")
+
+    def validate(self) -> list[str]:
+        errors: list[str] = []
+        if not self.masters:
+            errors.append("masters: at least one master address is required")
+        for m in self.masters:
+            try:
+                split_hostport(m)
+            except ValueError as e:
+                errors.append(f"masters: {e}")
+        if self.timeout_s <= 0:
+            errors.append("timeout_s: must be positive")
+        if self.replicas < 1:
+            errors.append("replicas: must be at least 1")
+        if self.max_value_size <= 0:
+            errors.append("max_value_size: must be positive")
+        if self.connections_per_node < 1:
+            errors.append("connections_per_node: must be at least 1")
+        return errors
+
+
+def _validate_addresses(cfg: Any, names: tuple[str, ...]) -> list[str]:
+    errors = []
+    for name in names:
+        try:
+            split_hostport(getattr(cfg, name))
+        except ValueError as e:
+            errors.append(f"{name}: {e}")
+    return errors
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def config_fields(cls: type[Any]) -> list[tuple[dataclasses.Field[Any], type[Any]]]:
+    hints = get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def parse_value(f: dataclasses.Field[Any], typ: Any, raw: Any) -> Any:
+    """Turn a TOML, env or flag value into the field's type; raises ValueError."""
+    kind = f.metadata.get("kind", "")
+    if kind == "size":
+        return parse_size(raw)
+    if kind == "duration":
+        return parse_duration(raw)
+    origin = get_origin(typ)
+    if origin is tuple:
+        if isinstance(raw, str):
+            items = [s.strip() for s in raw.split(",") if s.strip()]
+        elif isinstance(raw, list | tuple):
+            items = [str(s) for s in raw]
+        else:
+            raise ValueError(f"expected a list, got {raw!r}")
+        return tuple(items)
+    if origin in (Union, types.UnionType):
+        typ = next(a for a in get_args(typ) if a is not type(None))
+    if typ is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true or false, got {raw!r}")
+    if typ is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError(f"expected an integer, got {raw!r}")
+        return int(raw)
+    if typ is float:
+        if isinstance(raw, bool):
+            raise ValueError(f"expected a number, got {raw!r}")
+        return float(raw)
+    if typ is str:
+        if not isinstance(raw, str):
+            raise ValueError(f"expected a string, got {raw!r}")
+        return raw
+    raise ValueError(f"unsupported config type {typ!r}")
+
+
+def load_config(
+    cls: type[C],
+    *,
+    toml_path: str | Path | None = None,
+    section: str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> C:
+    """Build and validate a config: defaults < TOML < env (``KVPOOL_<FIELD>``) < overrides.
+
+    ``overrides`` holds already-parsed or raw values by field name (flags); ``None`` values are
+    ignored. Raises ConfigError listing every problem.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    errors: list[str] = []
+    fields = config_fields(cls)
+    names = {f.name for f, _ in fields}
+
+    if toml_path:
+        try:
+            with open(toml_path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {toml_path}: {e}") from e
+        table = doc.get(section, doc) if section else doc
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {toml_path}: [{section}] is not a table")
+        known_sections = {"master", "node", "client"}
+        for key, raw in table.items():
+            if key in known_sections and isinstance(raw, dict):
+                continue
+            if key not in names:
+                errors.append(f"{key}: unknown setting in {toml_path}")
+                continue
+            values[key] = ("toml", raw)
+    for f, _ in fields:
+        env_key = ENV_PREFIX + f.name.upper()
+        if env_key in env:
+            values[f.name] = (env_key, env[env_key])
+    for key, raw in (overrides or {}).items():
+        if raw is None:
+            continue
+        if key not in names:
+            errors.append(f"{key}: unknown setting")
+            continue
+        values[key] = ("flag", raw)
+
+    parsed: dict[str, Any] = {}
+    for f, typ in fields:
+        if f.name not in values:
+            continue
+        source, raw = values[f.name]
+        try:
+            parsed[f.name] = parse_value(f, typ, raw)
+        except ValueError as e:
+            errors.append(f"{f.name} (from {source}): {e}")
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    cfg = cls(**parsed)
+    validate = getattr(cfg, "validate", None)
+    problems = validate() if validate else []
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    return cfg
+
+
+def redacted(cfg: Any) -> dict[str, Any]:
+    """The config as a dict for logs, secrets replaced."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.metadata.get("kind") == "secret" and value:
+            value = "***"
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out

@@ -1,0 +1,242 @@
+"""One rooted exception tree, translated to and from gRPC status once, at the edge.
+
+Every kvpool error has a stable ``code`` (sent as gRPC trailing metadata ``kvpool-error-code``)
+and says whether retrying can help (``retryable``). A server raises these classes; the gRPC layer
+(:mod:`kvpool.grpcutil`) maps them to a status code plus metadata; the client rebuilds the same
+class from the metadata. A not-leader error carries the leader's gRPC address when known.
+
+Bad input from the caller (a wrong key, an unsupported value type) raises even in non-strict mode:
+it is a bug in the caller, not a failure of the cache. Failures of the cache (a node down, a
+timeout, a checksum mismatch) become a miss unless the caller asked for strict mode.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import grpc
+
+ERROR_CODE_KEY = "kvpool-error-code"
+LEADER_KEY = "kvpool-leader"
+PROTOCOL_VERSION_KEY = "kvpool-protocol-version"
+
+
+class KVPoolError(Exception):
+    """Root of every error kvpool raises on purpose."""
+
+    code: ClassVar[str] = "INTERNAL"
+    retryable: ClassVar[bool] = False
+    grpc_status: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.__class__.__doc__ or self.code)
+        self.message = message or (self.__class__.__doc__ or self.code).strip()
+
+
+# --- caller errors: bad input, raised in every mode -------------------------------------------
+
+
+class InvalidArgumentError(KVPoolError, ValueError):
+    """An argument the caller passed is not acceptable."""
+
+    code = "INVALID_ARGUMENT"
+    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class InvalidKeyError(InvalidArgumentError):
+    """A key is empty, too long, or not a string."""
+
+    code = "INVALID_KEY"
+
+
+class InvalidValueError(InvalidArgumentError, TypeError):
+    """A value is of an unsupported type (use bytes, bytearray, memoryview or a numpy array)."""
+
+    code = "INVALID_VALUE"
+
+
+class ValueTooLargeError(InvalidArgumentError):
+    """A value is larger than the largest block kvpool accepts."""
+
+    code = "VALUE_TOO_LARGE"
+
+
+class BufferTooSmallError(InvalidArgumentError):
+    """The buffer passed to get_into is smaller than the block."""
+
+    code = "BUFFER_TOO_SMALL"
+
+
+class ConfigError(InvalidArgumentError):
+    """A configuration value is invalid; the message names it."""
+
+    code = "CONFIG"
+
+
+# --- protocol ------------------------------------------------------------------------------
+
+
+class ProtocolVersionError(KVPoolError):
+    """The peer speaks another kvpool protocol version."""
+
+    code = "PROTOCOL_VERSION"
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class MalformedRequestError(KVPoolError):
+    """A request is malformed (the server kept serving)."""
+
+    code = "MALFORMED"
+    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+
+
+# --- cluster state: retryable -----------------------------------------------------------------
+
+
+class NotLeaderError(KVPoolError):
+    """This master is not the Raft leader; retry on the leader."""
+
+    code = "NOT_LEADER"
+    retryable = True
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, message: str = "", leader: str | None = None) -> None:
+        super().__init__(message)
+        self.leader = leader or None
+
+
+class NotCaughtUpError(KVPoolError):
+    """This master has not applied the revision the caller asked for yet."""
+
+    code = "NOT_CAUGHT_UP"
+    retryable = True
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+
+
+class UnavailableError(KVPoolError):
+    """No master or node could answer (unreachable, no leader, no quorum)."""
+
+    code = "UNAVAILABLE"
+    retryable = True
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(KVPoolError, TimeoutError):
+    """The call's deadline passed before it completed."""
+
+    code = "DEADLINE_EXCEEDED"
+    retryable = True
+    grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class StaleRingError(KVPoolError):
+    """The client placed blocks on an outdated ring; refresh the members and place again."""
+
+    code = "STALE_RING"
+    retryable = True
+    grpc_status = grpc.StatusCode.ABORTED
+
+    def __init__(self, message: str = "", ring_version: int = 0) -> None:
+        super().__init__(message)
+        self.ring_version = ring_version
+
+
+class NoNodesError(KVPoolError):
+    """No live store node is registered."""
+
+    code = "NO_NODES"
+    retryable = True
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+
+
+class NoSpaceError(KVPoolError):
+    """A store node could not make room for a block."""
+
+    code = "NO_SPACE"
+    retryable = True
+    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnknownMemberError(KVPoolError):
+    """The index does not know this node incarnation as live; register again."""
+
+    code = "UNKNOWN_MEMBER"
+    grpc_status = grpc.StatusCode.NOT_FOUND
+
+
+# --- data errors: become a miss unless strict ---------------------------------------------------
+
+
+class BlockMissError(KVPoolError, KeyError):
+    """The block is not in the cache (absent, evicted, or its node is down)."""
+
+    code = "MISS"
+    grpc_status = grpc.StatusCode.NOT_FOUND
+
+    def __init__(self, message: str = "", reason: str = "absent") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
+
+
+class ChecksumMismatchError(KVPoolError):
+    """The bytes read do not match the checksum stored at put time."""
+
+    code = "CHECKSUM_MISMATCH"
+    retryable = True
+    grpc_status = grpc.StatusCode.DATA_LOSS
+
+
+class TransportError(KVPoolError):
+    """A data-plane connection failed or a peer sent a bad frame."""
+
+    code = "TRANSPORT"
+    retryable = True
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+
+
+class InternalError(KVPoolError):
+    """An unexpected server-side error; the server kept serving."""
+
+    code = "INTERNAL"
+
+
+def _all_subclasses(cls: type[KVPoolError]) -> list[type[KVPoolError]]:
+    out: list[type[KVPoolError]] = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+ERRORS_BY_CODE: dict[str, type[KVPoolError]] = {
+    cls.code: cls for cls in _all_subclasses(KVPoolError)
+}
+ERRORS_BY_CODE.setdefault("INTERNAL", InternalError)
+
+_STATUS_FALLBACK: dict[grpc.StatusCode, type[KVPoolError]] = {
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.INVALID_ARGUMENT: MalformedRequestError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: NoSpaceError,
+    grpc.StatusCode.CANCELLED: UnavailableError,
+    grpc.StatusCode.UNIMPLEMENTED: ProtocolVersionError,
+}
+
+
+def error_from_code(
+    code: str | None,
+    message: str,
+    *,
+    status: grpc.StatusCode | None = None,
+    leader: str | None = None,
+) -> KVPoolError:
+    """Rebuild the error a server raised from its code (or, lacking one, its gRPC status)."""
+    cls = ERRORS_BY_CODE.get(code or "")
+    if cls is None:
+        cls = _STATUS_FALLBACK.get(status, InternalError) if status is not None else InternalError
+    if cls is NotLeaderError:
+        return NotLeaderError(message, leader=leader)
+    return cls(message)

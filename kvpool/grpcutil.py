@@ -1,0 +1,234 @@
+"""The one factory for gRPC servers and channels, and the error translation at the edge.
+
+Servers get: the standard health service (``""`` = live; each service name = ready), reflection,
+an interceptor that refuses callers speaking another protocol version (naming both) and turns a
+raised :class:`~kvpool.errors.KVPoolError` into a status code plus trailing metadata
+(``kvpool-error-code``, ``kvpool-leader``). Unexpected exceptions become INTERNAL with the
+message; the server keeps serving.
+
+Clients call through :func:`unary`, which sends the protocol version and rebuilds the typed
+error from the metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvpool.errors import (
+    ERROR_CODE_KEY,
+    LEADER_KEY,
+    PROTOCOL_VERSION_KEY,
+    DeadlineExceededError,
+    InternalError,
+    KVPoolError,
+    NotLeaderError,
+    ProtocolVersionError,
+    UnavailableError,
+    error_from_code,
+)
+from kvpool.logs import get_logger
+from kvpool.proto import PROTOCOL_VERSION
+
+KVPOOL_SERVICE_PREFIX = "/kvpool.v1."
+MAX_MESSAGE_BYTES = 64 * 2**20
+PROTOCOL_METADATA: tuple[tuple[str, str], ...] = ((PROTOCOL_VERSION_KEY, str(PROTOCOL_VERSION)),)
+
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Fail fast on a dead master, then let our own retry loop pick another one.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.enable_retries", 0),
+]
+_SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+log = get_logger("kvpool.grpc")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def version_mismatch_message(theirs: str | None) -> str:
+    if theirs is None:
+        return (
+            f"missing {PROTOCOL_VERSION_KEY} metadata: this server speaks kvpool protocol "
+            f"{PROTOCOL_VERSION}; use a kvpool client of the same release"
+        )
+    return (
+        f"protocol version mismatch: server speaks kvpool protocol {PROTOCOL_VERSION}, "
+        f"the caller speaks {theirs}; run the same kvpool release on both sides"
+    )
+
+
+def error_metadata(exc: KVPoolError) -> tuple[tuple[str, str], ...]:
+    md: list[tuple[str, str]] = [(ERROR_CODE_KEY, exc.code)]
+    if isinstance(exc, NotLeaderError) and exc.leader:
+        md.append((LEADER_KEY, exc.leader))
+    return tuple(md)
+
+
+def _wrap_unary(
+    behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], method: str
+) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except KVPoolError as exc:
+            context.set_trailing_metadata(error_metadata(exc))
+            await context.abort(exc.grpc_status, exc.message)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # the server keeps serving whatever a handler does
+            log.exception("rpc_failed", method=method)
+            context.set_trailing_metadata(((ERROR_CODE_KEY, InternalError.code),))
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")
+
+    return wrapped
+
+
+class _KVPoolServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(KVPOOL_SERVICE_PREFIX):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        theirs = metadata.get(PROTOCOL_VERSION_KEY)
+        if theirs != str(PROTOCOL_VERSION):
+            message = version_mismatch_message(theirs if isinstance(theirs, str) else None)
+
+            async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+                context.set_trailing_metadata(((ERROR_CODE_KEY, ProtocolVersionError.code),))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+            return grpc.unary_unary_rpc_method_handler(
+                refuse,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+class ServerHandle:
+    """A started gRPC server, its bound port and its health servicer."""
+
+    def __init__(
+        self, server: grpc.aio.Server, port: int, health_servicer: Any, service_names: Sequence[str]
+    ) -> None:
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+        self.service_names = list(service_names)
+
+    async def set_ready(self, ready: bool) -> None:
+        """Readiness: each kvpool service name SERVING or NOT_SERVING (liveness stays SERVING)."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in self.service_names:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def start_server(
+    listen: str,
+    services: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+) -> ServerHandle:
+    """Start a ``grpc.aio`` server on ``listen`` (``host:port``; port 0 picks one).
+
+    ``services`` are ``(add_XServicer_to_server, servicer, full_service_name)``. The health and
+    reflection services are added; kvpool services start NOT_SERVING until ``set_ready(True)``.
+    """
+    server = grpc.aio.server(interceptors=[_KVPoolServerInterceptor()], options=_SERVER_OPTIONS)
+    names = []
+    for add, servicer, name in services:
+        add(servicer, server)
+        names.append(name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise UnavailableError(f"could not bind gRPC address {listen}")
+    await server.start()
+    handle = ServerHandle(server, port, health_servicer, names)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await handle.set_ready(False)
+    return handle
+
+
+def create_channel(address: str) -> grpc.aio.Channel:
+    """An insecure ``grpc.aio`` channel with kvpool's keepalive and message limits."""
+    return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+
+def translate_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError, address: str) -> KVPoolError:
+    """Rebuild the typed kvpool error from a failed call."""
+    trailing = dict(err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else {}
+    code = trailing.get(ERROR_CODE_KEY)
+    leader = trailing.get(LEADER_KEY)
+    status = err.code() if hasattr(err, "code") else None
+    details = (err.details() if hasattr(err, "details") else None) or str(status)
+    if code is None and status == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(f"{address}: deadline exceeded")
+    if code is None and status == grpc.StatusCode.UNAVAILABLE:
+        return UnavailableError(f"{address}: unavailable ({details})")
+    return error_from_code(
+        code if isinstance(code, str) else None,
+        f"{address}: {details}",
+        status=status,
+        leader=leader if isinstance(leader, str) else None,
+    )
+
+
+async def unary(
+    method: Callable[..., Any], request: Req, *, timeout_s: float, address: str = ""
+) -> Any:
+    """Call a unary stub method with the protocol metadata and a deadline; raise typed errors."""
+    if timeout_s <= 0:
+        raise DeadlineExceededError(f"{address}: no time left for the call")
+    try:
+        return await method(request, timeout=timeout_s, metadata=PROTOCOL_METADATA)
+    except grpc.aio.AioRpcError as err:
+        raise translate_rpc_error(err, address) from None

@@ -1,0 +1,441 @@
+"""The ``tcp://`` transport: pipelined frames over asyncio, payloads received in place.
+
+Client side, :class:`TcpConnection` sends requests with a fresh request id each and matches
+responses by id; many requests are in flight on one connection. A GET's payload lands straight in
+the caller's buffer (see :mod:`kvpool.transports.frames`). A request that times out while its
+payload is being received closes the connection, so a late response can never write into a
+buffer the caller has taken back.
+
+Server side, :func:`start_frame_server` runs an asyncio server whose protocol feeds a
+:class:`~kvpool.transports.frames.FrameReader` and hands whole frames to a handler. Its write
+buffer limits are zero, so the protocol is told exactly when everything written has left (the
+node keeps a block leased until then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool.errors import (
+    DeadlineExceededError,
+    ProtocolVersionError,
+    TransportError,
+)
+from kvpool.proto import PROTOCOL_VERSION
+from kvpool.proto.wire import (
+    MAX_ERROR_MESSAGE_BYTES,
+    FrameError,
+    Header,
+    Op,
+    Status,
+    version_mismatch_message,
+)
+from kvpool.transports.frames import FrameReader
+
+SOCKET_BUFFER_BYTES = 4 * 2**20
+
+
+@dataclass(slots=True)
+class Response:
+    header: Header
+    key: bytes
+    payload: memoryview | None  # the sink given with the request, or an error message
+
+    @property
+    def status(self) -> int:
+        return self.header.status
+
+    def message(self) -> str:
+        if self.payload is None or self.header.status in (Status.OK, Status.MISS):
+            return ""
+        return bytes(self.payload).decode("utf-8", "replace")
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: asyncio.Future[Response]
+    sink: memoryview | None
+    started: bool = False  # its response frame is being received
+
+
+def tune_socket(sock: socket.socket | None) -> None:
+    if sock is None:
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+
+
+class TcpConnection(asyncio.BufferedProtocol):
+    """One client connection to a node's data port, with many requests in flight."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._reader = FrameReader(self)
+        self._transport: asyncio.Transport | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._closed_error: Exception | None = None
+        self.closed = asyncio.Event()
+
+    # --- opening and closing --------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, host: str, port: int, *, timeout_s: float) -> TcpConnection:
+        loop = asyncio.get_running_loop()
+        address = f"tcp://{host}:{port}"
+        conn = cls(address)
+        try:
+            await asyncio.wait_for(loop.create_connection(lambda: conn, host, port), timeout_s)
+        except TimeoutError:
+            raise DeadlineExceededError(f"{address}: connect timed out") from None
+        except OSError as e:
+            raise TransportError(f"{address}: connect failed: {e}") from None
+        return conn
+
+    @property
+    def is_open(self) -> bool:
+        return self._transport is not None and self._closed_error is None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self, why: str) -> None:
+        self._fail_all(TransportError(f"{self.address}: {why}"))
+        if self._transport is not None:
+            self._transport.abort()
+
+    # --- requests ----------------------------------------------------------------------------
+
+    async def request(
+        self,
+        op: Op,
+        key: bytes,
+        *,
+        write_id: int = 0,
+        version: int = 0,
+        checksum: int = 0,
+        flags: int = 0,
+        payload: memoryview | bytes | None = None,
+        sink: memoryview | None = None,
+        timeout_s: float,
+    ) -> Response:
+        """Send one request and wait for its response.
+
+        ``payload`` is sent after the header; ``sink`` receives a response payload of exactly
+        its length (a response of another length fails with TransportError). Errors: the
+        typed TransportError, DeadlineExceededError, ProtocolVersionError.
+        """
+        if self._closed_error is not None or self._transport is None:
+            raise TransportError(f"{self.address}: connection closed")
+        if timeout_s <= 0:
+            raise DeadlineExceededError(f"{self.address}: no time left")
+        request_id = next(self._ids)
+        loop = asyncio.get_running_loop()
+        pending = _Pending(loop.create_future(), sink)
+        self._pending[request_id] = pending
+        body = payload if payload is not None else b""
+        header = Header(
+            op=op,
+            request_id=request_id,
+            write_id=write_id,
+            version=version,
+            payload_len=len(body),
+            checksum=checksum,
+            key_len=len(key),
+            flags=flags,
+        )
+        try:
+            async with asyncio.timeout(timeout_s):
+                if not self._writable.is_set():
+                    await self._writable.wait()
+                if self._closed_error is not None:
+                    raise self._closed_error
+                self._transport.write(header.pack() + key)
+                if len(body):
+                    self._transport.write(body)
+                return await pending.future
+        except TimeoutError:
+            current = self._pending.pop(request_id, None)
+            if current is not None and current.started:
+                # Its payload is being written into the caller's buffer right now: cut the
+                # connection so no late byte lands there after we return.
+                self.abort("request timed out while receiving; connection closed")
+            raise DeadlineExceededError(
+                f"{self.address}: {op.name} timed out after {timeout_s:.3f}s"
+            ) from None
+        finally:
+            self._pending.pop(request_id, None)
+
+    # --- asyncio.BufferedProtocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        tune_socket(transport.get_extra_info("socket"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail_all(
+            TransportError(f"{self.address}: connection lost" + (f": {exc}" if exc else ""))
+        )
+        self._writable.set()
+        self.closed.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._reader.buffer_updated(nbytes)
+
+    def eof_received(self) -> bool | None:
+        return False
+
+    # --- FrameHandler -------------------------------------------------------------------------
+
+    def frame_sink(self, header: Header, key: bytes) -> memoryview | None:
+        pending = self._pending.get(header.request_id)
+        if header.status not in (Status.OK, Status.MISS):
+            if header.payload_len > MAX_ERROR_MESSAGE_BYTES:
+                return None
+            return memoryview(bytearray(header.payload_len))
+        if pending is None or pending.future.done() or header.payload_len == 0:
+            return None
+        if pending.sink is None or len(pending.sink) != header.payload_len:
+            if pending.sink is None and header.payload_len <= MAX_ERROR_MESSAGE_BYTES:
+                return memoryview(bytearray(header.payload_len))
+            return None
+        pending.started = True
+        return pending.sink
+
+    def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
+        pending = self._pending.get(header.request_id)
+        if pending is None or pending.future.done():
+            return
+        pending.started = False
+        if (
+            header.status == Status.OK
+            and header.payload_len
+            and pending.sink is not None
+            and payload is None
+        ):
+            pending.future.set_exception(
+                TransportError(
+                    f"{self.address}: response of {header.payload_len} bytes for a buffer of "
+                    f"{len(pending.sink)}"
+                )
+            )
+            return
+        if header.status == Status.VERSION_MISMATCH:
+            pending.future.set_exception(
+                ProtocolVersionError(
+                    Response(header, key, payload).message()
+                    or version_mismatch_message(PROTOCOL_VERSION, header.protocol_version)
+                )
+            )
+            return
+        pending.future.set_result(Response(header, key, payload))
+
+    def version_mismatch(self, theirs: int) -> None:
+        self._fail_all(
+            ProtocolVersionError(
+                f"{self.address}: {version_mismatch_message(PROTOCOL_VERSION, theirs)}"
+            )
+        )
+        if self._transport is not None:
+            self._transport.abort()
+
+    def bad_frame(self, error: FrameError) -> None:
+        self.abort(f"bad frame from node: {error}")
+
+    def _fail_all(self, error: Exception) -> None:
+        if self._closed_error is None:
+            self._closed_error = error
+        for pending in list(self._pending.values()):
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        self._pending.clear()
+
+
+class ConnectionPool:
+    """Up to ``size`` connections per node address, used round-robin; dead ones are replaced."""
+
+    def __init__(self, size: int = 2, connect_timeout_s: float = 1.0) -> None:
+        self._size = size
+        self._connect_timeout_s = connect_timeout_s
+        self._conns: dict[str, list[TcpConnection]] = {}
+        self._next: dict[str, int] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, address: str, *, timeout_s: float) -> TcpConnection:
+        conns = [c for c in self._conns.get(address, []) if c.is_open]
+        self._conns[address] = conns
+        if len(conns) < self._size:
+            lock = self._locks.setdefault(address, asyncio.Lock())
+            async with lock:
+                conns = [c for c in self._conns.get(address, []) if c.is_open]
+                if len(conns) < self._size:
+                    host, port = parse_tcp_address(address)
+                    conn = await TcpConnection.open(
+                        host, port, timeout_s=min(timeout_s, self._connect_timeout_s)
+                    )
+                    conns.append(conn)
+                    self._conns[address] = conns
+                    return conn
+        i = self._next.get(address, 0)
+        self._next[address] = i + 1
+        return conns[i % len(conns)]
+
+    def discard(self, address: str) -> None:
+        for conn in self._conns.pop(address, []):
+            conn.abort("discarded")
+
+    async def close(self) -> None:
+        for conns in self._conns.values():
+            for conn in conns:
+                conn.close()
+        self._conns.clear()
+
+
+def parse_tcp_address(address: str) -> tuple[str, int]:
+    """``tcp://host:port`` → ``(host, port)``; raises TransportError."""
+    if not address.startswith("tcp://"):
+        raise TransportError(f"not a tcp:// address: {address!r}")
+    rest = address[len("tcp://") :]
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise TransportError(f"not a tcp://host:port address: {address!r}")
+    return host.strip("[]"), int(port)
+
+
+# --- server side ----------------------------------------------------------------------------
+
+
+class FrameServerProtocol(asyncio.BufferedProtocol):
+    """Base protocol of a frame server: subclass and implement the FrameHandler methods
+    ``frame_sink`` and ``frame_received``; call :meth:`send` to answer."""
+
+    def __init__(self) -> None:
+        self.reader = FrameReader(self)
+        self.transport: asyncio.Transport | None = None
+        self.paused = False
+        self._on_drained: list[Callable[[], None]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        tune_socket(transport.get_extra_info("socket"))
+        # Zero limits: pause_writing as soon as anything is buffered, resume_writing when the
+        # buffer is empty again — so we know exactly when a payload has left.
+        transport.set_write_buffer_limits(high=0, low=0)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._run_drained()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.reader.buffer_updated(nbytes)
+
+    def eof_received(self) -> bool | None:
+        return False
+
+    def pause_writing(self) -> None:
+        self.paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()  # backpressure: read no more until this has left
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._run_drained()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _run_drained(self) -> None:
+        callbacks, self._on_drained = self._on_drained, []
+        for cb in callbacks:
+            cb()
+
+    def frame_sink(self, header: Header, key: bytes) -> memoryview | None:
+        raise NotImplementedError
+
+    def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
+        raise NotImplementedError
+
+    def send(
+        self,
+        header: Header,
+        key: bytes = b"",
+        payload: memoryview | bytes = b"",
+        on_sent: Callable[[], None] | None = None,
+    ) -> None:
+        """Write a response; ``on_sent`` runs once the transport no longer holds the payload."""
+        if self.transport is None or self.transport.is_closing():
+            if on_sent:
+                on_sent()
+            return
+        self.transport.write(header.pack() + key)
+        if len(payload):
+            self.transport.write(payload)
+        if on_sent is not None:
+            if self.paused:
+                self._on_drained.append(on_sent)
+            else:
+                on_sent()
+
+    def send_error(
+        self, request: Header | None, status: Status, message: str, *, close: bool = False
+    ) -> None:
+        body = message.encode("utf-8")[:MAX_ERROR_MESSAGE_BYTES]
+        self.send(
+            Header(
+                op=request.op if request else 0,
+                status=status,
+                request_id=request.request_id if request else 0,
+                payload_len=len(body),
+            ),
+            b"",
+            body,
+        )
+        if close and self.transport is not None:
+            self.transport.close()
+
+    def version_mismatch(self, theirs: int) -> None:
+        self.send_error(
+            None,
+            Status.VERSION_MISMATCH,
+            version_mismatch_message(PROTOCOL_VERSION, theirs),
+            close=True,
+        )
+
+    def bad_frame(self, error: FrameError) -> None:
+        self.send_error(None, Status.BAD_REQUEST, str(error), close=True)
+
+
+async def start_frame_server(
+    host: str, port: int, protocol_factory: Callable[[], FrameServerProtocol]
+) -> tuple[asyncio.Server, int]:
+    """Listen on ``host:port`` (0 = any free port); return the server and the bound port."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(protocol_factory, host, port, reuse_address=True)
+    bound = server.sockets[0].getsockname()[1]
+    return server, int(bound)

@@ -1,0 +1,173 @@
+"""The data-plane frame: a fixed binary header, the key, then the raw payload.
+
+Block bytes move between clients and store nodes (and node to node) in frames; they never travel
+through gRPC. Every frame, request or response, is::
+
+    header (HEADER_SIZE bytes, little-endian, layout below)
+    key    (key_len bytes, UTF-8)
+    payload(payload_len bytes)
+
+=========  ======  ==========================================================================
+offset     type    field
+=========  ======  ==========================================================================
+0          4s      magic ``b"KVPF"``
+4          u16     protocol version (``kvpool.proto.PROTOCOL_VERSION``)
+6          u8      op (:class:`Op`)
+7          u8      status (:class:`Status`; 0 in requests)
+8          u64     request id: chosen by the sender, echoed in the response (pipelining)
+16         u64     write id: a block's identity on a node
+24         u64     version: the index version (PUBLISH), else 0
+32         u64     payload length in bytes
+40         u64     checksum: xxh3-64 of the block's bytes (PUT request, GET response)
+48         u16     key length in bytes
+50         u16     flags (op-specific; for a MISS, the :class:`MissReason`)
+52         u32     reserved, 0
+=========  ======  ==========================================================================
+
+A response carries the request's op and request id. An error response (status other than OK and
+MISS) carries a UTF-8 message as its payload. Both sides check magic and version on the first
+six bytes, before anything else: a peer speaking another version gets a VERSION_MISMATCH
+response naming both versions, then the connection is closed.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from kvpool.proto import PROTOCOL_VERSION
+
+MAGIC = b"KVPF"
+HEADER = struct.Struct("<4sHBBQQQQQHHI")
+HEADER_SIZE = HEADER.size  # 56
+PREFIX_SIZE = 6  # magic + version: enough to refuse a stranger early
+MAX_KEY_BYTES = 1024
+"""Longest key, in UTF-8 bytes, accepted anywhere in kvpool."""
+MAX_ERROR_MESSAGE_BYTES = 4096
+
+
+class Op(enum.IntEnum):
+    PUT = 1  # stage a block: key, write id, checksum, payload
+    GET = 2  # read a committed block by exact (key, write id)
+    PUBLISH = 3  # make a staged block readable: key, write id, version
+    DELETE = 4  # drop a block (key, write id; write id 0 = every block of the key)
+    PING = 5  # liveness and version check
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    MISS = 1  # no such committed block; flags carry the MissReason
+    NO_SPACE = 2  # the node could not make room for a PUT
+    CHECKSUM_MISMATCH = 3  # PUT payload did not match its checksum
+    BAD_REQUEST = 4  # malformed frame; payload says why
+    VERSION_MISMATCH = 5  # peer speaks another protocol version; payload says both
+    TOO_LARGE = 6  # payload above the node's block size limit
+    INTERNAL = 7  # unexpected server error; payload says what
+    UNAUTHORIZED = 8  # reserved for data-plane tokens
+
+
+class MissReason(enum.IntEnum):
+    ABSENT = 0  # never held, or already dropped
+    STAGED = 1  # held but not published (not committed yet)
+    WRONG_VERSION = 2  # a different write id of this key is held
+    EVICTED = 3  # was held and evicted
+
+
+class FrameError(ValueError):
+    """A frame that cannot be parsed: wrong magic, wrong version, bad lengths."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    op: int
+    status: int = Status.OK
+    request_id: int = 0
+    write_id: int = 0
+    version: int = 0
+    payload_len: int = 0
+    checksum: int = 0
+    key_len: int = 0
+    flags: int = 0
+    protocol_version: int = PROTOCOL_VERSION
+
+    def pack(self) -> bytes:
+        return HEADER.pack(
+            MAGIC,
+            self.protocol_version,
+            self.op,
+            self.status,
+            self.request_id,
+            self.write_id,
+            self.version,
+            self.payload_len,
+            self.checksum,
+            self.key_len,
+            self.flags,
+            0,
+        )
+
+
+def check_prefix(prefix: bytes | bytearray | memoryview) -> int:
+    """Validate magic and version from the first PREFIX_SIZE bytes; return the peer's version.
+
+    Raises FrameError for a wrong magic. A different version is returned, not raised: the caller
+    answers it with VERSION_MISMATCH.
+    """
+    if len(prefix) < PREFIX_SIZE:
+        raise FrameError(f"short frame prefix: {len(prefix)} bytes")
+    if bytes(prefix[:4]) != MAGIC:
+        raise FrameError(f"bad magic {bytes(prefix[:4])!r}: not a kvpool data-plane peer")
+    version: int = struct.unpack_from("<H", prefix, 4)[0]
+    return version
+
+
+def unpack_header(buf: bytes | bytearray | memoryview) -> Header:
+    """Parse a full header. Raises FrameError on a wrong magic or a malformed field."""
+    (
+        magic,
+        version,
+        op,
+        status,
+        request_id,
+        write_id,
+        block_version,
+        payload_len,
+        checksum,
+        key_len,
+        flags,
+        _reserved,
+    ) = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}: not a kvpool data-plane peer")
+    if key_len > MAX_KEY_BYTES:
+        raise FrameError(f"key length {key_len} above the limit of {MAX_KEY_BYTES} bytes")
+    return Header(
+        op=op,
+        status=status,
+        request_id=request_id,
+        write_id=write_id,
+        version=block_version,
+        payload_len=payload_len,
+        checksum=checksum,
+        key_len=key_len,
+        flags=flags,
+        protocol_version=version,
+    )
+
+
+def version_mismatch_message(ours: int, theirs: int) -> str:
+    return (
+        f"protocol version mismatch: this peer speaks kvpool protocol {ours}, "
+        f"the other side speaks {theirs}; run the same kvpool release on both sides"
+    )
+
+
+def encode_key(key: str) -> bytes:
+    """UTF-8 bytes of a key, validated against MAX_KEY_BYTES (raises ValueError)."""
+    raw = key.encode("utf-8")
+    if not raw:
+        raise ValueError("empty key")
+    if len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"key of {len(raw)} bytes is above the limit of {MAX_KEY_BYTES}")
+    return raw
