@@ -31,15 +31,31 @@ class Recorder:
         self.error = error
 
 
-def frame(key: bytes, payload: bytes, request_id: int = 1, version: int = PROTOCOL_VERSION) -> bytes:
-    h = Header(op=Op.PUT, request_id=request_id, payload_len=len(payload), key_len=len(key),
-               protocol_version=version)
+def frame(
+    key: bytes, payload: bytes, request_id: int = 1, version: int = PROTOCOL_VERSION
+) -> bytes:
+    h = Header(
+        op=Op.PUT,
+        request_id=request_id,
+        payload_len=len(payload),
+        key_len=len(key),
+        protocol_version=version,
+    )
     return h.pack() + key + payload
 
 
 def test_header_round_trips() -> None:
-    h = Header(op=Op.GET, status=1, request_id=7, write_id=2**64 - 1, version=3, payload_len=9,
-               checksum=12345, key_len=4, flags=2)
+    h = Header(
+        op=Op.GET,
+        status=1,
+        request_id=7,
+        write_id=2**64 - 1,
+        version=3,
+        payload_len=9,
+        checksum=12345,
+        key_len=4,
+        flags=2,
+    )
     raw = h.pack()
     assert len(raw) == HEADER_SIZE
     assert unpack_header(raw) == h
