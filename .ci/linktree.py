@@ -24,7 +24,7 @@ MAPPING = {
 
 
 def main() -> int:
-    out = ROOT / ".typecheck"
+    out = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT / ".typecheck"
     shutil.rmtree(out, ignore_errors=True)
     for src_name, dst_name in MAPPING.items():
         src = ROOT / src_name
@@ -38,7 +38,7 @@ def main() -> int:
             target = out / dst_name / path.relative_to(src)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(path, target)
-    print(f"linked the package tree into {out.relative_to(ROOT)}", file=sys.stderr)
+    print(f"linked the package tree into {out}", file=sys.stderr)
     return 0
 
 
