@@ -39,7 +39,7 @@ typecheck: $(STAMP)
 
 importcheck: $(STAMP)
 	$(PY) .ci/linktree.py
-	PYTHONPATH=$(abspath .typecheck) $(VENV)/bin/lint-imports --config pyproject.toml
+	cd .typecheck && PYTHONPATH=$(abspath .typecheck) ../$(VENV)/bin/lint-imports --no-cache ../pyproject.toml
 
 proto: $(STAMP)  ## regenerate proto/v1/*_pb2*.py from the .proto files
 	$(PY) proto/generate.py

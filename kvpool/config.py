@@ -107,6 +107,14 @@ class MasterConfig(LogConfig):
         5.0, "force a snapshot for a follower whose log has not advanced this long", "duration"
     )
     dedupe_capacity: int = opt(65536, "request ids remembered for exactly-once retries")
+    dedupe_max_bytes: int = opt(
+        64 << 20, "memory bound of the remembered results of those request ids", "size"
+    )
+    advertise_address: str = opt(
+        "",
+        "gRPC address (host:port) other processes dial to reach this master "
+        "(default: listen, with the port actually bound)",
+    )
     ready_file: str = opt("", "write a JSON file with the bound addresses once serving", flag=True)
 
     def validate(self) -> list[str]:
@@ -131,15 +139,37 @@ class MasterConfig(LogConfig):
             errors.append("raft_min_timeout_s/raft_max_timeout_s: need 0 < min < max")
         if not 0 < self.raft_append_period_s < self.raft_min_timeout_s:
             errors.append("raft_append_period_s: must be positive and below raft_min_timeout_s")
+        elif self.raft_append_period_s * 3 >= self.raft_min_timeout_s:
+            errors.append(
+                "raft_append_period_s: must be below a third of raft_min_timeout_s (PySyncObj)"
+            )
+        if self.advertise_address:
+            try:
+                split_hostport(self.advertise_address)
+            except ValueError as e:
+                errors.append(f"advertise_address: {e}")
         if self.raft_leader_fallback_s <= self.raft_max_timeout_s:
             errors.append("raft_leader_fallback_s: must exceed raft_max_timeout_s")
         if self.raft_connection_timeout_s <= self.raft_max_timeout_s:
             errors.append("raft_connection_timeout_s: must exceed raft_max_timeout_s")
         if not 0 < self.heartbeat_interval_s < self.node_timeout_s:
             errors.append("heartbeat_interval_s: must be positive and below node_timeout_s")
-        for name in ("raft_compaction_min_entries", "commit_batch_max_entries", "dedupe_capacity"):
+        for name in (
+            "raft_compaction_min_entries",
+            "commit_batch_max_entries",
+            "dedupe_capacity",
+            "dedupe_max_bytes",
+        ):
             if getattr(self, name) < 1:
                 errors.append(f"{name}: must be at least 1")
+        if self.raft_compaction_min_entries == 1:
+            errors.append("raft_compaction_min_entries: must be at least 2 (PySyncObj)")
+        if self.raft_compaction_min_time_s <= 0:
+            errors.append("raft_compaction_min_time_s: must be positive")
+        if self.commit_timeout_s <= 0:
+            errors.append("commit_timeout_s: must be positive")
+        if self.stuck_follower_s <= 0:
+            errors.append("stuck_follower_s: must be positive")
         return errors
 
 
@@ -154,11 +184,17 @@ class NodeConfig(LogConfig):
     advertise_host: str = opt("", "host clients should dial (default: the listen host)")
     zone: str = opt("", "failure-domain label (rack, zone) for replica anti-affinity")
     cpu_cache_size: int = opt(1 << 30, "size of the CPU (shared-memory) tier", "size")
+    cpu_tier_prefault: bool = opt(
+        True,
+        "fault the CPU tier's memory in at start, in the background (PUTs into untouched "
+        "memory are ~10x slower); commits the whole tier's memory",
+    )
     max_memory_fraction: float = opt(
         0.7, "refuse a CPU tier above this share of the machine's memory"
     )
     high_watermark: float = opt(0.85, "start evicting above this fill of a tier")
     low_watermark: float = opt(0.70, "evict down to this fill of a tier")
+    eviction_policy: str = opt("lru", "eviction policy of the CPU tier, by name: lru")
     max_block_size: int = opt(64 << 20, "largest block accepted", "size")
     staged_ttl_s: float = opt(
         30.0,
@@ -197,6 +233,14 @@ class NodeConfig(LogConfig):
             errors.append("low_watermark/high_watermark: need 0 < low < high <= 1")
         if not 0 < self.max_memory_fraction <= 1:
             errors.append("max_memory_fraction: must be in (0, 1]")
+        if not self.eviction_policy:
+            errors.append("eviction_policy: must name a policy (lru)")
+        if self.staged_ttl_s <= 0:
+            errors.append("staged_ttl_s: must be positive")
+        if self.eviction_report_interval_s <= 0:
+            errors.append("eviction_report_interval_s: must be positive")
+        if self.request_timeout_s <= 0:
+            errors.append("request_timeout_s: must be positive")
         if self.max_block_size <= 0:
             errors.append("max_block_size: must be positive")
         elif self.max_block_size > self.cpu_cache_size:

@@ -169,16 +169,23 @@ class TcpConnection(asyncio.BufferedProtocol):
                     self._transport.write(body)
                 return await pending.future
         except TimeoutError:
-            current = self._pending.pop(request_id, None)
-            if current is not None and current.started:
-                # Its payload is being written into the caller's buffer right now: cut the
-                # connection so no late byte lands there after we return.
-                self.abort("request timed out while receiving; connection closed")
+            self._abandon(request_id, "request timed out while receiving; connection closed")
             raise DeadlineExceededError(
                 f"{self.address}: {op.name} timed out after {timeout_s:.3f}s"
             ) from None
+        except asyncio.CancelledError:
+            self._abandon(request_id, "request cancelled while receiving; connection closed")
+            raise
         finally:
             self._pending.pop(request_id, None)
+
+    def _abandon(self, request_id: int, why: str) -> None:
+        """The caller gives up on a request. If its response payload is being written into the
+        caller's buffer right now, cut the connection so no late byte lands there after the
+        caller has taken the buffer back."""
+        current = self._pending.pop(request_id, None)
+        if current is not None and current.started:
+            self.abort(why)
 
     # --- asyncio.BufferedProtocol -------------------------------------------------------------
 

@@ -1,0 +1,551 @@
+"""The client SDK's one implementation: an async core that every front end wraps.
+
+:class:`ClientCore` holds the masters (:class:`~kvpool.client.masters.MasterClient`), the
+data-plane connection pool, the cached placement and the read-your-writes floor. All of its
+methods are coroutines and must run on one event loop; the synchronous
+:class:`~kvpool.client.sync.Client` runs them on a private loop thread, an async front end can
+await them directly.
+
+Failure policy, in one place: bad input raises the typed caller error in every mode; a failure
+of the cache (no master, node down, timeout, checksum mismatch, miss) returns the call's
+neutral answer (None, False, 0) and is counted in :attr:`ClientCore.stats`, or, with
+``strict``, raises the typed error. Every call runs under one deadline of ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from kvpool.checksum import block_checksum
+from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem, new_write_ids
+from kvpool.client.masters import MasterClient
+from kvpool.client.placement import MemberInfo, Placement
+from kvpool.client.stats import ClientStats
+from kvpool.client.values import (
+    BytesLike,
+    PutItems,
+    WritableBuffer,
+    as_payload,
+    as_sink,
+    check_fits,
+    put_items,
+    validate_key,
+    validate_keys,
+)
+from kvpool.config import ClientConfig
+from kvpool.errors import (
+    BlockMissError,
+    ConfigError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    KVPoolError,
+    StaleRingError,
+    UnavailableError,
+)
+from kvpool.logs import get_logger
+from kvpool.proto.v1 import master_pb2
+from kvpool.transports.tcp import ConnectionPool
+
+T = TypeVar("T")
+
+DEADLINE_SLACK_S = 0.05
+"""A call's guard fires this long after its deadline, should any step overrun it."""
+MAX_PUT_ATTEMPTS = 3
+"""Whole-put attempts when the index answers stale_ring (each on a refreshed ring)."""
+COMMIT_SHARE = 0.25
+"""Share of ``timeout_s`` that sending a put's bytes leaves for the commit and publish."""
+MAX_COMMIT_ENTRIES = 8192
+"""Most entries in one CommitPuts (the masters' default commit_batch_max_entries); a larger
+batch_put commits in several calls, concurrently."""
+DELETE_WAIT_S = 0.25
+"""Longest wait for best-effort DELETE frames after a remove."""
+
+SinkFactory = Callable[[str, int], tuple[memoryview, bool]]
+
+
+def _miss_reason(error: KVPoolError) -> str:
+    return "timeout" if isinstance(error, DeadlineExceededError) else "unavailable"
+
+
+class ClientCore:
+    """Put, get, remove and look up blocks; see the module doc for the failure policy."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        strict: bool = False,
+        logger: Any = None,
+        masters: MasterClient | None = None,
+        pool: ConnectionPool | None = None,
+    ) -> None:
+        if not isinstance(strict, bool):
+            raise ConfigError(f"strict: expected True or False, got {strict!r}")
+        self.config = config
+        self.strict = strict
+        self._log = logger if logger is not None else get_logger("kvpool.client")
+        attempt_s = min(1.0, config.timeout_s)
+        self._masters = masters or MasterClient(config.masters, attempt_timeout_s=attempt_s)
+        self._pool = pool or ConnectionPool(
+            size=config.connections_per_node, connect_timeout_s=attempt_s
+        )
+        self._placement = Placement()
+        self._data = DataPlane(self._pool, self._node_failed)
+        self._stats = ClientStats()
+        self._members_lock = asyncio.Lock()
+        self._floor = 0
+        self._closed = False
+
+    # --- state ----------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters (a copy; safe from any thread): see ClientStats.snapshot."""
+        return self._stats.snapshot()
+
+    @property
+    def read_floor(self) -> int:
+        """The highest index revision this client committed or removed at; lookups ask the
+        master to have applied at least this much (read-your-writes)."""
+        return self._floor
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def close(self) -> None:
+        """Close connections and channels; idempotent. Later calls raise UnavailableError."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._pool.close()
+        await self._masters.close()
+
+    # --- public operations -------------------------------------------------------------------
+
+    async def put(self, key: str, value: BytesLike, *, strict: bool | None = None) -> bool:
+        """Store one block. True once committed to the index (and published)."""
+        item = self._put_item(key, value)
+        (ok,) = await self._put_prepared([item], self._strict(strict), single=True)
+        return ok
+
+    async def batch_put(self, items: PutItems, *, strict: bool | None = None) -> list[bool]:
+        """Store many blocks with one CommitPuts; one bool per item, in order. With strict, a
+        failure of the whole call raises; per-item failures stay False."""
+        prepared = [self._put_item(k, v) for k, v in put_items(items)]
+        if not prepared:
+            return []
+        return await self._put_prepared(prepared, self._strict(strict), single=False)
+
+    async def get(self, key: str, *, strict: bool | None = None) -> bytes | None:
+        """The block's bytes, or None on a miss or any failure (strict: the typed error)."""
+        pair = (key, validate_key(key))
+        strict = self._strict(strict)
+
+        def fresh(_key: str, size: int) -> tuple[memoryview, bool]:
+            return memoryview(bytearray(size)), False
+
+        items = await self._read_or_fail([pair], fresh, strict)
+        if items is None or not self._settle(items[0], pair[0], strict):
+            return None
+        item = items[0]
+        assert item is not None
+        return bytes(item.sink)
+
+    async def get_into(
+        self, key: str, buffer: WritableBuffer, *, strict: bool | None = None
+    ) -> int | None:
+        """Read the block into ``buffer``; the number of bytes, or None (then the buffer's
+        content is undefined). BufferTooSmallError when the block does not fit."""
+        pair = (key, validate_key(key))
+        sink = as_sink(buffer)
+        strict = self._strict(strict)
+
+        def caller(k: str, size: int) -> tuple[memoryview, bool]:
+            check_fits(sink, size, k)
+            return sink[:size], True
+
+        items = await self._read_or_fail([pair], caller, strict)
+        if items is None or not self._settle(items[0], pair[0], strict):
+            return None
+        item = items[0]
+        assert item is not None
+        return int(item.entry.size_bytes)
+
+    async def batch_get(
+        self, keys: Sequence[str], *, strict: bool | None = None
+    ) -> list[bytes | None]:
+        """Each key's bytes or None, in order: one Lookup, GETs pipelined per node. With strict,
+        a failure of the whole call raises; per-key misses stay None."""
+        pairs = validate_keys(keys)
+        if not pairs:
+            return []
+
+        def fresh(_key: str, size: int) -> tuple[memoryview, bool]:
+            return memoryview(bytearray(size)), False
+
+        items = await self._read_or_fail(pairs, fresh, self._strict(strict))
+        if items is None:
+            return [None] * len(pairs)
+        out: list[bytes | None] = []
+        for item, (key, _) in zip(items, pairs, strict=True):
+            hit = self._settle(item, key, strict=False)
+            out.append(bytes(item.sink) if hit and item is not None else None)
+        return out
+
+    async def exists(self, key: str, *, strict: bool | None = None) -> bool:
+        """Whether the index has the key (the bytes are not checked)."""
+        validate_key(key)
+        response = await self._call_or_fail(
+            "exists", lambda d: self._lookup([key], d), self._strict(strict)
+        )
+        return response is not None and bool(response.entries[0].found)
+
+    async def remove(self, key: str, *, strict: bool | None = None) -> bool:
+        """Remove the key from the index; True if it was there. Replicas are told to drop the
+        bytes, best effort."""
+        validate_key(key)
+        removed = await self._call_or_fail(
+            "remove", lambda d: self._remove([key], d), self._strict(strict)
+        )
+        return removed is not None and removed[0]
+
+    async def prefix_match(self, keys: Sequence[str], *, strict: bool | None = None) -> int:
+        """How many leading keys of ``keys`` the index holds (0 on failure)."""
+        pairs = validate_keys(keys)
+        if not pairs:
+            return 0
+
+        async def call(deadline: float) -> int:
+            request = master_pb2.PrefixMatchRequest(
+                keys=[k for k, _ in pairs], min_revision=self._floor
+            )
+            response = await self._masters.call("PrefixMatch", request, deadline=deadline)
+            return min(int(response.matched), len(pairs))
+
+        matched = await self._call_or_fail("prefix_match", call, self._strict(strict))
+        return matched or 0
+
+    async def get_or_compute(
+        self, key: str, compute: Callable[[], Awaitable[BytesLike] | BytesLike]
+    ) -> bytes:
+        """The cached bytes, or ``compute()``'s (awaited if a coroutine), stored best effort.
+        Exceptions of ``compute`` propagate; a failing store never raises. The get and the put
+        each have their own deadline; the time ``compute`` takes is its own."""
+        data = await self.get(key, strict=False)
+        if data is not None:
+            return data
+        value = compute()
+        if inspect.isawaitable(value):
+            value = await value
+        return await self.store_computed(key, value)
+
+    async def store_computed(self, key: str, value: BytesLike) -> bytes:
+        """The second half of get_or_compute: count the fallback, put best effort, return the
+        value as bytes. Bad keys and values raise; store failures do not."""
+        self._strict(False)  # refuses a closed client
+        item = self._put_item(key, value)
+        self._stats.fallback()
+        await self._put_prepared([item], strict=False, single=True)
+        return value if type(value) is bytes else bytes(item.payload)
+
+    # --- failure policy -------------------------------------------------------------------
+
+    def _strict(self, strict: bool | None) -> bool:
+        """The call's strictness; also refuses calls on a closed client, in every mode (using a
+        closed client is a bug in the caller, not a failure of the cache)."""
+        if self._closed:
+            raise UnavailableError("this kvpool client is closed")
+        return self.strict if strict is None else bool(strict)
+
+    async def _within_deadline(self, op: str, fn: Callable[[float], Awaitable[T]]) -> T:
+        """Run ``fn(deadline)`` under the call's deadline; every failure comes out typed."""
+        if self._closed:
+            raise UnavailableError("this kvpool client is closed")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_s
+        try:
+            async with asyncio.timeout_at(deadline + DEADLINE_SLACK_S):
+                return await fn(deadline)
+        except KVPoolError:
+            raise
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"{op}: not done within timeout_s={self.config.timeout_s}"
+            ) from None
+        except OSError as e:
+            raise UnavailableError(f"{op}: {e}") from e
+        except Exception as e:
+            self._log.exception("client_call_failed", op=op)
+            raise InternalError(f"{op}: {type(e).__name__}: {e}") from e
+
+    async def _call_or_fail(
+        self, op: str, fn: Callable[[float], Awaitable[T]], strict: bool
+    ) -> T | None:
+        """``fn`` under the deadline; None on a cache failure unless strict."""
+        try:
+            return await self._within_deadline(op, fn)
+        except InvalidArgumentError:
+            raise
+        except KVPoolError:
+            if strict:
+                raise
+            return None
+
+    async def _read_or_fail(
+        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, strict: bool
+    ) -> list[ReadItem | None] | None:
+        try:
+            return await self._within_deadline("get", lambda d: self._read(pairs, sink_for, d))
+        except InvalidArgumentError:
+            raise
+        except KVPoolError as e:
+            self._stats.miss(_miss_reason(e), len(pairs))
+            if strict:
+                raise
+            return None
+
+    def _settle(self, item: ReadItem | None, key: str, strict: bool) -> bool:
+        """Count a read's outcome; True for a hit. Strict misses raise the typed error."""
+        if item is None:
+            self._stats.miss("absent")
+            if strict:
+                raise BlockMissError(f"{key!r} is not in the index", reason="absent")
+            return False
+        if item.ok:
+            self._stats.hit()
+            return True
+        reason = item.reason
+        self._stats.miss(reason)
+        if reason == "checksum_mismatch":
+            self._log.warning("block_checksum_mismatch", key=key[:128], reasons=item.reasons)
+        if strict:
+            raise item.error()
+        return False
+
+    # --- reads --------------------------------------------------------------------------------
+
+    async def _lookup(self, keys: list[str], deadline: float) -> master_pb2.LookupResponse:
+        request = master_pb2.LookupRequest(keys=keys, min_revision=self._floor)
+        response: master_pb2.LookupResponse = await self._masters.call(
+            "Lookup", request, deadline=deadline
+        )
+        if len(response.entries) != len(keys):
+            raise InternalError(
+                f"Lookup answered {len(response.entries)} entries for {len(keys)} keys"
+            )
+        for key, entry in zip(keys, response.entries, strict=True):
+            if entry.found and entry.key and entry.key != key:
+                raise InternalError(f"Lookup answered {entry.key!r} in the place of {key!r}")
+        self._placement.observe_ring_version(response.ring_version)
+        return response
+
+    async def _read(
+        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, deadline: float
+    ) -> list[ReadItem | None]:
+        response = await self._lookup([k for k, _ in pairs], deadline)
+        live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
+
+        def member(member_id: int) -> MemberInfo | None:
+            return live.get(member_id) or self._placement.member(member_id)
+
+        now_s = asyncio.get_running_loop().time()
+        items: list[ReadItem | None] = []
+        for (key, key_bytes), entry in zip(pairs, response.entries, strict=True):
+            if not entry.found:
+                items.append(None)
+                continue
+            sink, caller_buffer = sink_for(key, entry.size_bytes)
+            replicas = self._placement.read_order(
+                entry.replicas, now_s, random.randrange(max(1, len(entry.replicas)))
+            )
+            items.append(ReadItem(key, key_bytes, entry, sink, caller_buffer, replicas))
+        await self._data.read(
+            [it for it in items if it is not None],
+            member,
+            deadline,
+            on_retry=self._stats.replica_retries,
+        )
+        return items
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def _put_item(self, key: str, value: object) -> PutItem:
+        key_bytes = validate_key(key)
+        payload = as_payload(value, self.config.max_value_size)
+        return PutItem(key, key_bytes, payload, block_checksum(payload))
+
+    async def _put_prepared(
+        self, items: list[PutItem], strict: bool, *, single: bool
+    ) -> list[bool]:
+        try:
+            await self._within_deadline("put", lambda d: self._put(items, d))
+        except InvalidArgumentError:
+            raise
+        except KVPoolError:
+            self._stats.puts(0, len(items))
+            if strict:
+                raise
+            return [False] * len(items)
+        results = [it.committed for it in items]
+        ok = sum(results)
+        self._stats.puts(ok, len(results) - ok)
+        if single and strict and not results[0]:
+            raise items[0].error or UnavailableError(f"put {items[0].key!r} failed")
+        return results
+
+    async def _put(self, items: list[PutItem], deadline: float) -> None:
+        """Place, stage, commit, publish; what the index refuses as placed on a stale ring is
+        placed again on a fresh one (new write ids), up to MAX_PUT_ATTEMPTS times."""
+        send_deadline = deadline - COMMIT_SHARE * self.config.timeout_s
+        pending = items
+        for _attempt in range(MAX_PUT_ATTEMPTS):
+            await self._ensure_members(deadline)
+            ring_version = self._placement.ring_version or 0
+            for item, write_id in zip(pending, new_write_ids(len(pending)), strict=True):
+                item.restart(write_id, self._placement.place(item.key_bytes, self.config.replicas))
+            await self._data.stage(pending, send_deadline)
+            staged = [it for it in pending if it.acked]
+            if not staged:
+                return
+            chunks = [
+                staged[i : i + MAX_COMMIT_ENTRIES]
+                for i in range(0, len(staged), MAX_COMMIT_ENTRIES)
+            ]
+            outcomes = await asyncio.gather(
+                *(self._commit(chunk, ring_version, deadline) for chunk in chunks),
+                return_exceptions=True,
+            )
+            failures = [o for o in outcomes if isinstance(o, BaseException)]
+            if len(failures) == len(outcomes):
+                raise failures[0]  # the whole call failed (no leader, deadline, …)
+            refs: list[BlockRef] = []
+            stale = False
+            for chunk, outcome in zip(chunks, outcomes, strict=True):
+                if isinstance(outcome, KVPoolError):
+                    for it in chunk:
+                        it.error = outcome
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                elif outcome is None:
+                    stale = True
+                else:
+                    refs.extend(outcome)
+            await self._data.publish(refs, deadline)
+            if not stale:
+                return
+            pending = [it for it in pending if not it.committed]
+
+    async def _commit(
+        self, staged: list[PutItem], ring_version: int, deadline: float
+    ) -> list[BlockRef] | None:
+        """One CommitPuts for ``staged``: the blocks to publish, or None for a stale ring."""
+        request = master_pb2.CommitPutsRequest(
+            request_id=os.urandom(16),  # one per commit; MasterClient retries reuse it
+            ring_version=ring_version,
+            entries=[
+                master_pb2.PutEntry(
+                    key=it.key,
+                    write_id=it.write_id,
+                    size_bytes=it.payload.nbytes,
+                    checksum=it.checksum,
+                    replicas=it.acked,
+                )
+                for it in staged
+            ],
+        )
+        response: master_pb2.CommitPutsResponse = await self._masters.call(
+            "CommitPuts", request, deadline=deadline, leader_only=True
+        )
+        if response.stale_ring:
+            self._placement.mark_stale(response.ring_version)
+            for it in staged:
+                it.error = StaleRingError(
+                    f"put {it.key!r}: the ring changed under the put",
+                    ring_version=response.ring_version,
+                )
+            return None
+        if len(response.results) != len(staged):
+            raise InternalError(
+                f"CommitPuts answered {len(response.results)} results for {len(staged)} entries"
+            )
+        self._placement.observe_ring_version(response.ring_version)
+        self._floor = max(self._floor, response.revision)
+        return self._committed(staged, response)
+
+    def _committed(
+        self, staged: list[PutItem], response: master_pb2.CommitPutsResponse
+    ) -> list[BlockRef]:
+        """Mark each staged item by its result; the (block, replica) pairs to publish."""
+        refs: list[BlockRef] = []
+        for it, result in zip(staged, response.results, strict=True):
+            if result.status == master_pb2.PUT_STATUS_COMMITTED:
+                it.committed = True
+                kept = set(result.replicas)
+                refs.extend(
+                    BlockRef(it.key_bytes, it.write_id, result.version, m)
+                    for m in it.targets
+                    if m.member_id in kept
+                )
+            elif result.status == master_pb2.PUT_STATUS_NO_LIVE_REPLICA:
+                it.error = UnavailableError(
+                    f"put {it.key!r}: the index knows every replica's node as down"
+                )
+            else:
+                it.error = InternalError(f"put {it.key!r}: commit status {result.status}")
+        return refs
+
+    async def _ensure_members(self, deadline: float) -> None:
+        """Refresh the membership when the placement asks for it (one refresh at a time)."""
+        if not self._placement.needs_refresh():
+            return
+        async with self._members_lock:
+            if not self._placement.needs_refresh():
+                return
+            try:
+                response: master_pb2.GetMembersResponse = await self._masters.call(
+                    "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
+                )
+            except KVPoolError:
+                if self._placement.has_ring:
+                    return  # place on the ring we have; the index refuses it if stale
+                raise
+            self._placement.update(
+                (MemberInfo.from_proto(m) for m in response.members),
+                response.ring_version,
+                asyncio.get_running_loop().time(),
+            )
+            self._stats.ring_refreshed()
+
+    def _node_failed(self, member_id: int) -> None:
+        self._placement.node_failed(member_id, asyncio.get_running_loop().time())
+
+    # --- remove -------------------------------------------------------------------------------
+
+    async def _remove(self, keys: list[str], deadline: float) -> list[bool]:
+        request = master_pb2.RemoveRequest(request_id=os.urandom(16), keys=keys)
+        response: master_pb2.RemoveResponse = await self._masters.call(
+            "Remove", request, deadline=deadline, leader_only=True
+        )
+        if len(response.removed) != len(keys):
+            raise InternalError(
+                f"Remove answered {len(response.removed)} results for {len(keys)} keys"
+            )
+        self._floor = max(self._floor, response.revision)
+        live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
+        refs = []
+        for block in response.blocks:
+            for member_id in block.replicas:
+                member = live.get(member_id) or self._placement.member(member_id)
+                if member is not None:
+                    refs.append(BlockRef(block.key.encode("utf-8"), block.write_id, 0, member))
+        if refs:
+            loop = asyncio.get_running_loop()
+            await self._data.delete(refs, min(deadline, loop.time() + DELETE_WAIT_S))
+        return list(response.removed)

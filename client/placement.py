@@ -1,0 +1,151 @@
+"""Where a client puts blocks: a cached membership and its consistent-hash ring.
+
+Pure and deterministic (no sockets, no clock: the caller passes ``now_s``). The async core asks
+:meth:`Placement.needs_refresh`, fetches ``GetMembers`` when told to, and feeds the answer back
+with :meth:`Placement.update`. Signals that the cache is out of date:
+
+* a response that names a newer ring version (``observe_ring_version``),
+* a commit refused with ``stale_ring`` (``mark_stale``),
+* a node that failed a data-plane request (``node_failed``; at most one refresh per
+  ``min_refresh_interval_s`` for this cause, so a node that the index has not declared down yet
+  does not cost one GetMembers per put).
+
+A node that failed is also *suspect* for ``suspect_s``: reads try its replicas last
+(:meth:`Placement.read_order`), so a node that died and is not yet declared down costs little.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvpool.errors import NoNodesError
+from kvpool.proto.ring import HashRing, RingMember
+from kvpool.proto.v1 import common_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """A store-node incarnation as the client needs it."""
+
+    member_id: int
+    node_id: str
+    data_address: str
+    capacity_bytes: int
+    zone: str = ""
+    incarnation: int = 0
+
+    @classmethod
+    def from_proto(cls, m: common_pb2.Member) -> MemberInfo:
+        return cls(
+            member_id=m.member_id,
+            node_id=m.node_id,
+            data_address=m.data_address,
+            capacity_bytes=m.capacity_bytes,
+            zone=m.zone,
+            incarnation=m.incarnation,
+        )
+
+    def ring_member(self) -> RingMember:
+        return RingMember(
+            member_id=self.member_id,
+            node_id=self.node_id,
+            capacity_bytes=self.capacity_bytes,
+            zone=self.zone,
+        )
+
+
+class Placement:
+    """The client's view of the live members and the ring built over them."""
+
+    def __init__(self, *, min_refresh_interval_s: float = 0.5, suspect_s: float = 2.0) -> None:
+        self._min_refresh_interval_s = min_refresh_interval_s
+        self._suspect_s = suspect_s
+        self._suspect_until: dict[int, float] = {}
+        self._ring: HashRing | None = None
+        self._members: dict[int, MemberInfo] = {}
+        self._stale = True
+        self._newest_seen = 0
+        self._last_refresh_s = -math.inf
+
+    # --- queries ------------------------------------------------------------------------------
+
+    @property
+    def ring_version(self) -> int | None:
+        """The version of the cached ring, or None before the first update."""
+        return self._ring.version if self._ring is not None else None
+
+    @property
+    def has_ring(self) -> bool:
+        return self._ring is not None
+
+    def needs_refresh(self) -> bool:
+        return self._ring is None or self._stale
+
+    def member(self, member_id: int) -> MemberInfo | None:
+        return self._members.get(member_id)
+
+    @property
+    def members(self) -> list[MemberInfo]:
+        return list(self._members.values())
+
+    def place(self, key: bytes, replicas: int) -> list[MemberInfo]:
+        """Up to ``replicas`` distinct members for ``key``, primary first.
+
+        NoNodesError when the ring is empty (or was never loaded).
+        """
+        if self._ring is None or not len(self._ring):
+            raise NoNodesError("no live store node is registered with the masters")
+        return [self._members[mid] for mid in self._ring.place(key, replicas)]
+
+    def read_order(self, replicas: Sequence[int], now_s: float, start: int = 0) -> list[int]:
+        """The order to try ``replicas`` in: rotated by ``start`` (callers pick it at random to
+        spread reads of a hot block over its replicas), members that failed recently last."""
+        n = len(replicas)
+        if n == 0:
+            return []
+        start %= n
+        rotated = [*replicas[start:], *replicas[:start]]
+        return sorted(rotated, key=lambda m: self._suspect_until.get(m, -math.inf) > now_s)
+
+    # --- events -------------------------------------------------------------------------------
+
+    def update(self, members: Iterable[MemberInfo], ring_version: int, now_s: float) -> bool:
+        """Install a GetMembers answer. An answer older than the cached ring is ignored (a
+        concurrent refresh got a newer one). Returns True when the ring was replaced."""
+        self._last_refresh_s = now_s
+        current = self.ring_version
+        if current is not None and ring_version < current:
+            return False
+        self._newest_seen = max(self._newest_seen, ring_version)
+        # Still stale when someone already reported a newer version than this answer's.
+        self._stale = ring_version < self._newest_seen
+        fresh = {m.member_id: m for m in members}
+        if current == ring_version and self._ring is not None and fresh == self._members:
+            return False
+        self._ring = HashRing((m.ring_member() for m in fresh.values()), ring_version)
+        self._members = fresh
+        return True
+
+    def observe_ring_version(self, ring_version: int) -> None:
+        """A master response named this ring version; a newer one than ours makes us stale."""
+        self._newest_seen = max(self._newest_seen, ring_version)
+        current = self.ring_version
+        if current is not None and ring_version > current:
+            self._stale = True
+
+    def mark_stale(self, ring_version: int = 0) -> None:
+        """The index refused our ring (stale_ring): refresh before placing again."""
+        self.observe_ring_version(ring_version)
+        self._stale = True
+
+    def node_failed(self, member_id: int, now_s: float) -> None:
+        """A data-plane request to this member failed: it may have left the ring."""
+        self._suspect_until[member_id] = now_s + self._suspect_s
+        if len(self._suspect_until) > 4 * max(16, len(self._members)):
+            self._suspect_until = {m: t for m, t in self._suspect_until.items() if t > now_s}
+        if member_id not in self._members:
+            return
+        if now_s - self._last_refresh_s >= self._min_refresh_interval_s:
+            self._stale = True

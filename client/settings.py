@@ -1,0 +1,51 @@
+"""The client's settings from constructor arguments, checked by ClientConfig's rules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.config import ClientConfig
+from kvpool.errors import ConfigError
+
+
+def make_config(
+    masters: Sequence[str] | str,
+    *,
+    timeout_s: float = 2.0,
+    replicas: int = 1,
+    max_value_size: int = 64 << 20,
+    connections_per_node: int = 2,
+) -> ClientConfig:
+    """A validated ClientConfig from constructor arguments; ConfigError names every problem.
+
+    ``masters`` is a list of ``host:port`` or one comma-separated string.
+    """
+    errors: list[str] = []
+    addresses: tuple[str, ...] = ()
+    if isinstance(masters, str):
+        addresses = tuple(a.strip() for a in masters.split(",") if a.strip())
+    elif isinstance(masters, Sequence) and all(isinstance(a, str) for a in masters):
+        addresses = tuple(a.strip() for a in masters)
+    else:
+        errors.append("masters: expected a list of host:port strings or one comma-separated str")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        errors.append(f"timeout_s: expected a number of seconds, got {timeout_s!r}")
+    for name, value in (
+        ("replicas", replicas),
+        ("max_value_size", max_value_size),
+        ("connections_per_node", connections_per_node),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            errors.append(f"{name}: expected an integer, got {value!r}")
+    if not errors:
+        config = ClientConfig(
+            masters=addresses,
+            timeout_s=float(timeout_s),
+            replicas=replicas,
+            max_value_size=max_value_size,
+            connections_per_node=connections_per_node,
+        )
+        errors = config.validate()
+        if not errors:
+            return config
+    raise ConfigError("invalid client configuration:\n  " + "\n  ".join(errors))

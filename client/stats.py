@@ -1,0 +1,95 @@
+"""Counters a client keeps about itself: hits, misses by reason, puts, fallbacks.
+
+Updated on the client's event-loop thread, read from any engine thread: every update and
+snapshot holds a lock (cheap next to a network round trip).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+MISS_REASONS: tuple[str, ...] = (
+    "absent",  # the index has no such key (or the node never held it)
+    "evicted",  # the node evicted it
+    "node_down",  # no replica's node could be reached
+    "version_mismatch",  # the node holds another write of the key, or not yet published
+    "checksum_mismatch",  # bytes read did not match the checksum stored at put time
+    "timeout",  # the call's deadline passed
+    "unavailable",  # the masters could not answer
+    "node_error",  # a node answered with an error status
+)
+"""Why a read was a miss. Misses of a key with several replicas count the strongest reason
+seen (see :data:`REASON_PRIORITY`)."""
+
+REASON_PRIORITY: tuple[str, ...] = (
+    "checksum_mismatch",
+    "version_mismatch",
+    "evicted",
+    "absent",
+    "node_error",
+    "node_down",
+    "timeout",
+    "unavailable",
+)
+
+
+def strongest_reason(reasons: list[str]) -> str:
+    """The reason to report for a key whose replicas each failed for one of ``reasons``."""
+    for reason in REASON_PRIORITY:
+        if reason in reasons:
+            return reason
+    return reasons[0] if reasons else "absent"
+
+
+class ClientStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._misses = dict.fromkeys(MISS_REASONS, 0)
+        self._puts_ok = 0
+        self._puts_failed = 0
+        self._fallbacks = 0
+        self._replica_retries = 0
+        self._ring_refreshes = 0
+
+    def hit(self, n: int = 1) -> None:
+        with self._lock:
+            self._hits += n
+
+    def miss(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self._misses[reason] = self._misses.get(reason, 0) + n
+
+    def puts(self, ok: int, failed: int) -> None:
+        with self._lock:
+            self._puts_ok += ok
+            self._puts_failed += failed
+
+    def fallback(self) -> None:
+        with self._lock:
+            self._fallbacks += 1
+
+    def replica_retries(self, n: int) -> None:
+        with self._lock:
+            self._replica_retries += n
+
+    def ring_refreshed(self) -> None:
+        with self._lock:
+            self._ring_refreshes += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy: ``hits``, ``misses`` (total), ``misses_by_reason``, ``puts_ok``,
+        ``puts_failed``, ``fallbacks`` (get_or_compute computed the value), ``replica_retries``
+        (reads that moved on to another replica), ``ring_refreshes``."""
+        with self._lock:
+            return {
+                "hits": self._hits,
+                "misses": sum(self._misses.values()),
+                "misses_by_reason": dict(self._misses),
+                "puts_ok": self._puts_ok,
+                "puts_failed": self._puts_failed,
+                "fallbacks": self._fallbacks,
+                "replica_retries": self._replica_retries,
+                "ring_refreshes": self._ring_refreshes,
+            }

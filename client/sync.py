@@ -1,0 +1,221 @@
+"""The synchronous client an inference engine embeds: ``from kvpool import Client``.
+
+    with Client(["10.0.0.1:7300", "10.0.0.2:7300", "10.0.0.3:7300"]) as kv:
+        kv.put("model-x/tp0/blk/3f2a…", block)       # True once committed
+        data = kv.get("model-x/tp0/blk/3f2a…")        # bytes, or None on a miss
+
+There is one implementation, the async :class:`~kvpool.client.core.ClientCore`; this class runs
+it on a private event loop in a daemon thread and waits for each call. One ``Client`` may be
+shared by many engine threads. Misses and failures of the cache return None / False (or raise
+the typed error with ``strict=True``); bad keys and values raise in every mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvpool.client.core import ClientCore
+from kvpool.client.settings import make_config
+from kvpool.client.values import BytesLike, WritableBuffer, as_payload
+from kvpool.errors import DeadlineExceededError, UnavailableError
+
+T = TypeVar("T")
+
+LOOP_GRACE_S = 5.0
+"""How long past a call's own deadline the caller waits for the loop thread before giving up:
+the core keeps its deadlines, so this fires only if the loop thread is stuck."""
+CANCEL_WAIT_S = 1.0
+"""After giving up on a call, how long to wait for it to unwind (it may be writing into a
+caller's buffer until it does)."""
+CLOSE_TIMEOUT_S = 5.0
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        # Calls still pending when the loop stopped end as cancelled, so no caller waits.
+        tasks = asyncio.all_tasks(loop)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+def _shutdown(core: ClientCore, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Close the core on its loop, stop the loop, join the thread. Runs once (weakref.finalize):
+    from close(), or when the Client is garbage-collected, or at interpreter exit."""
+    if thread.is_alive() and not loop.is_closed():
+        future = asyncio.run_coroutine_threadsafe(core.close(), loop)
+        with contextlib.suppress(Exception):  # closing goes on whatever the close raised
+            future.result(timeout=CLOSE_TIMEOUT_S)
+        loop.call_soon_threadsafe(loop.stop)
+    if thread is not threading.current_thread():
+        thread.join(timeout=CLOSE_TIMEOUT_S)
+
+
+def _false() -> bool:
+    return False
+
+
+def _none() -> None:
+    return None
+
+
+class Client:
+    """A kvpool client: put and get KV-cache blocks by key. Thread-safe."""
+
+    def __init__(
+        self,
+        masters: list[str] | str,
+        *,
+        timeout_s: float = 2.0,
+        replicas: int = 1,
+        strict: bool = False,
+        max_value_size: int = 64 << 20,
+        connections_per_node: int = 2,
+    ) -> None:
+        config = make_config(
+            masters,
+            timeout_s=timeout_s,
+            replicas=replicas,
+            max_value_size=max_value_size,
+            connections_per_node=connections_per_node,
+        )
+        self._core = ClientCore(config, strict=strict)
+        self._strict = strict
+        self._timeout_s = config.timeout_s
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=_run_loop, args=(self._loop,), name="kvpool-client-loop", daemon=True
+        )
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _shutdown, self._core, self._loop, self._thread)
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def _call(
+        self, coro: Coroutine[Any, Any, T], fallback: Callable[[], T], strict: bool | None
+    ) -> T:
+        """Run a core coroutine on the loop thread and wait for it. ``fallback`` gives the
+        non-strict answer should the loop thread itself not answer in time."""
+        finished = threading.Event()
+
+        async def tracked() -> T:
+            try:
+                return await coro
+            finally:
+                finished.set()
+
+        runner = tracked()
+        try:
+            if self._closed:
+                raise RuntimeError("closed")
+            future = asyncio.run_coroutine_threadsafe(runner, self._loop)
+        except RuntimeError:  # closed, or the loop already stopped
+            runner.close()
+            coro.close()
+            raise UnavailableError("this kvpool client is closed") from None
+        try:
+            return future.result(timeout=self._timeout_s + LOOP_GRACE_S)
+        except concurrent.futures.CancelledError:
+            raise UnavailableError("this kvpool client was closed during the call") from None
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            finished.wait(CANCEL_WAIT_S)
+            if self._strict if strict is None else strict:
+                raise DeadlineExceededError(
+                    f"the client's event loop did not answer within {self._timeout_s}s"
+                ) from None
+            return fallback()
+
+    # --- the API --------------------------------------------------------------------------
+
+    def put(self, key: str, value: BytesLike, *, strict: bool | None = None) -> bool:
+        """Store ``value`` under ``key``: True once committed; False on failure (strict raises).
+
+        ``value``: bytes, bytearray, C-contiguous memoryview or numpy array (sent as its raw
+        bytes). Do not modify it until put returns."""
+        return self._call(self._core.put(key, value, strict=strict), _false, strict)
+
+    def get(self, key: str, *, strict: bool | None = None) -> bytes | None:
+        """The bytes stored under ``key``, or None on a miss or any failure (strict raises
+        BlockMissError, ChecksumMismatchError, DeadlineExceededError, UnavailableError…)."""
+        return self._call(self._core.get(key, strict=strict), _none, strict)
+
+    def get_into(
+        self, key: str, buffer: WritableBuffer, *, strict: bool | None = None
+    ) -> int | None:
+        """Read the block straight into ``buffer`` (writable, C-contiguous, large enough, else
+        BufferTooSmallError / InvalidValueError): its size in bytes, or None (the buffer's
+        content is then undefined)."""
+        return self._call(self._core.get_into(key, buffer, strict=strict), _none, strict)
+
+    def exists(self, key: str) -> bool:
+        """Whether the index has ``key`` (False on failure unless the client is strict)."""
+        return self._call(self._core.exists(key), _false, None)
+
+    def remove(self, key: str) -> bool:
+        """Remove ``key``; True if the index had it."""
+        return self._call(self._core.remove(key), _false, None)
+
+    def batch_put(
+        self, items: Mapping[str, BytesLike] | Sequence[tuple[str, BytesLike]]
+    ) -> list[bool]:
+        """Store many blocks with one commit; one bool per item, in order."""
+        return self._call(self._core.batch_put(items), lambda: [False] * len(items), None)
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each key's bytes or None, in order (one lookup, reads pipelined per node)."""
+        return self._call(self._core.batch_get(keys), lambda: [None] * len(keys), None)
+
+    def prefix_match(self, keys: Sequence[str]) -> int:
+        """How many leading keys of a chain are cached (0 on failure)."""
+        return self._call(self._core.prefix_match(keys), lambda: 0, None)
+
+    def get_or_compute(self, key: str, fn: Callable[[], BytesLike]) -> bytes:
+        """The cached bytes; on a miss ``fn()``'s value, stored best effort (never raises
+        because the store failed). ``fn`` runs in the calling thread; its exceptions
+        propagate."""
+        data = self.get(key, strict=False)
+        if data is not None:
+            return data
+        value = fn()
+        payload = as_payload(value, self._core.config.max_value_size)
+        computed = value if type(value) is bytes else bytes(payload)
+        return self._call(self._core.store_computed(key, computed), lambda: computed, False)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters: hits, misses (total and by reason), puts ok/failed, fallbacks (values
+        get_or_compute had to compute), replica retries, ring refreshes."""
+        return self._core.stats
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close connections and stop the loop thread. Idempotent."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<kvpool.Client masters={list(self._core.config.masters)} {state}>"

@@ -1,0 +1,221 @@
+"""The ``kvpool`` command: run a master or a store node, start a local cluster, show status,
+run the demo.
+
+    kvpool master --raft-listen 10.0.0.1:7310 --raft-peers 10.0.0.2:7310,10.0.0.3:7310 ...
+    kvpool node --masters 10.0.0.1:7300,10.0.0.2:7300,10.0.0.3:7300 --cpu-cache-size 16GiB
+    kvpool cluster up [--detach --dir DIR]      kvpool cluster down --dir DIR
+    kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
+    kvpool demo
+
+Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvpool import __version__
+from kvpool.cli.args import add_config_flags, config_from_args
+from kvpool.config import MasterConfig, NodeConfig
+from kvpool.errors import ConfigError, KVPoolError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpool",
+        description="kvpool: a distributed KV-cache store for LLM inference, with a "
+        "Raft-replicated block index.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "master",
+        help="run one master (a member of the Raft group holding the block index)",
+        description="Run one kvpool master. Start 3 or 5 with each other's --raft-peers.",
+    )
+    add_config_flags(p, MasterConfig)
+
+    p = sub.add_parser(
+        "node",
+        help="run one store node (holds block bytes in its CPU tier)",
+        description="Run one kvpool store node; it registers with the masters.",
+    )
+    add_config_flags(p, NodeConfig)
+
+    p = sub.add_parser("cluster", help="start or stop a whole local cluster on 127.0.0.1")
+    csub = p.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
+    up = csub.add_parser(
+        "up",
+        help="start masters and store nodes (foreground until Ctrl-C, or --detach)",
+        description="Start a local cluster: 3 masters and 2 store nodes by default, on "
+        "127.0.0.1 with free ports. In the foreground it runs until Ctrl-C and then stops "
+        "everything; with --detach --dir DIR it writes DIR/cluster.json and returns.",
+    )
+    up.add_argument("--masters", type=int, default=3, help="number of masters [3]")
+    up.add_argument("--nodes", type=int, default=2, help="number of store nodes [2]")
+    up.add_argument("--cpu-cache-size", default="256MiB", help="CPU tier per node [256MiB]")
+    up.add_argument("--dir", help="directory for data, logs and cluster.json [a temp dir]")
+    up.add_argument("--detach", action="store_true", help="start, write cluster.json, return")
+    up.add_argument("--in-memory", action="store_true", help="masters keep the index in memory")
+    up.add_argument(
+        "--node-timeout-s", type=float, default=3.0, help="declare a silent node down after [3]"
+    )
+    up.add_argument("--log-level", default="info", help="log level of every process [info]")
+    down = csub.add_parser(
+        "down",
+        help="stop a cluster started with --detach",
+        description="Stop every process listed in DIR/cluster.json (nodes first).",
+    )
+    down.add_argument("--dir", required=True, help="the directory given to `cluster up`")
+
+    p = sub.add_parser(
+        "status",
+        help="show masters and store nodes",
+        description="Ask every master for its Raft state and the node table.",
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--masters", help="comma-separated gRPC addresses of the masters")
+    where.add_argument("--dir", help="directory of a local cluster (reads cluster.json)")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.add_argument("--timeout-s", type=float, default=1.0, help="per-master timeout [1]")
+
+    p = sub.add_parser(
+        "demo",
+        help="start a local cluster, run a workload, kill the leader, report, stop",
+        description="A short end-to-end run on a throwaway local cluster.",
+    )
+    p.add_argument("--blocks", type=int, default=400, help="blocks to put and read [400]")
+    p.add_argument("--dir", help="keep the cluster's data and logs here [a temp dir]")
+    p.add_argument("--seed", type=int, default=7, help="seed of the workload [7]")
+    return parser
+
+
+def _run_master(args: argparse.Namespace) -> int:
+    cfg = config_from_args(MasterConfig, args, "master")
+    from kvpool.raft_master.server import main as master_main
+
+    return master_main(cfg)
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    cfg = config_from_args(NodeConfig, args, "node")
+    from kvpool.store_node.server import main as node_main
+
+    return node_main(cfg)
+
+
+def _cluster_up(args: argparse.Namespace) -> int:
+    from kvpool.cli.cluster import LocalCluster
+    from kvpool.cli.probe import probe_masters
+    from kvpool.cli.status import render_status, status_document
+
+    if args.detach and not args.dir:
+        print(
+            "kvpool cluster up: --detach needs --dir DIR (where cluster.json goes)", file=sys.stderr
+        )
+        return EXIT_USAGE
+    directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvpool-cluster-"))
+    cluster = LocalCluster(
+        directory,
+        masters=args.masters,
+        nodes=args.nodes,
+        cpu_cache_size=args.cpu_cache_size,
+        in_memory=args.in_memory,
+        node_timeout_s=args.node_timeout_s,
+        log_level=args.log_level,
+    )
+    stop = threading.Event()
+    if not args.detach:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster.start()
+        print(f"cluster directory: {directory}")
+        print(f"masters: {','.join(cluster.master_addresses)}")
+        print(render_status(status_document(probe_masters(cluster.master_addresses))))
+        if args.detach:
+            print(f"\ndetached; stop it with: kvpool cluster down --dir {directory}")
+            return EXIT_OK
+        print("\nrunning; press Ctrl-C to stop")
+        while not stop.wait(0.5):
+            pass
+        print("stopping...")
+        return EXIT_OK
+    finally:
+        if not args.detach:
+            stopped = cluster.stop()
+            print(f"stopped {len(stopped)} processes")
+
+
+def _cluster_down(args: argparse.Namespace) -> int:
+    from kvpool.cli.cluster import LocalCluster
+
+    cluster = LocalCluster.from_dir(args.dir)
+    stopped = cluster.stop()
+    print(f"stopped {len(stopped)} processes" + (f": {', '.join(stopped)}" if stopped else ""))
+    return EXIT_OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvpool.cli.probe import probe_masters
+    from kvpool.cli.status import render_status, status_document
+    from kvpool.config import split_hostport
+
+    if args.dir:
+        from kvpool.cli.cluster import LocalCluster
+
+        masters = LocalCluster.from_dir(args.dir).master_addresses
+    else:
+        masters = [m.strip() for m in args.masters.split(",") if m.strip()]
+    for m in masters:
+        try:
+            split_hostport(m)
+        except ValueError as e:
+            print(f"kvpool status: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    doc = status_document(probe_masters(masters, timeout_s=args.timeout_s))
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        print(render_status(doc))
+    reachable = any(m["reachable"] for m in doc["masters"])
+    return EXIT_OK if reachable else EXIT_FAILURE
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvpool.cli.demo import run_demo
+
+    return run_demo(blocks=args.blocks, directory=args.dir, seed=args.seed)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers = {
+        "master": _run_master,
+        "node": _run_node,
+        "status": _status,
+        "demo": _demo,
+    }
+    try:
+        if args.command == "cluster":
+            return _cluster_up(args) if args.cluster_command == "up" else _cluster_down(args)
+        return handlers[args.command](args)
+    except ConfigError as e:
+        print(f"kvpool {args.command}: {e.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KVPoolError as e:
+        print(f"kvpool {args.command}: {e.message}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130

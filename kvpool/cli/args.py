@@ -1,0 +1,64 @@
+"""Command-line flags generated from the config dataclasses, so ``--help``, TOML keys and
+``KVPOOL_*`` variables always name the same settings."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, TypeVar
+
+from kvpool.config import config_fields, load_config
+
+C = TypeVar("C")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
+    """One flag per config field: ``cpu_cache_size`` → ``--cpu-cache-size``."""
+    parser.add_argument(
+        "--config",
+        metavar="TOML",
+        help="TOML file with settings (top level, or the section named after this process); "
+        "flags override it, KVPOOL_<SETTING> variables sit in between",
+    )
+    group = parser.add_argument_group("settings (also TOML keys and KVPOOL_* variables)")
+    for f, typ in config_fields(cls):
+        if not f.metadata.get("flag", True):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        kind = f.metadata.get("kind", "")
+        default = f.default
+        if kind == "secret":
+            shown = "(unset)" if not default else "(set)"
+        elif isinstance(default, tuple):
+            shown = ",".join(default) or "(none)"
+        elif default == "":
+            shown = "(unset)"
+        else:
+            shown = str(default)
+        env = "KVPOOL_" + f.name.upper()
+        if typ is bool:
+            group.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{help_text} [default: {shown}; env {env}]",
+            )
+        else:
+            group.add_argument(
+                flag,
+                dest=f.name,
+                default=None,
+                metavar=kind.upper() or f.name.split("_")[-1].upper(),
+                help=f"{help_text} [default: {shown}; env {env}]",
+            )
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace, section: str) -> C:
+    """Defaults < TOML (``--config``) < environment < flags; raises ConfigError."""
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f, _ in config_fields(cls)
+        if getattr(args, f.name, None) is not None
+    }
+    return load_config(cls, toml_path=args.config, section=section, overrides=overrides)

@@ -1,0 +1,386 @@
+"""Commands replicated through the Raft log, their results, and their durable encoding.
+
+Every mutation of the block index is one of these frozen dataclasses. They travel through the
+Raft log as ``kvpool.v1.RaftCommand`` protobuf bytes (proto/v1/raft.proto) with
+``format_version`` = :data:`FORMAT_VERSION`, never as pickled Python objects, so that a journal
+written by one release replays in the next and adding a command never renumbers anything.
+
+Each command carries a ``request_id`` (16 bytes from the client; the master makes one for its own
+commands): the index applies a request id once and answers a repeat with the stored result.
+
+Results are frozen dataclasses too. The index keeps the results of recent requests (for
+exactly-once retries) in a compact byte form, :func:`encode_result` / :func:`decode_result`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import TypeAlias, assert_never, cast
+
+from google.protobuf.message import DecodeError
+
+from kvpool.errors import MalformedRequestError
+from kvpool.proto.v1 import master_pb2, raft_pb2
+
+FORMAT_VERSION = 1
+"""The interpretation of ``RaftCommand`` this release writes and applies."""
+
+PUT_COMMITTED = int(master_pb2.PUT_STATUS_COMMITTED)
+PUT_NO_LIVE_REPLICA = int(master_pb2.PUT_STATUS_NO_LIVE_REPLICA)
+
+
+class CommandDecodeError(MalformedRequestError):
+    """A replicated command could not be decoded (garbage bytes or an unknown format version)."""
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    """One staged block to commit: the client wrote ``write_id`` to ``replicas`` (member ids)."""
+
+    key: str
+    write_id: int
+    size_bytes: int
+    checksum: int
+    replicas: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitPuts:
+    """Make staged blocks visible; rejected whole when ``ring_version`` is stale."""
+
+    request_id: bytes
+    ring_version: int
+    entries: tuple[PutItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveKeys:
+    """Remove keys from the index."""
+
+    request_id: bytes
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DropReplicas:
+    """A member no longer holds these blocks (``write_id`` 0 = whichever write is indexed)."""
+
+    request_id: bytes
+    member_id: int
+    blocks: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterMember:
+    """A store node (re)joins; a new incarnation gets a new member id."""
+
+    request_id: bytes
+    node_id: str
+    incarnation: int
+    data_address: str
+    admin_address: str
+    capacity_bytes: int
+    zone: str
+
+
+@dataclass(frozen=True, slots=True)
+class MarkMemberDown:
+    """A member is gone (``heartbeat_timeout``, ``left``…): its replicas stop being served."""
+
+    request_id: bytes
+    member_id: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterMaster:
+    """A master announces the gRPC address behind its Raft address (for NOT_LEADER redirects)."""
+
+    request_id: bytes
+    raft_address: str
+    grpc_address: str
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Several commands in one Raft entry (group commit); each keeps its request id and result.
+
+    A batch never nests another batch."""
+
+    request_id: bytes
+    commands: tuple[SimpleCommand, ...]
+
+
+SimpleCommand: TypeAlias = (
+    CommitPuts | RemoveKeys | DropReplicas | RegisterMember | MarkMemberDown | RegisterMaster
+)
+Command: TypeAlias = SimpleCommand | Batch
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PutOutcome:
+    status: int  # PUT_COMMITTED or PUT_NO_LIVE_REPLICA
+    version: int
+    replicas: tuple[int, ...]  # the replicas kept (members not live dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitPutsResult:
+    outcomes: tuple[PutOutcome, ...]
+    revision: int
+    ring_version: int
+    stale_ring: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedBlock:
+    key: str
+    write_id: int
+    replicas: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveKeysResult:
+    removed: tuple[bool, ...]
+    blocks: tuple[RemovedBlock, ...]
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class DropReplicasResult:
+    dropped: int
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterMemberResult:
+    member_id: int
+    ring_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class MarkMemberDownResult:
+    changed: bool
+    ring_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterMasterResult:
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    results: tuple[Result, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorResult:
+    """The entry could not be applied (undecodable, invalid); the index did not change."""
+
+    message: str
+
+
+Result: TypeAlias = (
+    CommitPutsResult
+    | RemoveKeysResult
+    | DropReplicasResult
+    | RegisterMemberResult
+    | MarkMemberDownResult
+    | RegisterMasterResult
+    | BatchResult
+    | ErrorResult
+)
+
+
+# --- command encoding -------------------------------------------------------------------------
+
+
+def encode(command: Command) -> bytes:
+    """The command as ``RaftCommand`` bytes (deterministic serialisation)."""
+    return _to_proto(command).SerializeToString(deterministic=True)
+
+
+def decode(data: bytes) -> Command:
+    """Parse ``RaftCommand`` bytes; raises :class:`CommandDecodeError` on anything unexpected."""
+    msg = raft_pb2.RaftCommand()
+    try:
+        msg.ParseFromString(data)
+    except (DecodeError, TypeError, ValueError) as e:
+        raise CommandDecodeError(f"undecodable replicated command: {e}") from None
+    return _from_proto(msg, nested=False)
+
+
+def _to_proto(command: Command) -> raft_pb2.RaftCommand:
+    msg = raft_pb2.RaftCommand(format_version=FORMAT_VERSION, request_id=command.request_id)
+    if isinstance(command, CommitPuts):
+        msg.commit_puts.SetInParent()  # an empty body must still select its oneof case
+        msg.commit_puts.ring_version = command.ring_version
+        entries = msg.commit_puts.entries
+        for e in command.entries:
+            entries.add(
+                key=e.key,
+                write_id=e.write_id,
+                size_bytes=e.size_bytes,
+                checksum=e.checksum,
+                replicas=e.replicas,
+            )
+    elif isinstance(command, RemoveKeys):
+        msg.remove_keys.SetInParent()
+        msg.remove_keys.keys.extend(command.keys)
+    elif isinstance(command, DropReplicas):
+        msg.drop_replicas.SetInParent()
+        msg.drop_replicas.member_id = command.member_id
+        blocks = msg.drop_replicas.blocks
+        for key, write_id in command.blocks:
+            blocks.add(key=key, write_id=write_id)
+    elif isinstance(command, RegisterMember):
+        r = msg.register_member
+        r.SetInParent()
+        r.node_id = command.node_id
+        r.incarnation = command.incarnation
+        r.data_address = command.data_address
+        r.admin_address = command.admin_address
+        r.capacity_bytes = command.capacity_bytes
+        r.zone = command.zone
+    elif isinstance(command, MarkMemberDown):
+        msg.mark_member_down.SetInParent()
+        msg.mark_member_down.member_id = command.member_id
+        msg.mark_member_down.reason = command.reason
+    elif isinstance(command, RegisterMaster):
+        msg.register_master.SetInParent()
+        msg.register_master.raft_address = command.raft_address
+        msg.register_master.grpc_address = command.grpc_address
+    elif isinstance(command, Batch):
+        msg.batch.SetInParent()
+        for sub in command.commands:
+            if isinstance(cast(object, sub), Batch):
+                raise ValueError("a Batch must not contain a Batch")
+            msg.batch.commands.append(_to_proto(sub))
+    else:
+        assert_never(command)
+    return msg
+
+
+def _from_proto(msg: raft_pb2.RaftCommand, *, nested: bool) -> Command:
+    if msg.format_version != FORMAT_VERSION:
+        raise CommandDecodeError(
+            f"replicated command has format version {msg.format_version}; "
+            f"this master applies version {FORMAT_VERSION}"
+        )
+    rid = bytes(msg.request_id)
+    kind = msg.WhichOneof("body")
+    if kind == "commit_puts":
+        cp = msg.commit_puts
+        return CommitPuts(
+            rid,
+            cp.ring_version,
+            tuple(
+                PutItem(e.key, e.write_id, e.size_bytes, e.checksum, tuple(e.replicas))
+                for e in cp.entries
+            ),
+        )
+    if kind == "remove_keys":
+        return RemoveKeys(rid, tuple(msg.remove_keys.keys))
+    if kind == "drop_replicas":
+        dr = msg.drop_replicas
+        return DropReplicas(rid, dr.member_id, tuple((b.key, b.write_id) for b in dr.blocks))
+    if kind == "register_member":
+        r = msg.register_member
+        return RegisterMember(
+            rid, r.node_id, r.incarnation, r.data_address, r.admin_address, r.capacity_bytes, r.zone
+        )
+    if kind == "mark_member_down":
+        return MarkMemberDown(rid, msg.mark_member_down.member_id, msg.mark_member_down.reason)
+    if kind == "register_master":
+        rm = msg.register_master
+        return RegisterMaster(rid, rm.raft_address, rm.grpc_address)
+    if kind == "batch":
+        if nested:
+            raise CommandDecodeError("a Batch must not contain a Batch")
+        subs: list[SimpleCommand] = []
+        for sub_msg in msg.batch.commands:
+            sub = _from_proto(sub_msg, nested=True)
+            assert not isinstance(sub, Batch)
+            subs.append(sub)
+        return Batch(rid, tuple(subs))
+    raise CommandDecodeError("replicated command has no body (unknown command kind?)")
+
+
+# --- compact result encoding (the dedupe table) ---------------------------------------------
+
+_TAG_COMMIT_PUTS = 1
+_TAG_REMOVE_KEYS = 2
+_TAG_DROP_REPLICAS = 3
+_TAG_REGISTER_MEMBER = 4
+_TAG_MARK_MEMBER_DOWN = 5
+_TAG_REGISTER_MASTER = 6
+_U32_U64 = struct.Struct("<IQ")
+_BOOL_U64 = struct.Struct("<?Q")
+_U64 = struct.Struct("<Q")
+
+
+def encode_result(result: Result) -> bytes:
+    """A stored form of a simple command's result (batches and errors are never stored)."""
+    if isinstance(result, CommitPutsResult):
+        resp = master_pb2.CommitPutsResponse(
+            revision=result.revision,
+            stale_ring=result.stale_ring,
+            ring_version=result.ring_version,
+        )
+        for o in result.outcomes:
+            resp.results.add(status=o.status, version=o.version, replicas=o.replicas)
+        return bytes([_TAG_COMMIT_PUTS]) + resp.SerializeToString(deterministic=True)
+    if isinstance(result, RemoveKeysResult):
+        rr = master_pb2.RemoveResponse(removed=result.removed, revision=result.revision)
+        for b in result.blocks:
+            rr.blocks.add(key=b.key, write_id=b.write_id, replicas=b.replicas)
+        return bytes([_TAG_REMOVE_KEYS]) + rr.SerializeToString(deterministic=True)
+    if isinstance(result, DropReplicasResult):
+        return bytes([_TAG_DROP_REPLICAS]) + _U32_U64.pack(result.dropped, result.revision)
+    if isinstance(result, RegisterMemberResult):
+        return bytes([_TAG_REGISTER_MEMBER]) + _U32_U64.pack(result.member_id, result.ring_version)
+    if isinstance(result, MarkMemberDownResult):
+        return bytes([_TAG_MARK_MEMBER_DOWN]) + _BOOL_U64.pack(result.changed, result.ring_version)
+    if isinstance(result, RegisterMasterResult):
+        return bytes([_TAG_REGISTER_MASTER]) + _U64.pack(result.revision)
+    raise TypeError(f"{type(result).__name__} is not stored")
+
+
+def decode_result(data: bytes) -> Result:
+    tag, body = data[0], data[1:]
+    if tag == _TAG_COMMIT_PUTS:
+        resp = master_pb2.CommitPutsResponse.FromString(body)
+        return CommitPutsResult(
+            tuple(PutOutcome(int(r.status), r.version, tuple(r.replicas)) for r in resp.results),
+            resp.revision,
+            resp.ring_version,
+            resp.stale_ring,
+        )
+    if tag == _TAG_REMOVE_KEYS:
+        rr = master_pb2.RemoveResponse.FromString(body)
+        return RemoveKeysResult(
+            tuple(rr.removed),
+            tuple(RemovedBlock(b.key, b.write_id, tuple(b.replicas)) for b in rr.blocks),
+            rr.revision,
+        )
+    if tag == _TAG_DROP_REPLICAS:
+        dropped, revision = _U32_U64.unpack(body)
+        return DropReplicasResult(dropped, revision)
+    if tag == _TAG_REGISTER_MEMBER:
+        member_id, ring_version = _U32_U64.unpack(body)
+        return RegisterMemberResult(member_id, ring_version)
+    if tag == _TAG_MARK_MEMBER_DOWN:
+        changed, ring_version = _BOOL_U64.unpack(body)
+        return MarkMemberDownResult(changed, ring_version)
+    if tag == _TAG_REGISTER_MASTER:
+        (revision,) = _U64.unpack(body)
+        return RegisterMasterResult(revision)
+    raise ValueError(f"unknown stored result tag {tag}")

@@ -1,0 +1,487 @@
+"""The block index: a pure, deterministic state machine replicated by Raft.
+
+``BlockIndex.apply(command) -> result`` is the only way the state changes. It never reads a
+clock, draws a random number, does I/O or starts a thread, and it never iterates a ``set`` of
+strings (string hashing differs per process): the same commands give the same state on every
+master, dict insertion order included.
+
+State:
+
+- ``entries``: key → one packed ``bytes`` record (:mod:`kvpool.raft_master.records`: version,
+  write id, size, checksum, pinned, then the replicas as u32 member ids).
+- members: member id (u32, from a counter starting at 1) → :class:`MemberRecord`; node id →
+  current member id; member id → its keys (a ``dict[str, None]``, insertion-ordered, so a dead
+  member's replicas can be purged in chunks).
+- masters: Raft address → gRPC address (for NOT_LEADER redirects).
+- ``revision``: +1 per committed put entry and per other command that changed something;
+  versions are drawn from it, so they increase strictly per key and globally.
+- ``ring_version``: +1 per membership change.
+- dedupe: request id → stored result, bounded, oldest forgotten first.
+
+Reads (``lookup``, ``prefix_match``…) never return a replica on a member that is not live, and
+report a key whose replicas are all down as not found.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any, assert_never, cast
+
+from kvpool.raft_master.commands import (
+    PUT_COMMITTED,
+    PUT_NO_LIVE_REPLICA,
+    Batch,
+    BatchResult,
+    CommandDecodeError,
+    CommitPuts,
+    CommitPutsResult,
+    DropReplicas,
+    DropReplicasResult,
+    ErrorResult,
+    MarkMemberDown,
+    MarkMemberDownResult,
+    PutOutcome,
+    RegisterMaster,
+    RegisterMasterResult,
+    RegisterMember,
+    RegisterMemberResult,
+    RemovedBlock,
+    RemoveKeys,
+    RemoveKeysResult,
+    Result,
+    SimpleCommand,
+    decode,
+    decode_result,
+    encode_result,
+)
+from kvpool.raft_master.records import (
+    STATE_FORMAT,
+    BlockView,
+    IndexSnapshot,
+    IndexStatus,
+    MemberRecord,
+    pack_record,
+    record_replicas,
+    restore_snapshot_v1,
+    unpack_record,
+)
+
+__all__ = [
+    "STATE_FORMAT",
+    "BlockIndex",
+    "BlockView",
+    "IndexSnapshot",
+    "IndexStatus",
+    "MemberRecord",
+    "pack_record",
+    "record_replicas",
+    "restore_snapshot_v1",
+    "unpack_record",
+]
+
+_DEDUPE_OVERHEAD_BYTES = 64  # per stored result: key bytes object + OrderedDict node
+
+
+class BlockIndex:
+    """The replicated block index. Not thread-safe: the replication layer holds a lock around
+    ``apply`` and around each read."""
+
+    def __init__(self, *, dedupe_capacity: int = 65536, dedupe_max_bytes: int = 64 << 20) -> None:
+        if dedupe_capacity < 1 or dedupe_max_bytes < 1:
+            raise ValueError("dedupe limits must be positive")
+        self._dedupe_capacity = dedupe_capacity
+        self._dedupe_max_bytes = dedupe_max_bytes
+        self._entries: dict[str, bytes] = {}
+        self._members: dict[int, MemberRecord] = {}
+        self._member_of_node: dict[str, int] = {}
+        self._member_keys: dict[int, dict[str, None]] = {}
+        self._masters: dict[str, str] = {}
+        self._revision = 0
+        self._ring_version = 0
+        self._next_member_id = 1
+        self._dedupe: OrderedDict[bytes, bytes] = OrderedDict()
+        self._dedupe_bytes = 0
+
+    # --- applying commands ----------------------------------------------------------------
+
+    def apply_encoded(self, data: bytes) -> Result:
+        """Apply one Raft log entry. Undecodable bytes change nothing and give an ErrorResult."""
+        try:
+            command = decode(data)
+        except CommandDecodeError as e:
+            return ErrorResult(e.message)
+        return self.apply(command)
+
+    def apply(self, command: SimpleCommand | Batch) -> Result:
+        if isinstance(command, Batch):
+            results: list[Result] = []
+            for sub in command.commands:
+                if isinstance(cast(object, sub), Batch):  # decode() never builds one
+                    results.append(ErrorResult("a Batch must not contain a Batch"))
+                else:
+                    results.append(self._apply_once(sub))
+            return BatchResult(tuple(results))
+        return self._apply_once(command)
+
+    def _apply_once(self, command: SimpleCommand) -> Result:
+        rid = command.request_id
+        if rid:
+            stored = self._dedupe.get(rid)
+            if stored is not None:
+                return decode_result(stored)
+        result = self._dispatch(command)
+        if rid and not isinstance(result, ErrorResult):
+            if isinstance(result, CommitPutsResult) and result.stale_ring:
+                return result  # nothing applied; a retry is stale again (ring versions only grow)
+            self._remember(rid, encode_result(result))
+        return result
+
+    def _dispatch(self, command: SimpleCommand) -> Result:
+        if isinstance(command, CommitPuts):
+            return self._commit_puts(command)
+        if isinstance(command, RemoveKeys):
+            return self._remove_keys(command)
+        if isinstance(command, DropReplicas):
+            return self._drop_replicas(command)
+        if isinstance(command, RegisterMember):
+            return self._register_member(command)
+        if isinstance(command, MarkMemberDown):
+            return self._mark_member_down(command)
+        if isinstance(command, RegisterMaster):
+            return self._register_master(command)
+        assert_never(command)
+
+    def _remember(self, request_id: bytes, stored: bytes) -> None:
+        self._dedupe[request_id] = stored
+        self._dedupe_bytes += len(stored) + len(request_id) + _DEDUPE_OVERHEAD_BYTES
+        while len(self._dedupe) > self._dedupe_capacity or (
+            self._dedupe_bytes > self._dedupe_max_bytes and len(self._dedupe) > 1
+        ):
+            old_rid, old = self._dedupe.popitem(last=False)
+            self._dedupe_bytes -= len(old) + len(old_rid) + _DEDUPE_OVERHEAD_BYTES
+
+    def _commit_puts(self, cmd: CommitPuts) -> CommitPutsResult:
+        if cmd.ring_version < self._ring_version:
+            return CommitPutsResult((), self._revision, self._ring_version, stale_ring=True)
+        outcomes: list[PutOutcome] = []
+        for item in cmd.entries:
+            kept = self._live_replicas(item.replicas)
+            if not kept:
+                outcomes.append(PutOutcome(PUT_NO_LIVE_REPLICA, 0, ()))
+                continue
+            self._revision += 1
+            version = self._revision
+            old = self._entries.get(item.key)
+            if old is not None:
+                for m in record_replicas(old):
+                    self._unlink(m, item.key)
+            self._entries[item.key] = pack_record(
+                version, item.write_id, item.size_bytes, item.checksum, kept
+            )
+            for m in kept:
+                self._member_keys[m][item.key] = None
+            outcomes.append(PutOutcome(PUT_COMMITTED, version, kept))
+        return CommitPutsResult(tuple(outcomes), self._revision, self._ring_version)
+
+    def _live_replicas(self, replicas: Iterable[int]) -> tuple[int, ...]:
+        kept: list[int] = []
+        for m in replicas:
+            rec = self._members.get(m)
+            if rec is not None and rec.live and m not in kept:
+                kept.append(m)
+        return tuple(kept)
+
+    def _unlink(self, member_id: int, key: str) -> None:
+        """Forget that ``member_id`` holds ``key``; forget a dead member left holding nothing."""
+        keys = self._member_keys.get(member_id)
+        if keys is None:
+            return
+        keys.pop(key, None)
+        if not keys:
+            self._forget_if_dead(member_id)
+
+    def _forget_if_dead(self, member_id: int) -> bool:
+        rec = self._members.get(member_id)
+        if rec is None or rec.live or self._member_keys.get(member_id):
+            return False
+        del self._members[member_id]
+        self._member_keys.pop(member_id, None)
+        if self._member_of_node.get(rec.node_id) == member_id:
+            del self._member_of_node[rec.node_id]
+        return True
+
+    def _remove_keys(self, cmd: RemoveKeys) -> RemoveKeysResult:
+        removed: list[bool] = []
+        blocks: list[RemovedBlock] = []
+        for key in cmd.keys:
+            record = self._entries.pop(key, None)
+            if record is None:
+                removed.append(False)
+                continue
+            _, write_id, _, _, _, replicas = unpack_record(record)
+            for m in replicas:
+                self._unlink(m, key)
+            removed.append(True)
+            blocks.append(RemovedBlock(key, write_id, replicas))
+        if blocks:
+            self._revision += 1
+        return RemoveKeysResult(tuple(removed), tuple(blocks), self._revision)
+
+    def _drop_replicas(self, cmd: DropReplicas) -> DropReplicasResult:
+        member_id = cmd.member_id
+        dropped = 0
+        for key, write_id in cmd.blocks:
+            record = self._entries.get(key)
+            if record is None:
+                continue
+            version, indexed_write_id, size_bytes, checksum, pinned, replicas = unpack_record(
+                record
+            )
+            if (write_id and write_id != indexed_write_id) or member_id not in replicas:
+                continue
+            rest = tuple(m for m in replicas if m != member_id)
+            if rest:
+                self._entries[key] = pack_record(
+                    version, indexed_write_id, size_bytes, checksum, rest, pinned=pinned
+                )
+            else:
+                del self._entries[key]
+            self._unlink(member_id, key)
+            dropped += 1
+        forgotten = self._forget_if_dead(member_id)
+        if dropped or forgotten:
+            self._revision += 1
+        return DropReplicasResult(dropped, self._revision)
+
+    def _register_member(self, cmd: RegisterMember) -> RegisterMemberResult:
+        existing_id = self._member_of_node.get(cmd.node_id)
+        existing = self._members.get(existing_id) if existing_id is not None else None
+        if existing is not None and existing.live and existing.incarnation == cmd.incarnation:
+            return RegisterMemberResult(existing.member_id, self._ring_version)
+        if existing is not None and existing.live:
+            self._members[existing.member_id] = replace(existing, live=False)
+            self._forget_if_dead(existing.member_id)
+        member_id = self._next_member_id
+        self._next_member_id += 1
+        self._members[member_id] = MemberRecord(
+            member_id,
+            cmd.node_id,
+            cmd.incarnation,
+            cmd.data_address,
+            cmd.admin_address,
+            cmd.capacity_bytes,
+            cmd.zone,
+            live=True,
+        )
+        self._member_keys[member_id] = {}
+        self._member_of_node[cmd.node_id] = member_id
+        self._ring_version += 1
+        self._revision += 1
+        return RegisterMemberResult(member_id, self._ring_version)
+
+    def _mark_member_down(self, cmd: MarkMemberDown) -> MarkMemberDownResult:
+        rec = self._members.get(cmd.member_id)
+        if rec is None or not rec.live:
+            return MarkMemberDownResult(False, self._ring_version)
+        self._members[cmd.member_id] = replace(rec, live=False)
+        self._forget_if_dead(cmd.member_id)
+        self._ring_version += 1
+        self._revision += 1
+        return MarkMemberDownResult(True, self._ring_version)
+
+    def _register_master(self, cmd: RegisterMaster) -> RegisterMasterResult:
+        if self._masters.get(cmd.raft_address) != cmd.grpc_address:
+            self._masters[cmd.raft_address] = cmd.grpc_address
+            self._revision += 1
+        return RegisterMasterResult(self._revision)
+
+    # --- reads --------------------------------------------------------------------------------
+
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    @property
+    def ring_version(self) -> int:
+        return self._ring_version
+
+    def _is_live(self, member_id: int) -> bool:
+        rec = self._members.get(member_id)
+        return rec is not None and rec.live
+
+    def lookup(self, keys: Iterable[str]) -> list[BlockView | None]:
+        """One answer per key: the entry with its live replicas, or None (absent, or every
+        replica is on a member that is down)."""
+        out: list[BlockView | None] = []
+        members = self._members
+        for key in keys:
+            record = self._entries.get(key)
+            if record is None:
+                out.append(None)
+                continue
+            version, write_id, size_bytes, checksum, pinned, replicas = unpack_record(record)
+            live = tuple(m for m in replicas if (r := members.get(m)) is not None and r.live)
+            if not live:
+                out.append(None)
+                continue
+            out.append(BlockView(key, version, write_id, size_bytes, checksum, live, pinned))
+        return out
+
+    def prefix_match(self, keys: Iterable[str]) -> int:
+        """Length of the leading run of keys present with at least one live replica."""
+        matched = 0
+        for key in keys:
+            record = self._entries.get(key)
+            if record is None or not any(self._is_live(m) for m in record_replicas(record)):
+                break
+            matched += 1
+        return matched
+
+    def member(self, member_id: int) -> MemberRecord | None:
+        return self._members.get(member_id)
+
+    def live_members(self) -> list[MemberRecord]:
+        return [m for m in self._members.values() if m.live]
+
+    def member_of_node(self, node_id: str) -> int | None:
+        return self._member_of_node.get(node_id)
+
+    def masters(self) -> dict[str, str]:
+        return dict(self._masters)
+
+    def master_grpc_address(self, raft_address: str) -> str | None:
+        return self._masters.get(raft_address)
+
+    def member_keys(self, member_id: int, limit: int) -> list[str]:
+        """Up to ``limit`` keys the index lists on ``member_id``, oldest first."""
+        out: list[str] = []
+        for key in self._member_keys.get(member_id, {}):
+            if len(out) >= limit:
+                break
+            out.append(key)
+        return out
+
+    def dead_members_with_keys(self) -> list[int]:
+        """Members declared down whose replicas are still to be purged from the entries."""
+        return [m for m, keys in self._member_keys.items() if keys and not self._members[m].live]
+
+    def status(self) -> IndexStatus:
+        live = sum(1 for m in self._members.values() if m.live)
+        return IndexStatus(
+            entries=len(self._entries),
+            revision=self._revision,
+            ring_version=self._ring_version,
+            members=len(self._members),
+            live_members=live,
+            dedupe_entries=len(self._dedupe),
+        )
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # --- snapshots ------------------------------------------------------------------------------
+
+    def export_state(self) -> dict[str, Any]:
+        """The state as plain Python containers for a Raft snapshot.
+
+        Shares (does not copy) the big dicts: PySyncObj calls this on the Raft thread right
+        before forking a child that pickles it, so it must be cheap; nothing mutates the index
+        between the call and the fork."""
+        return {
+            "format": STATE_FORMAT,
+            "entries": self._entries,
+            "members": [
+                (
+                    m.member_id,
+                    m.node_id,
+                    m.incarnation,
+                    m.data_address,
+                    m.admin_address,
+                    m.capacity_bytes,
+                    m.zone,
+                    m.live,
+                )
+                for m in self._members.values()
+            ],
+            "member_of_node": self._member_of_node,
+            "member_keys": self._member_keys,
+            "masters": self._masters,
+            "revision": self._revision,
+            "ring_version": self._ring_version,
+            "next_member_id": self._next_member_id,
+            "dedupe": self._dedupe,
+        }
+
+    @classmethod
+    def import_state(
+        cls,
+        state: dict[str, Any],
+        *,
+        dedupe_capacity: int = 65536,
+        dedupe_max_bytes: int = 64 << 20,
+    ) -> BlockIndex:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"index snapshot has format {state.get('format')!r}; this master reads "
+                f"format {STATE_FORMAT}"
+            )
+        index = cls(dedupe_capacity=dedupe_capacity, dedupe_max_bytes=dedupe_max_bytes)
+        index._entries = state["entries"]
+        index._members = {t[0]: MemberRecord(*t) for t in state["members"]}
+        index._member_of_node = state["member_of_node"]
+        index._member_keys = state["member_keys"]
+        index._masters = state["masters"]
+        index._revision = state["revision"]
+        index._ring_version = state["ring_version"]
+        index._next_member_id = state["next_member_id"]
+        dedupe: OrderedDict[bytes, bytes] = OrderedDict(state["dedupe"])
+        index._dedupe = dedupe
+        index._dedupe_bytes = sum(
+            len(k) + len(v) + _DEDUPE_OVERHEAD_BYTES for k, v in dedupe.items()
+        )
+        return index
+
+    def canonical_state(self) -> tuple[Any, ...]:
+        """Everything replicated, insertion order included: two indexes fed the same commands
+        give equal values (tests, divergence checks)."""
+        return (
+            list(self._entries.items()),
+            list(self._members.items()),
+            list(self._member_of_node.items()),
+            [(m, list(keys)) for m, keys in self._member_keys.items()],
+            list(self._masters.items()),
+            self._revision,
+            self._ring_version,
+            self._next_member_id,
+            list(self._dedupe.items()),
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the state is inconsistent (tests call it after each step)."""
+        for key, record in self._entries.items():
+            replicas = record_replicas(record)
+            assert replicas, f"{key!r} has no replica"
+            assert len(set(replicas)) == len(replicas), f"{key!r} lists a replica twice"
+            for m in replicas:
+                assert m in self._members, f"{key!r} names unknown member {m}"
+                assert key in self._member_keys[m], f"reverse index lacks {key!r} on {m}"
+        for m, keys in self._member_keys.items():
+            assert m in self._members, f"reverse index names unknown member {m}"
+            for key in keys:
+                held = self._entries.get(key)
+                assert held is not None, f"reverse index names absent key {key!r}"
+                assert m in record_replicas(held), f"{key!r} does not list member {m}"
+        for m, rec in self._members.items():
+            assert rec.member_id == m
+            assert m < self._next_member_id
+            assert m in self._member_keys
+            if not rec.live:
+                assert self._member_keys[m], f"dead member {m} without keys not forgotten"
+        for node_id, m in self._member_of_node.items():
+            assert self._members[m].node_id == node_id
+        for m, rec in self._members.items():
+            if rec.live:
+                assert self._member_of_node.get(rec.node_id) == m, f"live member {m} unmapped"
+        assert len(self._dedupe) <= self._dedupe_capacity

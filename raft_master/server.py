@@ -1,0 +1,328 @@
+"""The master process: PySyncObj + the gRPC service + failure detection, until SIGTERM.
+
+    python -m kvpool.raft_master.server --config-json '{"listen": "127.0.0.1:7300", ...}'
+
+(``--config FILE.toml`` reads the ``[master]`` section first; ``KVPOOL_*`` variables apply.)
+Launch it with ``GRPC_ENABLE_FORK_SUPPORT=false`` in the environment: PySyncObj forks a child to
+write snapshots, and gRPC's fork handlers (read when grpc is imported, so this process cannot
+turn them off itself) only log "skipping fork() handlers" for a child that pickles and exits.
+:func:`main` blocks; it returns 0 after a graceful stop, 2 when the master cannot start (bad
+configuration, an address in use, a data directory held by another master), 1 when the Raft
+thread died. One log line per lifecycle event (``master_started``, ``master_ready``,
+``became_leader``, ``lost_leadership``, ``master_stopped``…), each with the node id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpool.config import MasterConfig, load_config, split_hostport
+from kvpool.errors import ConfigError, KVPoolError
+from kvpool.grpcutil import ServerHandle, start_server
+from kvpool.logs import bind_process, configure_logging, get_logger
+from kvpool.proto.v1 import master_pb2_grpc
+from kvpool.raft_master.failure import FailureDetector, FailureLoop
+from kvpool.raft_master.replication import Replicator, StartupError, StuckFollowerWatch
+from kvpool.raft_master.service import MasterService
+
+MONITOR_PERIOD_S = 0.1
+MAINTAIN_PERIOD_S = 0.2
+STUCK_CHECK_PERIOD_S = 1.0
+GRPC_GRACE_S = 1.0
+LOCK_WAIT_S = 5.0
+EXIT_OK = 0
+EXIT_RAFT_DIED = 1
+EXIT_STARTUP = 2
+
+
+def main(cfg: MasterConfig) -> int:
+    """Run one master until SIGTERM/SIGINT; see the module docstring for exit codes."""
+    try:
+        configure_logging(cfg.log_level, cfg.log_format)
+    except ValueError as e:
+        print(f"kvpool master: {e}", file=sys.stderr)
+        return EXIT_STARTUP
+    bind_process(role="master", node_id=cfg.raft_listen)
+    try:
+        return asyncio.run(MasterProcess(cfg).run())
+    except (StartupError, ConfigError) as e:
+        message = e.message if isinstance(e, KVPoolError) else str(e)
+        print(f"kvpool master {cfg.raft_listen}: cannot start: {message}", file=sys.stderr)
+        return EXIT_STARTUP
+
+
+def advertised_grpc_address(cfg: MasterConfig, bound_port: int) -> str:
+    if cfg.advertise_address:
+        return cfg.advertise_address
+    host, _ = split_hostport(cfg.listen)
+    if host in ("0.0.0.0", "::", ""):
+        raise StartupError(
+            f"listen {cfg.listen} is a wildcard address: set advertise_address to the address "
+            "clients and nodes should dial"
+        )
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{bound_port}"
+
+
+def write_ready_file(path: str, content: dict[str, Any]) -> None:
+    """Write JSON atomically (temp file in the same directory, then rename)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(content, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def lock_data_dir(data_dir: str, wait_s: float = LOCK_WAIT_S) -> int:
+    """Hold ``data_dir/LOCK`` for the life of the process (one master per data directory).
+
+    A forked compaction child inherits the lock (and our listening sockets) and keeps it until
+    it exits, so once the lock is ours the previous run's sockets are free too
+    (PYSYNCOBJ.md trap 9). Waits ``wait_s`` for such a child."""
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(os.path.join(data_dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise StartupError(
+                    f"data_dir {data_dir} is in use by another master process (or by the "
+                    "snapshot writer of a previous run, still finishing)"
+                ) from None
+            time.sleep(0.1)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+class MasterProcess:
+    """Assembles one master; :meth:`run` serves until :meth:`request_stop` or a signal."""
+
+    def __init__(self, cfg: MasterConfig) -> None:
+        self.cfg = cfg
+        self.log = get_logger("kvpool.raft_master")
+        self.replicator = Replicator(cfg)
+        self.detector = FailureDetector(cfg.node_timeout_s)
+        self.service = MasterService(
+            cfg, self.replicator, self.detector, grpc_address=cfg.advertise_address or cfg.listen
+        )
+        self.failure_loop = FailureLoop(
+            self.replicator,
+            self.detector,
+            commit_timeout_s=cfg.commit_timeout_s,
+            established=self.service.leader_established,
+        )
+        self.stuck_watch = StuckFollowerWatch(cfg.stuck_follower_s)
+        self._stop: asyncio.Event | None = None
+        self._exit_code = EXIT_OK
+        self._handle: ServerHandle | None = None
+        self._lock_fd: int | None = None
+
+    def request_stop(self, exit_code: int = EXIT_OK) -> None:
+        self._exit_code = max(self._exit_code, exit_code)
+        if self._stop is not None:
+            self._stop.set()
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            if not cfg.in_memory:
+                self._lock_fd = lock_data_dir(cfg.data_dir)
+            try:
+                self._handle = await start_server(
+                    cfg.listen,
+                    [
+                        (
+                            master_pb2_grpc.add_MasterServicer_to_server,
+                            self.service,
+                            "kvpool.v1.Master",
+                        )
+                    ],
+                )
+            except (KVPoolError, RuntimeError) as e:
+                raise StartupError(f"cannot bind the gRPC address {cfg.listen}: {e}") from None
+            self.service.grpc_address = advertised_grpc_address(cfg, self._handle.port)
+            self.replicator.start()  # on this (the main) thread: PySyncObj ties its thread to it
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+            if cfg.ready_file:
+                write_ready_file(
+                    cfg.ready_file,
+                    {
+                        "role": "master",
+                        "pid": os.getpid(),
+                        "grpc": self.service.grpc_address,
+                        "raft": cfg.raft_listen,
+                    },
+                )
+            self.log.info(
+                "master_started",
+                grpc=self.service.grpc_address,
+                raft=cfg.raft_listen,
+                peers=list(cfg.raft_peers),
+                data_dir=cfg.data_dir if not cfg.in_memory else None,
+                in_memory=cfg.in_memory,
+                pid=os.getpid(),
+                grpc_fork_support=os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "default"),
+            )
+            tasks = [
+                loop.create_task(self._monitor(), name="monitor"),
+                loop.create_task(self._maintain(), name="maintain"),
+                loop.create_task(self.failure_loop.run(), name="failure"),
+            ]
+            try:
+                await self._stop.wait()
+            finally:
+                self.log.info("master_stopping", exit_code=self._exit_code)
+                await self._shutdown(tasks)
+            self.log.info("master_stopped", exit_code=self._exit_code)
+            return self._exit_code
+        except BaseException:
+            await self._cleanup_after_failed_start()
+            raise
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    async def _cleanup_after_failed_start(self) -> None:
+        if self._handle is not None:
+            with contextlib.suppress(Exception):
+                await self._handle.stop(0)
+            self._handle = None
+        await asyncio.to_thread(self.replicator.stop)
+
+    async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                await handle.set_ready(False)
+            await handle.stop(GRPC_GRACE_S)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.to_thread(self.replicator.stop)
+        if self.cfg.ready_file:
+            with contextlib.suppress(OSError):
+                os.unlink(self.cfg.ready_file)
+
+    async def _monitor(self) -> None:
+        """Role changes, readiness, Raft thread liveness, stuck followers."""
+        led_term: int | None = None  # the term this master was last seen leading
+        was_ready: bool | None = None
+        last_stuck_check = 0.0
+        while True:
+            await asyncio.sleep(MONITOR_PERIOD_S)
+            if not self.replicator.tick_alive():
+                self.log.critical("raft_thread_died")
+                self.request_stop(EXIT_RAFT_DIED)
+                return
+            leader = self.replicator.is_leader()
+            term = self.replicator.term()
+            if led_term is not None and (not leader or term != led_term):
+                self.log.info(
+                    "lost_leadership", term=led_term, leader=self.replicator.leader_raft_address()
+                )
+                self.stuck_watch.reset()
+                led_term = None
+            if leader and led_term is None:
+                self.log.info("became_leader", term=term)
+                led_term = term
+            ready = self.replicator.is_ready()
+            if ready != was_ready and self._handle is not None:
+                await self._handle.set_ready(ready)
+                if ready:
+                    self.log.info("master_ready", leader=self.replicator.leader_raft_address())
+                elif was_ready is not None:
+                    self.log.warning("master_not_ready")
+                was_ready = ready
+            now = time.monotonic()
+            if leader and now - last_stuck_check >= STUCK_CHECK_PERIOD_S:
+                last_stuck_check = now
+                self._check_stuck_followers(now)
+
+    def _check_stuck_followers(self, now: float) -> None:
+        status = self.replicator.status()
+        if status.role != "leader":
+            return
+        stuck = self.stuck_watch.observe(now, status.commit_index, status.follower_match_index)
+        for follower in stuck:
+            self.log.warning(
+                "follower_stuck",
+                follower=follower,
+                match_index=status.follower_match_index.get(follower),
+                commit_index=status.commit_index,
+                action="force_log_compaction",
+            )
+        if stuck:
+            self.replicator.force_compaction()
+
+    async def _maintain(self) -> None:
+        while True:
+            await asyncio.sleep(MAINTAIN_PERIOD_S)
+            try:
+                await self.service.maintain()
+            except asyncio.CancelledError:
+                raise
+            except KVPoolError as e:
+                self.log.debug("maintain_deferred", error=e.message)
+            except Exception:
+                self.log.exception("maintain_failed")
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def _parse_args(argv: list[str]) -> MasterConfig:
+    parser = argparse.ArgumentParser(prog="python -m kvpool.raft_master.server")
+    parser.add_argument("--config", help="TOML file (its [master] section)")
+    parser.add_argument("--config-json", help="settings as a JSON object (override the rest)")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    if args.config_json:
+        try:
+            loaded = json.loads(args.config_json)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config-json: not JSON: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError("--config-json: expected a JSON object")
+        overrides = loaded
+    return load_config(MasterConfig, toml_path=args.config, section="master", overrides=overrides)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    try:
+        cfg = _parse_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(f"kvpool master: {e.message}", file=sys.stderr)
+        return EXIT_STARTUP
+    return main(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,505 @@
+"""The ``kvpool.v1.Master`` gRPC service (grpc.aio): validation, leader guard, group commit.
+
+Writes (CommitPuts, Remove, RegisterNode, Heartbeat, ReportEvictions, LeaveNode) are served by the
+leader only; elsewhere they raise :class:`NotLeaderError` carrying the leader's gRPC address from
+the replicated masters table. Reads (Lookup, PrefixMatch, GetMembers, ClusterStatus) are answered
+from the local index on any master; a stale answer can only cause a miss.
+
+Group commit: CommitPuts requests that arrive while a Raft entry is in flight are merged into the
+next entry (a ``Batch`` whose sub-commands keep their own request ids and results), up to
+``commit_batch_max_entries`` put entries per Raft entry.
+
+Raised :class:`~kvpool.errors.KVPoolError` s become a status plus metadata in the interceptor of
+:mod:`kvpool.grpcutil`; the server keeps serving after any bad request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc.aio
+
+from kvpool.config import MasterConfig
+from kvpool.errors import (
+    InternalError,
+    InvalidKeyError,
+    MalformedRequestError,
+    NotCaughtUpError,
+    NotLeaderError,
+    UnavailableError,
+)
+from kvpool.logs import get_logger
+from kvpool.proto import PROTOCOL_VERSION
+from kvpool.proto.v1 import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.proto.wire import MAX_KEY_BYTES
+from kvpool.raft_master.commands import (
+    Batch,
+    CommitPuts,
+    DropReplicas,
+    DropReplicasResult,
+    MarkMemberDown,
+    MarkMemberDownResult,
+    PutItem,
+    RegisterMaster,
+    RegisterMember,
+    RegisterMemberResult,
+    RemoveKeys,
+    RemoveKeysResult,
+    Result,
+    SimpleCommand,
+)
+from kvpool.raft_master.failure import FailureDetector
+from kvpool.raft_master.group_commit import GroupCommitter
+from kvpool.raft_master.index import BlockIndex, MemberRecord
+from kvpool.raft_master.replication import Replicator
+
+REQUEST_ID_BYTES = 16
+MAX_REVISION_WAIT_S = 1.0
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def check_request_id(request_id: bytes) -> bytes:
+    if len(request_id) != REQUEST_ID_BYTES:
+        raise MalformedRequestError(
+            f"request_id must be {REQUEST_ID_BYTES} bytes, got {len(request_id)}"
+        )
+    return bytes(request_id)
+
+
+def check_key(key: str) -> str:
+    if not key:
+        raise InvalidKeyError("empty key")
+    if len(key) > MAX_KEY_BYTES // 4 and len(key.encode("utf-8")) > MAX_KEY_BYTES:
+        raise InvalidKeyError(
+            f"key of {len(key.encode('utf-8'))} UTF-8 bytes is above the limit of {MAX_KEY_BYTES}"
+        )
+    return key
+
+
+def check_keys(keys: Iterable[str], *, allow_empty: bool) -> list[str]:
+    out = [check_key(k) for k in keys]
+    if not out and not allow_empty:
+        raise MalformedRequestError("no keys given")
+    return out
+
+
+def member_pb(rec: MemberRecord) -> common_pb2.Member:
+    return common_pb2.Member(
+        member_id=rec.member_id,
+        node_id=rec.node_id,
+        incarnation=rec.incarnation,
+        data_address=rec.data_address,
+        admin_address=rec.admin_address,
+        capacity_bytes=rec.capacity_bytes,
+        zone=rec.zone,
+        live=rec.live,
+    )
+
+
+def _named_live_members(ix: BlockIndex, ids: Iterable[int]) -> list[MemberRecord]:
+    out: dict[int, MemberRecord] = {}
+    for member_id in ids:
+        if member_id not in out:
+            rec = ix.member(member_id)
+            if rec is not None and rec.live:
+                out[member_id] = rec
+    return [out[m] for m in sorted(out)]
+
+
+# --- the servicer -------------------------------------------------------------------------------
+
+
+@dataclass
+class NodeStats:
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    block_count: int = 0
+    staged_count: int = 0
+    hits_total: int = 0
+    misses_total: int = 0
+    evictions_total: int = 0
+
+
+class MasterService(master_pb2_grpc.MasterServicer):
+    """Implements ``kvpool.v1.Master`` over one :class:`Replicator`."""
+
+    def __init__(
+        self,
+        cfg: MasterConfig,
+        replicator: Replicator,
+        detector: FailureDetector,
+        *,
+        grpc_address: str,
+        clock: Callable[[], float] = time.monotonic,
+        logger: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.replicator = replicator
+        self.detector = detector
+        self.grpc_address = grpc_address
+        self._clock = clock
+        self._log = logger or get_logger("kvpool.raft_master.service")
+        self.committer = GroupCommitter(
+            self._propose_raw,
+            max_entries=cfg.commit_batch_max_entries,
+            timeout_s=cfg.commit_timeout_s,
+        )
+        self._node_stats: dict[int, NodeStats] = {}
+        self._established_term: int | None = None
+        self._announce_in_flight = False
+
+    # --- leadership -----------------------------------------------------------------------
+
+    def _leader_grpc_address(self) -> str | None:
+        leader = self.replicator.leader_raft_address()
+        if leader is None:
+            return None
+        return self.replicator.read(lambda ix: ix.master_grpc_address(leader))
+
+    def _not_leader(self) -> NotLeaderError:
+        leader = self._leader_grpc_address()
+        if leader == self.grpc_address:
+            leader = None
+        return NotLeaderError(
+            f"master {self.grpc_address} is not the Raft leader"
+            + (f"; the leader is {leader}" if leader else "; no leader known yet"),
+            leader=leader,
+        )
+
+    def _require_leader(self) -> None:
+        if not self.replicator.is_leader():
+            raise self._not_leader()
+
+    def leader_established(self) -> bool:
+        """Leader, and an entry proposed in this term has been applied here: the local index
+        holds every entry committed before this leadership (safe to declare nodes unknown)."""
+        return self.replicator.is_leader() and self._established_term == self.replicator.term()
+
+    async def _propose_raw(self, command: SimpleCommand | Batch, timeout_s: float) -> Result:
+        try:
+            return await self.replicator.propose(command, timeout_s)
+        except UnavailableError:
+            if not self.replicator.is_leader():
+                raise self._not_leader() from None
+            raise
+
+    async def _propose(self, command: SimpleCommand, context: Any = None) -> Result:
+        timeout_s = self.cfg.commit_timeout_s
+        remaining = context.time_remaining() if context is not None else None
+        if remaining is not None:
+            timeout_s = max(0.001, min(timeout_s, remaining))
+        return await self._propose_raw(command, timeout_s)
+
+    async def maintain(self) -> None:
+        """Called periodically by the server: establish leadership with a barrier entry and
+        keep this master's gRPC address in the replicated masters table."""
+        if not self.replicator.is_leader():
+            if self._established_term is not None:
+                self._established_term = None
+                self._node_stats.clear()
+        elif not self.leader_established():
+            term = self.replicator.term()
+            await self._announce()
+            if self.replicator.is_leader() and self.replicator.term() == term:
+                self._established_term = term
+            return
+        leader = self.replicator.leader_raft_address()
+        if leader is None or self._announce_in_flight:
+            return
+        raft = self.cfg.raft_listen
+        if self.replicator.read(lambda ix: ix.master_grpc_address(raft)) != self.grpc_address:
+            await self._announce()
+
+    async def _announce(self) -> None:
+        self._announce_in_flight = True
+        try:
+            await self.replicator.propose(
+                RegisterMaster(os.urandom(16), self.cfg.raft_listen, self.grpc_address),
+                self.cfg.commit_timeout_s,
+            )
+        finally:
+            self._announce_in_flight = False
+
+    # --- writes ---------------------------------------------------------------------------------
+
+    async def CommitPuts(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.CommitPutsRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.CommitPutsResponse:
+        request_id = check_request_id(request.request_id)
+        if not request.entries:
+            raise MalformedRequestError("CommitPuts without entries")
+        if len(request.entries) > self.cfg.commit_batch_max_entries:
+            raise MalformedRequestError(
+                f"{len(request.entries)} entries in one CommitPuts; at most "
+                f"{self.cfg.commit_batch_max_entries}"
+            )
+        items = []
+        for e in request.entries:
+            check_key(e.key)
+            if e.write_id == 0:
+                raise MalformedRequestError(f"entry {e.key!r}: write_id 0 is reserved")
+            if not e.replicas:
+                raise MalformedRequestError(f"entry {e.key!r}: no replicas")
+            items.append(PutItem(e.key, e.write_id, e.size_bytes, e.checksum, tuple(e.replicas)))
+        self._require_leader()
+        command = CommitPuts(request_id, request.ring_version, tuple(items))
+        result = await self.committer.submit(command)
+        response = master_pb2.CommitPutsResponse(
+            revision=result.revision,
+            stale_ring=result.stale_ring,
+            ring_version=result.ring_version,
+        )
+        for o in result.outcomes:
+            response.results.add(status=o.status, version=o.version, replicas=o.replicas)
+        return response
+
+    async def Remove(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.RemoveRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.RemoveResponse:
+        request_id = check_request_id(request.request_id)
+        keys = check_keys(request.keys, allow_empty=False)
+        self._require_leader()
+        result = await self._propose(RemoveKeys(request_id, tuple(keys)), context)
+        if not isinstance(result, RemoveKeysResult):
+            raise InternalError(f"unexpected result {type(result).__name__}")
+        members = self.replicator.read(
+            lambda ix: _named_live_members(ix, (m for b in result.blocks for m in b.replicas))
+        )
+        response = master_pb2.RemoveResponse(
+            removed=result.removed, revision=result.revision, members=map(member_pb, members)
+        )
+        for b in result.blocks:
+            response.blocks.add(key=b.key, write_id=b.write_id, replicas=b.replicas)
+        return response
+
+    async def RegisterNode(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.RegisterNodeResponse:
+        request_id = check_request_id(request.request_id)
+        if not request.node_id:
+            raise MalformedRequestError("RegisterNode without node_id")
+        if not request.data_address:
+            raise MalformedRequestError("RegisterNode without data_address")
+        self._require_leader()
+        result = await self._propose(
+            RegisterMember(
+                request_id,
+                request.node_id,
+                request.incarnation,
+                request.data_address,
+                request.admin_address,
+                request.capacity_bytes,
+                request.zone,
+            ),
+            context,
+        )
+        if not isinstance(result, RegisterMemberResult):
+            raise InternalError(f"unexpected result {type(result).__name__}")
+        self.detector.heartbeat(result.member_id, self._clock())
+        self._node_stats[result.member_id] = NodeStats(capacity_bytes=request.capacity_bytes)
+        self._log.info(
+            "node_registered",
+            node=request.node_id,
+            member_id=result.member_id,
+            incarnation=request.incarnation,
+            ring_version=result.ring_version,
+        )
+        return master_pb2.RegisterNodeResponse(
+            member_id=result.member_id,
+            ring_version=result.ring_version,
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+            node_timeout_s=self.cfg.node_timeout_s,
+        )
+
+    async def Heartbeat(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.HeartbeatResponse:
+        self._require_leader()
+        if not self.leader_established():
+            raise UnavailableError("the new leader is still applying the log; retry shortly")
+        member_id = request.member_id
+        known, ring_version = self.replicator.read(
+            lambda ix: ((rec := ix.member(member_id)) is not None and rec.live, ix.ring_version)
+        )
+        if known:
+            self.detector.heartbeat(member_id, self._clock())
+            self._node_stats[member_id] = NodeStats(
+                capacity_bytes=request.capacity_bytes,
+                used_bytes=request.used_bytes,
+                block_count=request.block_count,
+                staged_count=request.staged_count,
+                hits_total=request.hits_total,
+                misses_total=request.misses_total,
+                evictions_total=request.evictions_total,
+            )
+        else:
+            self._node_stats.pop(member_id, None)
+        return master_pb2.HeartbeatResponse(known=known, ring_version=ring_version)
+
+    async def ReportEvictions(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.ReportEvictionsRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.ReportEvictionsResponse:
+        request_id = check_request_id(request.request_id)
+        if request.member_id == 0:
+            raise MalformedRequestError("ReportEvictions without member_id")
+        blocks = tuple((check_key(b.key), b.write_id) for b in request.blocks)
+        self._require_leader()
+        if not blocks:
+            revision = self.replicator.read(lambda ix: ix.revision)
+            return master_pb2.ReportEvictionsResponse(dropped=0, revision=revision)
+        result = await self._propose(DropReplicas(request_id, request.member_id, blocks), context)
+        if not isinstance(result, DropReplicasResult):
+            raise InternalError(f"unexpected result {type(result).__name__}")
+        return master_pb2.ReportEvictionsResponse(dropped=result.dropped, revision=result.revision)
+
+    async def LeaveNode(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.LeaveNodeRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.LeaveNodeResponse:
+        request_id = check_request_id(request.request_id)
+        if request.member_id == 0:
+            raise MalformedRequestError("LeaveNode without member_id")
+        self._require_leader()
+        record, ring_version = self.replicator.read(
+            lambda ix: (ix.member(request.member_id), ix.ring_version)
+        )
+        if record is None:  # already down and purged: leaving again is a no-op
+            return master_pb2.LeaveNodeResponse(ring_version=ring_version)
+        result = await self._propose(MarkMemberDown(request_id, request.member_id, "left"), context)
+        if not isinstance(result, MarkMemberDownResult):
+            raise InternalError(f"unexpected result {type(result).__name__}")
+        self.detector.forget(request.member_id)
+        self._node_stats.pop(request.member_id, None)
+        if result.changed:
+            self._log.info("node_left", node=record.node_id, member_id=request.member_id)
+        return master_pb2.LeaveNodeResponse(ring_version=result.ring_version)
+
+    # --- reads ------------------------------------------------------------------------------------
+
+    async def _wait_for_revision(self, min_revision: int, context: Any) -> None:
+        if min_revision <= self.replicator.read(lambda ix: ix.revision):
+            return
+        loop = asyncio.get_running_loop()
+        wait_s = MAX_REVISION_WAIT_S
+        remaining = context.time_remaining() if context is not None else None
+        if remaining is not None:
+            wait_s = min(wait_s, max(0.0, remaining - 0.05))
+        deadline = loop.time() + wait_s
+        delay = 0.001
+        while True:
+            revision = self.replicator.read(lambda ix: ix.revision)
+            if revision >= min_revision:
+                return
+            if loop.time() >= deadline:
+                raise NotCaughtUpError(
+                    f"master {self.grpc_address} has applied revision {revision}; "
+                    f"the caller asked for {min_revision}"
+                )
+            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+            delay = min(delay * 2, 0.02)
+
+    async def Lookup(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.LookupResponse:
+        keys = check_keys(request.keys, allow_empty=True)
+        await self._wait_for_revision(request.min_revision, context)
+
+        def read(ix: BlockIndex) -> tuple[Any, list[MemberRecord], int, int]:
+            views = ix.lookup(keys)
+            named = (m for v in views if v is not None for m in v.replicas)
+            return views, _named_live_members(ix, named), ix.revision, ix.ring_version
+
+        views, members, revision, ring_version = self.replicator.read(read)
+        response = master_pb2.LookupResponse(
+            revision=revision, ring_version=ring_version, members=map(member_pb, members)
+        )
+        add = response.entries.add
+        for key, v in zip(keys, views, strict=True):
+            if v is None:
+                add(key=key, found=False)
+            else:
+                add(
+                    key=key,
+                    found=True,
+                    version=v.version,
+                    write_id=v.write_id,
+                    size_bytes=v.size_bytes,
+                    checksum=v.checksum,
+                    replicas=v.replicas,
+                    pinned=v.pinned,
+                )
+        return response
+
+    async def PrefixMatch(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.PrefixMatchRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.PrefixMatchResponse:
+        keys = check_keys(request.keys, allow_empty=True)
+        await self._wait_for_revision(request.min_revision, context)
+        matched, revision = self.replicator.read(lambda ix: (ix.prefix_match(keys), ix.revision))
+        return master_pb2.PrefixMatchResponse(matched=matched, revision=revision)
+
+    async def GetMembers(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.GetMembersRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.GetMembersResponse:
+        members, ring_version = self.replicator.read(
+            lambda ix: (ix.live_members(), ix.ring_version)
+        )
+        return master_pb2.GetMembersResponse(
+            ring_version=ring_version, members=map(member_pb, members)
+        )
+
+    def master_status(self) -> master_pb2.MasterStatus:
+        raft = self.replicator.status()
+        leader_raft = self.replicator.leader_raft_address() or ""
+        is_leader = self.replicator.is_leader()
+
+        def read(ix: BlockIndex) -> tuple[int, int, str | None]:
+            return ix.revision, len(ix), ix.master_grpc_address(leader_raft)
+
+        revision, entries, leader_grpc = self.replicator.read(read)
+        role = "leader" if is_leader else ("follower" if raft.role == "leader" else raft.role)
+        return master_pb2.MasterStatus(
+            grpc_address=self.grpc_address,
+            raft_address=self.cfg.raft_listen,
+            role=role,
+            term=raft.term,
+            commit_index=raft.commit_index,
+            last_applied=raft.last_applied,
+            leader_raft_address=leader_raft,
+            leader_grpc_address=leader_grpc or "",
+            ready=self.replicator.is_ready(),
+            log_size=raft.log_size,
+            revision=revision,
+            entries=entries,
+            follower_match_index=raft.follower_match_index if is_leader else {},
+        )
+
+    async def ClusterStatus(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.ClusterStatusResponse:
+        master = self.master_status()
+        members, ring_version = self.replicator.read(
+            lambda ix: (ix.live_members(), ix.ring_version)
+        )
+        leader = self.replicator.is_leader()
+        now = self._clock()
+        response = master_pb2.ClusterStatusResponse(
+            master=master, ring_version=ring_version, protocol_version=str(PROTOCOL_VERSION)
+        )
+        for rec in members:
+            stats = self._node_stats.get(rec.member_id) if leader else None
+            age = self.detector.last_seen_age(rec.member_id, now) if leader else None
+            node = response.nodes.add(member=member_pb(rec))
+            node.last_heartbeat_age_s = -1.0 if age is None else age
+            if stats is not None:
+                node.used_bytes = stats.used_bytes
+                node.block_count = stats.block_count
+                node.hits_total = stats.hits_total
+                node.misses_total = stats.misses_total
+                node.evictions_total = stats.evictions_total
+        return response

@@ -1,0 +1,364 @@
+"""The node's conversation with the masters: register, heartbeat, report evictions, reap staged
+blocks, leave.
+
+Every call goes through :class:`kvpool.client.masters.MasterClient` (leader discovery, redirects,
+retries inside a deadline). The deciding parts — which staged blocks to publish or free — are the
+pure function :func:`staged_verdicts`; :class:`NodeRegistration` is the async shell around the
+block store.
+
+- Registration: a random 64-bit incarnation per registration; the same request id on every retry.
+  Retried until registered (the masters may not have a leader yet).
+- Heartbeats every ``heartbeat_interval_s`` (from the master). ``known=False`` means the index
+  declared this node down and forgot its replicas: every block is dropped and the node registers
+  again with a new incarnation (``node_reregistered``).
+- Eviction reports: batches of at most :data:`REPORT_BATCH` blocks, retried with the same request
+  id until they succeed; dropped when the member changed (the index forgot the old member).
+- Staged reaper: staged blocks older than ``staged_ttl_s`` are looked up in one batch. Indexed with
+  the same write id on this member → the client's PUBLISH was lost: publish with the index's
+  version. Otherwise → free. Masters unreachable → try later; older than
+  :data:`FORCE_REAP_TTLS` times the ttl → free anyway (and report it, in case the index names
+  it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvpool.client.masters import Backoff, MasterClient
+from kvpool.config import NodeConfig
+from kvpool.errors import KVPoolError, UnknownMemberError
+from kvpool.logs import get_logger
+from kvpool.proto.v1 import common_pb2, master_pb2
+from kvpool.proto.wire import Status
+from kvpool.store_node.block_store import BlockStore, StagedBlock
+
+REPORT_BATCH = 1024
+"""Most blocks in one ReportEvictions call."""
+REAP_BATCH = 1024
+"""Most staged blocks checked with one Lookup."""
+FORCE_REAP_TTLS = 10
+"""A staged block this many TTLs old is freed even when the masters cannot be asked."""
+LEAVE_TIMEOUT_S = 1.0
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+
+T = TypeVar("T")
+
+
+def new_incarnation() -> int:
+    """A random, non-zero 64-bit incarnation."""
+    return secrets.randbits(64) or 1
+
+
+def staged_verdicts(
+    candidates: Iterable[StagedBlock],
+    entries: Mapping[str, common_pb2.BlockEntry],
+    member_id: int,
+) -> tuple[list[tuple[str, int, int]], list[tuple[str, int]]]:
+    """Split expired staged blocks by what the index says: ``(publish, free)``.
+
+    ``publish`` holds ``(key, write_id, version)`` for blocks the index committed with this very
+    write id on this member (the client's PUBLISH never arrived); everything else is freed: the
+    put was never committed, was overwritten, or names other replicas.
+    """
+    publish: list[tuple[str, int, int]] = []
+    free: list[tuple[str, int]] = []
+    for block in candidates:
+        entry = entries.get(block.key)
+        if (
+            entry is not None
+            and entry.found
+            and entry.write_id == block.write_id
+            and member_id in entry.replicas
+        ):
+            publish.append((block.key, block.write_id, entry.version))
+        else:
+            free.append((block.key, block.write_id))
+    return publish, free
+
+
+@dataclass(slots=True)
+class _PendingReport:
+    request_id: bytes
+    member_id: int
+    blocks: list[tuple[str, int]]
+
+
+class NodeRegistration:
+    """This node's membership: identity, heartbeats, eviction reports, staged reaping."""
+
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        store: BlockStore,
+        masters: MasterClient,
+        *,
+        data_address: str,
+        admin_address: str,
+        on_registered: Callable[[int, bool], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        log: Any = None,
+    ) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._masters = masters
+        self.on_registered = on_registered
+        self._clock = clock
+        self._log = log if log is not None else get_logger("kvpool.node.registration")
+        self.node_id = cfg.resolved_node_id
+        self.data_address = data_address
+        self.admin_address = admin_address
+        self.incarnation = new_incarnation()
+        self.member_id = 0  # 0 while not registered
+        self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
+        self.node_timeout_s = 0.0
+        self._pending_report: _PendingReport | None = None
+        self._heartbeat_failing = False
+
+    # --- registration --------------------------------------------------------------------------
+
+    async def register(self, stop: asyncio.Event) -> bool:
+        """Register this incarnation; retried until it succeeds (True) or ``stop`` is set
+        (False). A non-retryable refusal (another protocol version, a malformed request) is
+        raised."""
+        loop = asyncio.get_running_loop()
+        request = master_pb2.RegisterNodeRequest(
+            request_id=secrets.token_bytes(16),
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            data_address=self.data_address,
+            admin_address=self.admin_address,
+            capacity_bytes=self._store.tier.capacity_bytes,
+            zone=self._cfg.zone,
+        )
+        backoff = Backoff(base_s=0.05, cap_s=1.0)
+        attempts = 0
+        while not stop.is_set():
+            attempts += 1
+            try:
+                response = await self._masters.call(
+                    "RegisterNode",
+                    request,
+                    deadline=loop.time() + self._cfg.request_timeout_s,
+                    leader_only=True,
+                )
+            except KVPoolError as e:
+                if not e.retryable:
+                    raise
+                log = self._log.warning if attempts == 1 else self._log.debug
+                log("register_retry", attempt=attempts, error=e.message)
+                await _wait(stop, backoff.next_delay())
+                continue
+            self.member_id = int(response.member_id)
+            if response.heartbeat_interval_s > 0:
+                self.heartbeat_interval_s = float(response.heartbeat_interval_s)
+            self.node_timeout_s = float(response.node_timeout_s)
+            return True
+        return False
+
+    async def _reregister(self, stop: asyncio.Event) -> None:
+        old_member = self.member_id
+        dropped = self._store.drop_all()
+        self.member_id = 0
+        self.incarnation = new_incarnation()
+        self._pending_report = None
+        if await self.register(stop):
+            self._log.info(
+                "node_reregistered",
+                member_id=self.member_id,
+                old_member_id=old_member,
+                incarnation=self.incarnation,
+                dropped_blocks=dropped,
+            )
+            if self.on_registered is not None:
+                await self.on_registered(self.member_id, False)
+
+    async def leave(self) -> None:
+        """Tell the index this member is leaving (best effort, short deadline)."""
+        if not self.member_id:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await self._masters.call(
+                "LeaveNode",
+                master_pb2.LeaveNodeRequest(
+                    request_id=secrets.token_bytes(16), member_id=self.member_id
+                ),
+                deadline=loop.time() + min(LEAVE_TIMEOUT_S, self._cfg.request_timeout_s),
+                leader_only=True,
+            )
+        except KVPoolError as e:
+            self._log.warning("leave_failed", member_id=self.member_id, error=e.message)
+        else:
+            self._log.info("node_left", member_id=self.member_id)
+
+    # --- the background work ----------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Register, then heartbeat, report evictions and reap staged blocks until ``stop``."""
+        if not await self.register(stop):
+            return
+        if self.on_registered is not None:
+            await self.on_registered(self.member_id, True)
+        loops = [
+            asyncio.create_task(self._heartbeat_loop(stop), name="node-heartbeat"),
+            asyncio.create_task(self._report_loop(stop), name="node-eviction-reports"),
+            asyncio.create_task(self._reap_loop(stop), name="node-staged-reaper"),
+        ]
+        try:
+            await asyncio.gather(*loops)
+        finally:
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+
+    async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+        while not await _wait(stop, self.heartbeat_interval_s):
+            if not await self._guarded("heartbeat", self.heartbeat_once(), True):
+                await self._reregister(stop)
+
+    async def heartbeat_once(self) -> bool:
+        """One heartbeat; False when the index no longer knows this member (re-register)."""
+        loop = asyncio.get_running_loop()
+        stats = self._store.stats()
+        request = master_pb2.HeartbeatRequest(
+            member_id=self.member_id,
+            capacity_bytes=stats.capacity_bytes,
+            used_bytes=stats.used_bytes,
+            block_count=stats.blocks,
+            staged_count=stats.staged,
+            hits_total=stats.hits,
+            misses_total=stats.misses_total,
+            evictions_total=stats.evictions,
+        )
+        timeout_s = min(self._cfg.request_timeout_s, max(self.heartbeat_interval_s, 0.5))
+        try:
+            response = await self._masters.call(
+                "Heartbeat", request, deadline=loop.time() + timeout_s, leader_only=True
+            )
+        except UnknownMemberError:
+            return False
+        except KVPoolError as e:
+            if not self._heartbeat_failing:
+                self._log.warning("heartbeat_failed", member_id=self.member_id, error=e.message)
+            self._heartbeat_failing = True
+            return True
+        if self._heartbeat_failing:
+            self._log.info("heartbeat_restored", member_id=self.member_id)
+            self._heartbeat_failing = False
+        return bool(response.known)
+
+    async def _report_loop(self, stop: asyncio.Event) -> None:
+        while not await _wait(stop, self._cfg.eviction_report_interval_s):
+            while await self._guarded("eviction_report", self.report_evictions_once(), False):
+                pass
+
+    async def report_evictions_once(self) -> bool:
+        """Send one batch of evictions; True when it went and more may be waiting."""
+        pending = self._pending_report
+        if pending is not None and pending.member_id != self.member_id:
+            self._log.info(
+                "eviction_report_dropped", blocks=len(pending.blocks), member_id=pending.member_id
+            )
+            pending = self._pending_report = None
+        if pending is None:
+            if not self.member_id:
+                return False
+            blocks = self._store.take_evicted(REPORT_BATCH)
+            if not blocks:
+                return False
+            self._log.info("blocks_evicted", count=len(blocks), member_id=self.member_id)
+            pending = self._pending_report = _PendingReport(
+                secrets.token_bytes(16), self.member_id, blocks
+            )
+        request = master_pb2.ReportEvictionsRequest(
+            request_id=pending.request_id,
+            member_id=pending.member_id,
+            blocks=[master_pb2.EvictedBlock(key=k, write_id=w) for k, w in pending.blocks],
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            await self._masters.call(
+                "ReportEvictions",
+                request,
+                deadline=loop.time() + self._cfg.request_timeout_s,
+                leader_only=True,
+            )
+        except KVPoolError as e:
+            if e.retryable:
+                self._log.debug(
+                    "eviction_report_retry", blocks=len(pending.blocks), error=e.message
+                )
+                return False
+            self._log.warning(
+                "eviction_report_refused", blocks=len(pending.blocks), error=e.message
+            )
+        if self._pending_report is pending:
+            self._pending_report = None
+        return True
+
+    async def _reap_loop(self, stop: asyncio.Event) -> None:
+        tick_s = min(1.0, max(self._cfg.staged_ttl_s / 4, 0.01))
+        while not await _wait(stop, tick_s):
+            await self._guarded("staged_reaper", self.reap_staged_once(), (0, 0))
+
+    async def _guarded(self, what: str, work: Awaitable[T], failed: T) -> T:
+        """Run one round of background work; a bug in it is logged, not fatal to the loop."""
+        try:
+            return await work
+        except Exception:
+            self._log.exception("background_failed", work=what)
+            return failed
+
+    async def reap_staged_once(self) -> tuple[int, int]:
+        """Check expired staged blocks against the index; returns (published, freed)."""
+        ttl_s = self._cfg.staged_ttl_s
+        candidates = self._store.expired_staged(self._clock(), ttl_s, REAP_BATCH)
+        if not candidates:
+            return 0, 0
+        member_id = self.member_id
+        entries: dict[str, common_pb2.BlockEntry] | None = None
+        if member_id:
+            keys = list(dict.fromkeys(block.key for block in candidates))
+            loop = asyncio.get_running_loop()
+            try:
+                response = await self._masters.call(
+                    "Lookup",
+                    master_pb2.LookupRequest(keys=keys),
+                    deadline=loop.time() + self._cfg.request_timeout_s,
+                )
+                entries = dict(zip(keys, response.entries, strict=False))
+            except KVPoolError as e:
+                self._log.warning("staged_check_failed", blocks=len(candidates), error=e.message)
+        if entries is None or self.member_id != member_id:
+            # The index cannot be asked (or we re-registered meanwhile): only the very old go.
+            freed = sum(
+                self._store.reap(b.key, b.write_id, report=True)
+                for b in candidates
+                if b.age_s >= FORCE_REAP_TTLS * ttl_s
+            )
+            if freed:
+                self._log.info("staged_reaped", freed=freed, forced=True)
+            return 0, freed
+        publish, free = staged_verdicts(candidates, entries, member_id)
+        published = sum(
+            self._store.publish(key, write_id, version).status == Status.OK
+            for key, write_id, version in publish
+        )
+        freed = sum(self._store.reap(key, write_id, report=False) for key, write_id in free)
+        self._log.info("staged_reaped", published=published, freed=freed, forced=False)
+        return published, freed
+
+
+async def _wait(stop: asyncio.Event, delay_s: float) -> bool:
+    """Sleep ``delay_s`` or until ``stop`` is set; True when stopped."""
+    if stop.is_set():
+        return True
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=delay_s)
+    return stop.is_set()

@@ -1,0 +1,272 @@
+"""The store node process (`kvpool node`): CPU tier, data server, admin service, registration.
+
+``main(cfg)`` blocks until SIGTERM or SIGINT and returns the exit status: 0 after a graceful
+stop, 2 when the configuration or start-up is refused (the reason on stderr), 1 when the node
+failed while running (for example the masters speak another protocol version).
+
+Lifecycle: arena and block store → data server → admin server (not ready) → ``node_started`` →
+register (retried until a leader answers) → ready, ready file, ``node_registered`` → heartbeats,
+eviction reports, staged reaper → signal → LeaveNode → stop accepting → close servers → release
+the arena → ``node_stopped``.
+
+``python -m kvpool.store_node.server --config-json '{"masters": [...]}'`` runs one node without
+the ``kvpool`` command (tests, debugging).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpool.client.masters import MasterClient
+from kvpool.config import NodeConfig, load_config, split_hostport
+from kvpool.errors import ConfigError, KVPoolError
+from kvpool.grpcutil import start_server
+from kvpool.logs import bind_process, configure_logging, get_logger
+from kvpool.proto.v1 import node_pb2_grpc
+from kvpool.store_node.admin import SERVICE_NAME, NodeAdmin
+from kvpool.store_node.block_store import BlockStore
+from kvpool.store_node.cpu_tier import CpuTier
+from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.eviction import POLICIES, make_policy
+from kvpool.store_node.registration import NodeRegistration
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+ADMIN_STOP_GRACE_S = 1.0
+STOP_GRACE_S = 1.0
+"""How long background work may take to wind down after SIGTERM before it is cancelled."""
+
+
+class StartupError(Exception):
+    """The node cannot start; the message says why (exit status 2)."""
+
+
+def check_config(cfg: NodeConfig) -> list[str]:
+    """Every reason to refuse ``cfg``, each naming its setting (empty when fine)."""
+    problems = cfg.validate()
+    if cfg.eviction_policy and cfg.eviction_policy not in POLICIES:
+        problems.append(
+            f"eviction_policy: unknown policy {cfg.eviction_policy!r} "
+            f"(known: {', '.join(sorted(POLICIES))})"
+        )
+    if not cfg.advertise_host:
+        for name in ("listen", "data_listen"):
+            try:
+                host, _ = split_hostport(getattr(cfg, name))
+            except ValueError:
+                continue  # already reported by validate()
+            if host in WILDCARD_HOSTS:
+                problems.append(
+                    f"advertise_host: required when {name} binds every interface ({host}); "
+                    "set the address clients and masters should dial"
+                )
+    return problems
+
+
+def join_hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def write_ready_file(path: str, doc: dict[str, Any]) -> None:
+    """Write ``doc`` as JSON to ``path`` atomically (a reader never sees half a file)."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
+    os.replace(tmp, target)
+
+
+async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
+    """Run the node until ``stop`` is set (or SIGTERM/SIGINT when run in the main thread).
+
+    Raises StartupError when the arena or a listening address cannot be had.
+    """
+    log = get_logger("kvpool.node")
+    loop = asyncio.get_running_loop()
+    stop = stop if stop is not None else asyncio.Event()
+    handled: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass  # not the main thread (tests): the caller sets `stop`
+    data_host, data_port = split_hostport(cfg.data_listen)
+    admin_host, _ = split_hostport(cfg.listen)
+    status = 0
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                tier = CpuTier(cfg.cpu_cache_size)
+            except (OSError, ValueError) as e:
+                raise StartupError(
+                    f"cpu_cache_size: cannot map {cfg.cpu_cache_size} bytes: {e}"
+                ) from e
+            stack.callback(tier.close)
+            store = BlockStore(
+                tier,
+                make_policy(cfg.eviction_policy),
+                max_block_size=cfg.max_block_size,
+                clock=time.monotonic,
+                high_watermark=cfg.high_watermark,
+                low_watermark=cfg.low_watermark,
+            )
+
+            data = DataServer(store, log=log)
+            try:
+                port = await data.start(data_host, data_port)
+            except OSError as e:
+                raise StartupError(f"data_listen: cannot listen on {cfg.data_listen}: {e}") from e
+            stack.push_async_callback(data.close)
+            data_address = f"tcp://{join_hostport(cfg.advertise_host or data_host, port)}"
+
+            masters = MasterClient(cfg.masters, attempt_timeout_s=min(1.0, cfg.request_timeout_s))
+            stack.push_async_callback(masters.close)
+            registration = NodeRegistration(
+                cfg, store, masters, data_address=data_address, admin_address="", log=log
+            )
+            admin = NodeAdmin(store, registration)
+            try:
+                handle = await start_server(
+                    cfg.listen,
+                    [(node_pb2_grpc.add_NodeAdminServicer_to_server, admin, SERVICE_NAME)],
+                )
+            except (KVPoolError, RuntimeError, OSError) as e:
+                raise StartupError(f"listen: cannot serve gRPC on {cfg.listen}: {e}") from e
+            stack.push_async_callback(handle.stop, ADMIN_STOP_GRACE_S)
+            admin_address = join_hostport(cfg.advertise_host or admin_host, handle.port)
+            registration.admin_address = admin_address
+            log.info(
+                "node_started",
+                data=data_address,
+                admin=admin_address,
+                capacity_bytes=tier.capacity_bytes,
+                masters=list(cfg.masters),
+                pid=os.getpid(),
+            )
+
+            async def registered(member_id: int, first: bool) -> None:
+                await handle.set_ready(True)
+                if cfg.ready_file:
+                    write_ready_file(
+                        cfg.ready_file,
+                        {
+                            "role": "node",
+                            "pid": os.getpid(),
+                            "node_id": cfg.resolved_node_id,
+                            "member_id": member_id,
+                            "admin": admin_address,
+                            "data": data_address,
+                        },
+                    )
+                if first:
+                    log.info(
+                        "node_registered",
+                        member_id=member_id,
+                        incarnation=registration.incarnation,
+                        heartbeat_interval_s=registration.heartbeat_interval_s,
+                    )
+
+            registration.on_registered = registered
+            prefault_stop = threading.Event()
+            prefault = asyncio.create_task(_prefault(tier, prefault_stop, log, cfg))
+            status = await _run_until_stopped(registration, stop, log)
+
+            await handle.set_ready(False)
+            await registration.leave()
+            data.stop_accepting()
+            prefault_stop.set()
+            await prefault
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+    log.info("node_stopped", status=status)
+    return status
+
+
+async def _prefault(tier: CpuTier, stop: threading.Event, log: Any, cfg: NodeConfig) -> None:
+    if not cfg.cpu_tier_prefault:
+        return
+    started = time.monotonic()
+    done = await asyncio.to_thread(tier.prefault, stop)
+    log.info(
+        "tier_prefaulted",
+        tier=tier.name,
+        bytes=done,
+        complete=done >= tier.capacity_bytes,
+        seconds=round(time.monotonic() - started, 3),
+    )
+
+
+async def _run_until_stopped(registration: NodeRegistration, stop: asyncio.Event, log: Any) -> int:
+    work = asyncio.create_task(registration.run(stop), name="node-registration")
+    stopped = asyncio.create_task(stop.wait(), name="node-stop")
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.set()
+        stopped.cancel()
+    try:
+        # The loops notice `stop` between rounds; a master call in flight is cut short.
+        await asyncio.wait_for(asyncio.shield(work), STOP_GRACE_S)
+    except TimeoutError:
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+    except KVPoolError as e:
+        log.error("node_failed", error=e.message, code=e.code)
+        return 1
+    except Exception:
+        log.exception("node_failed")
+        return 1
+    return 0
+
+
+def main(cfg: NodeConfig) -> int:
+    """Run a store node until SIGTERM/SIGINT; returns the process exit status."""
+    try:
+        configure_logging(cfg.log_level, cfg.log_format)
+    except ValueError as e:
+        print(f"kvpool node: invalid configuration:\n  {e}", file=sys.stderr)
+        return 2
+    bind_process(role="node", node_id=cfg.resolved_node_id)
+    problems = check_config(cfg)
+    if problems:
+        print("kvpool node: invalid configuration:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(cfg))
+    except StartupError as e:
+        get_logger("kvpool.node").error("node_start_failed", error=str(e))
+        print(f"kvpool node: {e}", file=sys.stderr)
+        return 2
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpool.store_node.server", description="Run one kvpool store node."
+    )
+    parser.add_argument("--config", help="TOML file (settings under [node])")
+    parser.add_argument("--config-json", help='settings as a JSON object: {"masters": [...]}')
+    args = parser.parse_args(argv)
+    try:
+        overrides = json.loads(args.config_json) if args.config_json else {}
+        if not isinstance(overrides, dict):
+            raise ConfigError("--config-json: expected a JSON object")
+        cfg = load_config(NodeConfig, toml_path=args.config, section="node", overrides=overrides)
+    except (ConfigError, json.JSONDecodeError) as e:
+        print(f"kvpool node: {e}", file=sys.stderr)
+        return 2
+    return main(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(_cli(sys.argv[1:]))
