@@ -6,6 +6,7 @@ run the demo.
     kvpool cluster up [--detach --dir DIR]      kvpool cluster down --dir DIR
     kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
     kvpool demo
+    kvpool bench cluster | index | data-plane
 
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
 """
@@ -98,6 +99,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=400, help="blocks to put and read [400]")
     p.add_argument("--dir", help="keep the cluster's data and logs here [a temp dir]")
     p.add_argument("--seed", type=int, default=7, help="seed of the workload [7]")
+
+    p = sub.add_parser(
+        "bench",
+        help="measure latency, throughput, failover and index costs",
+        description="Benchmarks. The machine may be noisy: compare numbers from one run.",
+    )
+    bsub = p.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
+    b = bsub.add_parser(
+        "cluster",
+        help="a local cluster: put/get p50 at 4 KiB and 1 MiB, batches, failover time",
+    )
+    b.add_argument("--rounds", type=int, default=200, help="interleaved rounds per size [200]")
+    b.add_argument("--kills", type=int, default=3, help="leader kills to time failover [3]")
+    b.add_argument("--dir", help="keep the cluster's data and logs here [a temp dir]")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b = bsub.add_parser(
+        "index",
+        help="the master: memory per 1 M entries, apply rate, compaction stall, commit rates",
+    )
+    b.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke runs)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b = bsub.add_parser(
+        "data-plane",
+        help="one store node's data server over loopback TCP (PUT/GET p50 and MB/s)",
+        add_help=False,
+    )
+    b.set_defaults(forward_unknown=True)  # its own flags: --sizes, --depths, --budget-mib ...
     return parser
 
 
@@ -199,13 +227,33 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(blocks=args.blocks, directory=args.dir, seed=args.seed)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "data-plane":
+        from kvpool.store_node.bench import main as data_plane_main
+
+        return data_plane_main(args.rest or [])
+    from kvpool.cli.bench import bench_cluster, bench_index, print_result
+
+    if args.bench_command == "cluster":
+        result = bench_cluster(rounds=args.rounds, kills=args.kills, directory=args.dir)
+    else:
+        result = bench_index(quick=args.quick)
+    print_result(result, args.json)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "forward_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.rest = unknown
     handlers = {
         "master": _run_master,
         "node": _run_node,
         "status": _status,
         "demo": _demo,
+        "bench": _bench,
     }
     try:
         if args.command == "cluster":

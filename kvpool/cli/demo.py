@@ -40,9 +40,12 @@ def _wait_caught_up(cluster: LocalCluster, timeout_s: float) -> float | None:
         probes = probe_masters(cluster.master_addresses, timeout_s=0.5)
         statuses = [p.status.master for p in probes if p.status is not None]
         leaders = [m for m in statuses if m.role == "leader"]
-        if len(statuses) == len(probes) and leaders:
-            if all(m.last_applied >= leaders[0].commit_index for m in statuses):
-                return time.monotonic()
+        if (
+            len(statuses) == len(probes)
+            and leaders
+            and all(m.last_applied >= leaders[0].commit_index for m in statuses)
+        ):
+            return time.monotonic()
         time.sleep(0.1)
     return None
 
