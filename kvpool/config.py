@@ -213,13 +213,7 @@ class NodeConfig(LogConfig):
 
     def validate(self) -> list[str]:
         errors = _validate_addresses(self, ("listen", "data_listen"))
-        if not self.masters:
-            errors.append("masters: at least one master address is required")
-        for m in self.masters:
-            try:
-                split_hostport(m)
-            except ValueError as e:
-                errors.append(f"masters: {e}")
+        errors += _validate_masters(self.masters)
         if self.cpu_cache_size <= 0:
             errors.append("cpu_cache_size: must be positive")
         limit = int(physical_memory_bytes() * self.max_memory_fraction)
@@ -259,14 +253,7 @@ class ClientConfig:
     connections_per_node: int = opt(2, "data-plane connections pooled per node")
 
     def validate(self) -> list[str]:
-        errors: list[str] = []
-        if not self.masters:
-            errors.append("masters: at least one master address is required")
-        for m in self.masters:
-            try:
-                split_hostport(m)
-            except ValueError as e:
-                errors.append(f"masters: {e}")
+        errors = _validate_masters(self.masters)
         if self.timeout_s <= 0:
             errors.append("timeout_s: must be positive")
         if self.replicas < 1:
@@ -276,6 +263,16 @@ class ClientConfig:
         if self.connections_per_node < 1:
             errors.append("connections_per_node: must be at least 1")
         return errors
+
+
+def _validate_masters(masters: tuple[str, ...]) -> list[str]:
+    errors = [] if masters else ["masters: at least one master address is required"]
+    for m in masters:
+        try:
+            split_hostport(m)
+        except ValueError as e:
+            errors.append(f"masters: {e}")
+    return errors
 
 
 def _validate_addresses(cfg: Any, names: tuple[str, ...]) -> list[str]:

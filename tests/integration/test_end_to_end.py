@@ -26,6 +26,7 @@ from kvpool.grpcutil import create_channel, translate_rpc_error, unary
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.proto.wire import MAX_KEY_BYTES, Header, Op, Status, unpack_header
+from kvpool.transports.tcp import TcpConnection, parse_tcp_address
 
 pytestmark = pytest.mark.integration
 
@@ -312,3 +313,44 @@ def test_malformed_grpc_requests_get_typed_errors_and_the_master_keeps_serving(
     with Client(shared_cluster.master_addresses) as kv:
         assert kv.put("after-malformed", b"ok")
         assert kv.get("after-malformed") == b"ok"
+
+
+def test_a_stale_index_answer_can_only_cause_a_miss(shared_cluster: LocalCluster) -> None:
+    """A master that has not applied the latest put (a deposed leader, a lagging follower)
+    hands out the previous write id: the node refuses it, never serving other bytes."""
+
+    async def lookup(key: str) -> tuple[int, int, str]:
+        address = shared_cluster.master_addresses[0]
+        channel = create_channel(address)
+        try:
+            stub = master_pb2_grpc.MasterStub(channel)
+            response = await unary(
+                stub.Lookup, master_pb2.LookupRequest(keys=[key]), timeout_s=5, address=address
+            )
+        finally:
+            await channel.close()
+        entry = response.entries[0]
+        members = {m.member_id: m.data_address for m in response.members}
+        return entry.write_id, entry.size_bytes, members[entry.replicas[0]]
+
+    async def read(address: str, key: str, write_id: int, size: int) -> tuple[int, bytes]:
+        host, port = parse_tcp_address(address)
+        conn = await TcpConnection.open(host, port, timeout_s=5)
+        try:
+            sink = memoryview(bytearray(size))
+            response = await conn.request(
+                Op.GET, key.encode(), write_id=write_id, sink=sink, timeout_s=5
+            )
+            return response.status, bytes(sink)
+        finally:
+            conn.close()
+
+    key = "stale/answer"
+    with Client(shared_cluster.master_addresses) as kv:
+        assert kv.put(key, b"old!" * 1000)
+        old_write_id, size, address = asyncio.run(lookup(key))
+        assert asyncio.run(read(address, key, old_write_id, size)) == (Status.OK, b"old!" * 1000)
+        assert kv.put(key, b"new!" * 1000)
+        status, _ = asyncio.run(read(address, key, old_write_id, size))
+        assert status == Status.MISS
+        assert kv.get(key) == b"new!" * 1000

@@ -1,0 +1,124 @@
+"""Configuration: units, precedence (defaults < TOML < env < flags), every error named at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpool.config import ClientConfig, MasterConfig, NodeConfig, load_config, redacted
+from kvpool.errors import ConfigError
+from kvpool.units import format_size, parse_duration, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("16GiB", 16 * 2**30),
+        ("256 MiB", 256 * 2**20),
+        ("1.5g", int(1.5 * 2**30)),
+        ("2GB", 2 * 10**9),
+        ("4096", 4096),
+        (123, 123),
+    ],
+)
+def test_sizes_take_units(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "12 parsecs", "-1", True, -5])
+def test_bad_sizes_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(bad)  # type: ignore[arg-type]
+
+
+def test_durations_take_units() -> None:
+    assert parse_duration("500ms") == pytest.approx(0.5)
+    assert parse_duration("2s") == 2.0
+    assert parse_duration("5m") == 300.0
+    assert parse_duration(1.5) == 1.5
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration("soon")
+
+
+def test_format_size_is_readable() -> None:
+    assert format_size(512) == "512 B"
+    assert format_size(1536) == "1.5 KiB"
+    assert format_size(3 * 2**30) == "3.0 GiB"
+
+
+def test_precedence_defaults_toml_env_flags(tmp_path: Path) -> None:
+    toml = tmp_path / "kvpool.toml"
+    toml.write_text('[node]\ncpu_cache_size = "128MiB"\nzone = "rack-a"\nhigh_watermark = 0.9\n')
+    env = {"KVPOOL_ZONE": "rack-b", "KVPOOL_LOW_WATERMARK": "0.5"}
+    cfg = load_config(
+        NodeConfig,
+        toml_path=toml,
+        section="node",
+        env=env,
+        overrides={"zone": "rack-c", "node_id": None},
+    )
+    assert cfg.cpu_cache_size == 128 * 2**20  # TOML over the default
+    assert cfg.low_watermark == 0.5  # env over the default
+    assert cfg.high_watermark == 0.9  # TOML, no env or flag
+    assert cfg.zone == "rack-c"  # flag over env over TOML
+    assert cfg.node_id == ""  # a None override is ignored
+
+
+def test_every_problem_is_reported_at_once_with_its_name() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            NodeConfig,
+            env={},
+            overrides={
+                "cpu_cache_size": "lots",
+                "high_watermark": "very",
+                "masters": "nowhere",
+                "bogus_setting": 1,
+            },
+        )
+    message = info.value.message
+    for name in ("cpu_cache_size", "high_watermark", "bogus_setting"):
+        assert name in message
+
+
+def test_semantic_validation_names_the_setting() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            NodeConfig,
+            env={},
+            overrides={"low_watermark": 0.9, "high_watermark": 0.8, "masters": "nowhere"},
+        )
+    assert "low_watermark/high_watermark" in info.value.message
+    assert "masters" in info.value.message
+
+
+def test_unknown_toml_key_is_refused(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('cpu_cache_sise = "1GiB"\n')
+    with pytest.raises(ConfigError, match="cpu_cache_sise: unknown setting"):
+        load_config(NodeConfig, toml_path=toml, env={})
+
+
+def test_master_refuses_to_run_without_secret_or_persistence() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(MasterConfig, env={})
+    assert "raft_secret" in info.value.message
+    assert "data_dir" in info.value.message
+    cfg = load_config(
+        MasterConfig, env={"KVPOOL_RAFT_SECRET": "s3cret"}, overrides={"in_memory": True}
+    )
+    assert cfg.in_memory
+    assert redacted(cfg)["raft_secret"] == "***"
+
+
+def test_node_tier_above_the_memory_share_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"cpu_cache_size: .* of this machine's memory"):
+        load_config(NodeConfig, env={}, overrides={"cpu_cache_size": "1024TiB"})
+
+
+def test_client_config_checks_its_values() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(ClientConfig, env={}, overrides={"replicas": 0, "timeout_s": 0, "masters": ""})
+    for name in ("replicas", "timeout_s", "masters"):
+        assert name in info.value.message
