@@ -227,6 +227,7 @@ class ClientCore:
                 keys=[k for k, _ in pairs], min_revision=self._floor
             )
             response = await self._masters.call("PrefixMatch", request, deadline=deadline)
+            self._floor = max(self._floor, response.revision)
             return min(int(response.matched), len(pairs))
 
         matched = await self._call_or_fail("prefix_match", call, self._strict(strict))
@@ -344,6 +345,8 @@ class ClientCore:
             if entry.found and entry.key and entry.key != key:
                 raise InternalError(f"Lookup answered {entry.key!r} in the place of {key!r}")
         self._placement.observe_ring_version(response.ring_version)
+        # Monotonic reads: never ask a master that has applied less than what we have seen.
+        self._floor = max(self._floor, response.revision)
         return response
 
     async def _read(

@@ -182,6 +182,11 @@ class NodeConfig(LogConfig):
     listen: str = opt("127.0.0.1:0", "gRPC address of the admin service (port 0 = any)")
     data_listen: str = opt("127.0.0.1:0", "data-plane TCP address (port 0 = any)")
     advertise_host: str = opt("", "host clients should dial (default: the listen host)")
+    advertise_data_address: str = opt(
+        "",
+        "data address clients should dial, e.g. tcp://proxy:7400, when it differs from the "
+        "bound one (a proxy or NAT in between; default: tcp://<advertise host>:<bound port>)",
+    )
     zone: str = opt("", "failure-domain label (rack, zone) for replica anti-affinity")
     cpu_cache_size: int = opt(1 << 30, "size of the CPU (shared-memory) tier", "size")
     cpu_tier_prefault: bool = opt(
@@ -214,6 +219,16 @@ class NodeConfig(LogConfig):
     def validate(self) -> list[str]:
         errors = _validate_addresses(self, ("listen", "data_listen"))
         errors += _validate_masters(self.masters)
+        if self.advertise_data_address:
+            scheme, _, rest = self.advertise_data_address.partition("://")
+            try:
+                if scheme != "tcp":
+                    raise ValueError(
+                        f"not a tcp://host:port address: {self.advertise_data_address!r}"
+                    )
+                split_hostport(rest)
+            except ValueError as e:
+                errors.append(f"advertise_data_address: {e}")
         if self.cpu_cache_size <= 0:
             errors.append("cpu_cache_size: must be positive")
         limit = int(physical_memory_bytes() * self.max_memory_fraction)

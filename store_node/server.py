@@ -126,7 +126,9 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
             except OSError as e:
                 raise StartupError(f"data_listen: cannot listen on {cfg.data_listen}: {e}") from e
             stack.push_async_callback(data.close)
-            data_address = f"tcp://{join_hostport(cfg.advertise_host or data_host, port)}"
+            data_address = cfg.advertise_data_address or (
+                f"tcp://{join_hostport(cfg.advertise_host or data_host, port)}"
+            )
 
             masters = MasterClient(cfg.masters, attempt_timeout_s=min(1.0, cfg.request_timeout_s))
             stack.push_async_callback(masters.close)

@@ -144,9 +144,9 @@ def _run_node(args: argparse.Namespace) -> int:
 
 
 def _cluster_up(args: argparse.Namespace) -> int:
-    from kvpool.cli.cluster import LocalCluster
-    from kvpool.cli.probe import probe_masters
     from kvpool.cli.status import render_status, status_document
+    from kvpool.launcher.cluster import LocalCluster
+    from kvpool.launcher.probe import probe_masters
 
     if args.detach and not args.dir:
         print(
@@ -187,7 +187,7 @@ def _cluster_up(args: argparse.Namespace) -> int:
 
 
 def _cluster_down(args: argparse.Namespace) -> int:
-    from kvpool.cli.cluster import LocalCluster
+    from kvpool.launcher.cluster import LocalCluster
 
     cluster = LocalCluster.from_dir(args.dir)
     stopped = cluster.stop()
@@ -196,12 +196,12 @@ def _cluster_down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvpool.cli.probe import probe_masters
     from kvpool.cli.status import render_status, status_document
     from kvpool.config import split_hostport
+    from kvpool.launcher.probe import probe_masters
 
     if args.dir:
-        from kvpool.cli.cluster import LocalCluster
+        from kvpool.launcher.cluster import LocalCluster
 
         masters = LocalCluster.from_dir(args.dir).master_addresses
     else:

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.cli.cluster import LocalCluster
 from kvpool.client.sync import Client
+from kvpool.launcher.cluster import LocalCluster
 from kvpool.units import format_size
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpool.cli.cluster import LocalCluster
-from kvpool.cli.probe import probe_masters
 from kvpool.cli.status import render_status, status_document
 from kvpool.client.sync import Client
+from kvpool.launcher.cluster import LocalCluster
+from kvpool.launcher.probe import probe_masters
 from kvpool.units import format_size
 
 SIZES = (4096, 16 * 1024, 64 * 1024, 256 * 1024, 1 << 20)

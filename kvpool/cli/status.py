@@ -8,7 +8,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from kvpool.cli.probe import MasterProbe, leader_of
+from kvpool.launcher.probe import MasterProbe, leader_of
 from kvpool.units import format_size
 
 ALARM_FILL = 0.85

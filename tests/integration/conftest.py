@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.cli.cluster import LocalCluster
+from kvpool.launcher.cluster import LocalCluster
 
 ClusterFactory = Callable[..., LocalCluster]
 

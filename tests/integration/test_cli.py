@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.cli.cluster import LocalCluster, pid_runs_kvpool
+from kvpool.launcher.cluster import LocalCluster, pid_runs_kvpool
 
 
 def kvpool(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:

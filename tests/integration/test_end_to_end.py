@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from kvpool import Client
-from kvpool.cli.cluster import LocalCluster
 from kvpool.errors import (
     BufferTooSmallError,
     InvalidKeyError,
@@ -23,6 +22,7 @@ from kvpool.errors import (
     ValueTooLargeError,
 )
 from kvpool.grpcutil import create_channel, translate_rpc_error, unary
+from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.proto.wire import MAX_KEY_BYTES, Header, Op, Status, unpack_header

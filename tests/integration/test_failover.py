@@ -8,8 +8,8 @@ import time
 import pytest
 
 from kvpool import Client
-from kvpool.cli.probe import probe_masters
 from kvpool.errors import BlockMissError
+from kvpool.launcher.probe import probe_masters
 
 from .conftest import ClusterFactory
 

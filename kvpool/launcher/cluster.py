@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.cli.probe import leader_of, probe_masters
 from kvpool.errors import KVPoolError, UnavailableError
+from kvpool.launcher.probe import leader_of, probe_masters
 
 CLUSTER_FILE = "cluster.json"
 SECRET_FILE = "raft.secret"  # noqa: S105 - a file name, not a secret
