@@ -7,6 +7,7 @@ run the demo.
     kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
     kvpool demo
     kvpool bench cluster | index | data-plane
+    kvpool chaos list | run --scenario NAME [--seed S] [--duration D] [--json]
 
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
 """
@@ -126,6 +127,36 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     b.set_defaults(forward_unknown=True)  # its own flags: --sizes, --depths, --budget-mib ...
+
+    p = sub.add_parser(
+        "chaos",
+        help="fault-injection runs that check nothing wrong is read and nothing committed lost",
+        description="Start a cluster (in network namespaces when root), run a workload, inject "
+        "the scenario's faults, heal, then check the recorded history.",
+    )
+    chsub = p.add_subparsers(dest="chaos_command", metavar="ACTION", required=True)
+    c = chsub.add_parser("list", help="the scenarios, their faults and what they catch")
+    c.add_argument("--json", action="store_true", help="print JSON")
+    c = chsub.add_parser(
+        "run",
+        help="run one scenario (or all) and report",
+        description="Run a scenario and print a report; exit 1 when a checker fails.",
+    )
+    c.add_argument("--scenario", required=True, help="a name from `kvpool chaos list`, or all")
+    c.add_argument("--seed", type=int, help="seed of the schedule and workload [the scenario's]")
+    c.add_argument("--duration", default="60s", help="how long to run, e.g. 60s or 2m [60s]")
+    c.add_argument(
+        "--network",
+        choices=("auto", "netns", "loopback"),
+        default="auto",
+        help="network namespaces (root) or loopback [auto: namespaces when root]",
+    )
+    c.add_argument("--processes", type=int, help="workload client processes [3]")
+    c.add_argument("--dir", help="keep histories, logs and data here [a temp dir, removed]")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument(
+        "--log-level", default="warning", help="log level of the harness itself [warning]"
+    )
     return parser
 
 
@@ -242,6 +273,71 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from kvpool.chaos.report import render_listing, render_run
+    from kvpool.chaos.runner import run_scenario
+    from kvpool.chaos.scenarios import SCENARIOS, listing
+    from kvpool.units import parse_duration
+
+    if args.chaos_command == "list":
+        items = listing()
+        if args.json:
+            print(json.dumps([item.__dict__ for item in items], indent=2))
+        else:
+            print(render_listing(items))
+        return EXIT_OK
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        print(
+            f"kvpool chaos run: unknown scenario {unknown[0]!r}; "
+            f"`kvpool chaos list` shows the {len(SCENARIOS)} there are",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        duration_s = parse_duration(args.duration)
+    except ValueError as e:
+        print(f"kvpool chaos run: --duration: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    from kvpool.logs import configure_logging
+
+    configure_logging(args.log_level, "console")
+    interactive = sys.stderr.isatty()
+
+    def progress(line: str) -> None:
+        end = "\r" if interactive else "\n"
+        print(line.ljust(100) if interactive else line, end=end, file=sys.stderr, flush=True)
+
+    failed = []
+    reports = []
+    for name in names:
+        directory = str(Path(args.dir) / name) if args.dir and len(names) > 1 else args.dir
+        result = run_scenario(
+            SCENARIOS[name],
+            seed=args.seed,
+            duration_s=duration_s,
+            directory=directory,
+            network=args.network,
+            processes=args.processes,
+            progress=progress,
+        )
+        if interactive:
+            print(file=sys.stderr)
+        reports.append(result.to_json())
+        if not args.json:
+            print(render_run(result), flush=True)
+            print()
+        if not result.ok:
+            failed.append(name)
+    if args.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2, default=str))
+    if failed:
+        print(f"kvpool chaos run: checks FAILED in {', '.join(failed)}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
@@ -254,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "status": _status,
         "demo": _demo,
         "bench": _bench,
+        "chaos": _chaos,
     }
     try:
         if args.command == "cluster":
@@ -267,3 +364,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvpool ... | head`
+        sys.stderr.close()
+        return EXIT_OK
