@@ -25,7 +25,7 @@ demo: $(STAMP)  ## start a local cluster, run a workload, kill the leader, repor
 test: $(STAMP) lint  ## linters, protobuf staleness check, then the test suite (no slow tests)
 	$(PY) -m pytest -m "not slow" -q
 
-test-slow: $(STAMP)  ## the long runs only
+test-slow: $(STAMP)  ## the long runs only (every chaos scenario for a minute: the pre-release check)
 	$(PY) -m pytest -m slow -q
 
 lint: $(STAMP) proto-check importcheck typecheck  ## ruff, mypy, import layers, proto staleness
