@@ -1,6 +1,6 @@
 """A cluster whose processes can be killed, paused, partitioned, slowed and clock-shifted.
 
-    with ChaosHarness(tmp_dir, masters=3, nodes=2, proxies=True, faketime=True) as h:
+    with ChaosHarness(tmp_dir, masters=3, nodes=2, proxies=True, fake_clocks=True) as h:
         with Client(h.masters_for_clients()) as kv:
             ...
         nemesis = Nemesis(h, random.Random(seed))
@@ -35,7 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from kvpool.chaos.clock import FakeClocks, remove_faketime_shm
+from kvpool.chaos.clock import FakeClocks
 from kvpool.chaos.nemesis import ClusterView
 from kvpool.chaos.netns import LoopbackNetwork, NamespaceNetwork, Network, new_run_id
 from kvpool.chaos.proxy import LinkBehaviour, LinkProxy
@@ -87,7 +87,7 @@ class ChaosHarness:
         nodes: int = 2,
         network: str = "auto",
         proxies: bool = False,
-        faketime: bool = False,
+        fake_clocks: bool = False,
         run_id: str | None = None,
         seed: int = 0,
         cpu_cache_size: str = "128MiB",
@@ -108,7 +108,7 @@ class ChaosHarness:
         self.seed = seed
         self.network_mode = network
         self.proxies = proxies
-        self.faketime = faketime
+        self.fake_clocks = fake_clocks
         self.python = python
         self.start_timeout_s = start_timeout_s
         self.state_dir = Path(state_dir)
@@ -126,7 +126,7 @@ class ChaosHarness:
         }
         self.network: Network = LoopbackNetwork("not started")
         self.clocks: FakeClocks | None = None
-        self.clock_skip_reason = "" if faketime else "faketime is off"
+        self.clock_skip_reason = "" if fake_clocks else "fake clocks are off"
         self._cluster: LocalCluster | None = None
         self.node_proxies: dict[str, LinkProxy] = {}
         self.master_proxies: dict[str, LinkProxy] = {}
@@ -152,7 +152,7 @@ class ChaosHarness:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.network = self._make_network()
-            if self.faketime:
+            if self.fake_clocks:
                 clocks = FakeClocks(self.dir / "clocks")
                 if clocks.available:
                     self.clocks = clocks
@@ -176,7 +176,7 @@ class ChaosHarness:
             "harness_started",
             network=type(self.network).__name__,
             proxies=self.proxies,
-            faketime=self.clocks is not None,
+            fake_clocks=self.clocks is not None,
             elapsed_s=round(self.setup_s, 3),
         )
         return self
@@ -280,9 +280,7 @@ class ChaosHarness:
     # --- faults (the nemesis's hands) ----------------------------------------------------------
 
     def kill(self, name: str) -> None:
-        pid = self.cluster.processes[name].pid
         self.cluster.kill(name)
-        remove_faketime_shm(pid)
 
     def restart(self, name: str) -> None:
         self.cluster.restart(name, timeout_s=self.start_timeout_s)
@@ -351,8 +349,6 @@ class ChaosHarness:
                 proxy.stop()
             except (KVPoolError, OSError) as e:
                 problems.append(f"proxy {proxy.name}: {e}")
-        for pid in self.started_pids():
-            remove_faketime_shm(pid)
         try:
             self.network.close()
         except (KVPoolError, OSError) as e:

@@ -321,7 +321,7 @@ class Nemesis:
         if kind == "link" and not h.links_supported:
             return "the harness runs without link proxies (proxies=True turns them on)"
         if kind == "clock" and not h.clocks_supported:
-            return "the harness runs without fake clocks (faketime=True turns them on)"
+            return "the harness runs without fake clocks (fake_clocks=True turns them on)"
         return ""
 
     def _do_inject(

@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvpool.chaos.clock import remove_faketime_shm
 from kvpool.chaos.runs import RUN_DIR, RunRegistry, marker_alive, owner_alive
 from kvpool.errors import KVPoolError
 from kvpool.launcher.placement import LOOPBACK_HOST
@@ -503,7 +502,7 @@ class NamespaceNetwork:
 
     def _stop_stale_processes(self, run: str, doc: dict[str, Any]) -> list[str]:
         """SIGKILL the kvpool processes a dead run started (checked by start time) and those
-        still inside its namespaces; remove their libfaketime shared memory."""
+        still inside its namespaces."""
         removed: list[str] = []
         pids: dict[int, int | None] = {int(p): t for p, t in doc.get("pids", [])}
         for ns in self._netns_names():
@@ -517,7 +516,6 @@ class NamespaceNetwork:
                     os.kill(pid, signal.SIGCONT)
                     os.kill(pid, signal.SIGKILL)
                 removed.append(f"pid {pid}")
-            remove_faketime_shm(pid)
         return removed
 
     # --- helpers -----------------------------------------------------------------------------

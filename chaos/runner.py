@@ -320,7 +320,7 @@ def run_scenario(
             nodes=2,
             network=network,
             proxies=scenario.proxies,
-            faketime=scenario.faketime,
+            fake_clocks=scenario.fake_clocks,
             seed=seed,
             cpu_cache_size="256MiB",
             node_timeout_s=scenario.node_timeout_s,

@@ -7,7 +7,7 @@ fault names at the same offsets; which concrete process each fault hits is chose
 nemesis from the same seed when the fault is injected.
 
 Scenarios whose faults need something this machine lacks (network namespaces need root;
-clock jumps need faketime) still run: the nemesis records those faults as skipped, with the
+partitions need nftables) still run: the nemesis records those faults as skipped, with the
 reason, and the checkers still judge the workload.
 
 Regression scenarios (``regress-*``) replay, with their seed, a bug the suite once found; the
@@ -44,7 +44,7 @@ class Scenario:
     recover_s: float = 2.0  # quiet time after a heal before the next fault
     catches: str = ""  # the behaviour or bug this scenario is there to catch
     proxies: bool = False  # put link proxies on the client paths
-    faketime: bool = False  # start processes under libfaketime
+    fake_clocks: bool = False  # start processes with a fake wall clock (clock faults)
     node_timeout_s: float = 2.0
     extra_master_flags: tuple[str, ...] = ()
     timeout_s: float = 1.0  # the workload's per-call client timeout
@@ -182,7 +182,7 @@ SCENARIOS: dict[str, Scenario] = _scenarios(
             "clocks across machines, so nothing may change)",
             ("clock-forward", "clock-back"),
             hold_s=3.0,
-            faketime=True,
+            fake_clocks=True,
             catches="decisions taken on wall-clock time",
         ),
         Scenario(
@@ -216,7 +216,7 @@ SCENARIOS: dict[str, Scenario] = _scenarios(
             "a seeded random fault from the whole catalogue in every cycle",
             _EVERYTHING,
             proxies=True,
-            faketime=True,
+            fake_clocks=True,
             hold_s=3.0,
             catches="interactions between faults",
         ),

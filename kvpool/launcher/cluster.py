@@ -9,7 +9,7 @@ command (a pid reused by another program is left alone).
 
 Where each process runs is a :class:`~kvpool.launcher.placement.Placement`: for a process name
 it gives the IP the process binds and advertises, an argv prefix (``ip netns exec
-kvp-ab12-master-1`` puts it in a network namespace) and extra environment (libfaketime). The
+kvp-ab12-master-1`` puts it in a network namespace) and extra environment (a fake clock). The
 default, :class:`~kvpool.launcher.placement.LoopbackPlacement`, puts everything on 127.0.0.1.
 """
 
@@ -210,7 +210,7 @@ class LocalCluster:
     def _command(self, name: str, argv: list[str]) -> list[str]:
         """``argv`` behind the placement's prefix. Extra environment goes behind the prefix
         too (``env K=V … python …``), so that a library preloaded for the kvpool process
-        (libfaketime) is not also loaded into the prefix's own program (``ip``)."""
+        (a fake clock) applies to the kvpool process, not to the prefix's own program (``ip``)."""
         placed = self.placement.place(name)
         if placed.argv_prefix and placed.env:
             pairs = [f"{k}={v}" for k, v in sorted(placed.env.items())]

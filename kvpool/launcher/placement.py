@@ -1,5 +1,5 @@
 """Where a launched process runs: the IP it binds and advertises, the argv prefix that puts it
-there (``ip netns exec …``), extra environment (libfaketime), and which ports it can use.
+there (``ip netns exec …``), extra environment (a fake clock), and which ports it can use.
 
 A prefix must *exec* the kvpool command (``ip netns exec`` and ``env`` do), so that the pid the
 launcher holds is the kvpool process itself; :class:`~kvpool.launcher.cluster.LocalCluster`

@@ -478,7 +478,7 @@ def test_link_decisions_are_seeded_and_respect_the_settings() -> None:
     assert all(always.decide(LinkBehaviour(reset_probability=1.0), 10).reset for _ in range(50))
 
 
-def test_clock_offsets_use_libfaketime_syntax() -> None:
+def test_clock_offsets_are_written_signed() -> None:
     assert format_offset(3600) == "+3600"
     assert format_offset(-3600.0) == "-3600"
     assert format_offset(0) == "+0"
