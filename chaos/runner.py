@@ -358,9 +358,12 @@ def run_scenario(
                 with _Ticker(progress, describe):
                     _follow_schedule(nemesis, schedule, t0, state, stop)
                     nemesis.heal_all()
-                    heal_t = time.monotonic()
                     workloads.wait(max(0.0, t0 + duration_s - time.monotonic()) + 30)
                     workloads.stop()
+                    # Convergence is timed from here: every fault healed and the writes stopped
+                    # (while the workload runs on through the quiet tail, the commit index moves
+                    # and "all masters agree" cannot be observed).
+                    heal_t = time.monotonic()
                     result = _judge(
                         harness=harness,
                         scenario=scenario,
