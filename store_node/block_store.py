@@ -175,6 +175,11 @@ class BlockStore:
         copy = block.copies[TierLevel.CPU]
         return self.tier.view(copy.offset, block.size_bytes)
 
+    def view_copy(self, copy: Copy) -> memoryview:
+        """A CPU copy's bytes (valid while it is leased, even after it left its block)."""
+        assert copy.level is TierLevel.CPU, "only CPU copies are sent from where they lie"
+        return self.tier.view(copy.offset, copy.block.size_bytes)
+
     def finish_put(self, block: Block) -> Status:
         """The payload is in: verify it and stage the block (OK) or free it
         (CHECKSUM_MISMATCH)."""

@@ -220,7 +220,7 @@ class DataConnection(FrameServerProtocol):
             self.send(
                 self._hit_header(request, block, TierLevel.CPU),
                 b"",
-                self._store.view(block),
+                self._store.view_copy(copy),
                 on_sent=partial(self._store.release, copy),
             )
         except Exception:

@@ -182,6 +182,41 @@ class TierWorker:
             self._staging.close()
             self._staging = None
 
+    def run_blocking(self) -> int:
+        """Run every queued job now, in this thread, and finish each in the store — until
+        none is left (tests and tools without an event loop). Returns how many ran."""
+        ran = 0
+        while jobs := self.store.take_jobs():
+            for job in jobs:
+                ran += 1
+                if isinstance(job, WriteJob):
+                    try:
+                        self._write(job)
+                        ok = True
+                    except OSError:
+                        ok = False
+                    self.store.finish_write(job, ok)
+                elif isinstance(job, ManifestJob):
+                    self._append(job)
+                else:
+                    try:
+                        self._copy(job)
+                        ok = True
+                    except Exception:
+                        ok = False
+                    self.store.finish_copy(job, ok)
+        return ran
+
+    def read_blocking(self, result: ReadResult) -> bytes | None:
+        """:meth:`read` without a loop: the checked bytes, or None when the copy was bad."""
+        assert result.block is not None
+        buf = self.bounce.get(result.block.size_bytes)
+        ok = self._read(result, buf)
+        self.store.finish_read(result, ReadOutcome.OK if ok else ReadOutcome.CORRUPT)
+        data = bytes(buf[: result.block.size_bytes]) if ok else None
+        self.bounce.put(buf)
+        return data
+
     # --- reads --------------------------------------------------------------------------------
 
     async def read(self, result: ReadResult) -> tuple[mmap.mmap | None, int]:

@@ -4,8 +4,8 @@ Why this policy for KV-cache blocks:
 
 - **Frequency-aware.** A block read many times (a shared system prompt, a RAG document, the
   prefix of a long chat) earns credit — up to :data:`MAX_FREQ` passes over the main queue
-  without a read — while a block written once and read once or never leaves first. A prefix
-  read a hundred times outlives one read once.
+  without a read — while a block written once and read once or never leaves first, straight
+  from the small queue. A prefix read a hundred times outlives one read once.
 - **Scan-resistant.** New blocks enter a small probationary FIFO (10 % of the tier's bytes); a
   burst of one-off puts (a batch job, a long prompt never reused) washes through it without
   flushing the hot set from the main FIFO. A block that comes back soon after it was evicted
@@ -30,8 +30,9 @@ SMALL_FRACTION = 0.10
 """Share of the tracked bytes the small (probationary) FIFO may hold before it is evicted from."""
 MAX_FREQ = 3
 """Reads remembered per block: a block survives this many passes of the main FIFO unread."""
-PROMOTE_THRESHOLD = 1
-"""Reads a block needs while in the small FIFO to move to main rather than out."""
+PROMOTE_THRESHOLD = 2
+"""Reads a block needs while in the small FIFO to move to main rather than out (the paper's
+``freq > 1``): a block put and read once by the next decode step leaves from the small FIFO."""
 GHOST_MIN = 1024
 """The ghost FIFO remembers at least this many evicted keys (more: as many as main holds)."""
 
@@ -96,7 +97,10 @@ class S3FifoPolicy:
     # --- eviction -----------------------------------------------------------------------------
 
     def pop_victim(self, eligible: Callable[[BlockId], bool]) -> BlockId | None:
-        budget = (self._max_freq + 2) * len(self._freq) + 2
+        """S3-FIFO's eviction, skipping what ``eligible`` refuses (rotated to the queue's
+        tail). When every block of main is refused, small's head goes even if it was read
+        (main could not take it anyway)."""
+        budget = (self._max_freq + 3) * len(self._freq) + 2
         small_misses = 0  # consecutive ineligible blocks met at the head of small
         main_misses = 0
         while budget > 0 and self._freq:
@@ -111,14 +115,13 @@ class S3FifoPolicy:
                 from_small = self._small_bytes >= self._small_fraction * total
             if from_small:
                 block = next(iter(self._small))
-                if self._freq[block] >= self._threshold:
+                main_refuses = bool(self._main) and main_stuck
+                if self._freq[block] >= self._threshold and not main_refuses:
                     size = self._size[block]
                     del self._small[block]
                     self._small_bytes -= size
                     self._main[block] = None
                     self._main_bytes += size
-                    self._freq[block] = 0
-                    main_misses = 0
                     continue
                 if not eligible(block):
                     self._small.move_to_end(block)

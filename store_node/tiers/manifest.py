@@ -192,7 +192,9 @@ def _apply(out: Replay, record: Record, segment_bytes: int) -> None:
 
 class ManifestFile:
     """The manifest on disk: appends, and compaction by rewrite-and-rename. Blocking: used
-    from the SSD tier's single writer thread (and at start)."""
+    from the SSD tier's single writer thread (and at start). The first append of a process
+    that did not :meth:`rewrite` it first (a recovery does) starts it afresh: records written
+    before could name generations this process hands out again."""
 
     def __init__(self, path: Path, segment_bytes: int, capacity_bytes: int) -> None:
         self.path = path
@@ -237,7 +239,7 @@ class ManifestFile:
         if not frames:
             return 0
         if self._fd is None:
-            self._open()
+            self.rewrite([])  # never recovered in this process: what was there is stale
         assert self._fd is not None
         view = memoryview(b"".join(frames))
         self.appended_bytes += len(view)

@@ -86,15 +86,21 @@ class SsdTier:
     ) -> None:
         self._name = name
         self.dir = Path(path)
-        self.segments = SegmentAllocator(capacity_bytes, segment_bytes)
-        capacity = self.segments.capacity_bytes
+        self._lock_fd = -1
+        if segment_bytes <= 0:
+            raise SsdTierError(f"ssd_segment_size: must be positive, not {segment_bytes}")
+        capacity = capacity_bytes // segment_bytes * segment_bytes
+        problem = check_free_space(self.dir, capacity)
+        if problem:
+            raise SsdTierError(problem)
+        try:
+            self.segments = SegmentAllocator(capacity_bytes, segment_bytes)
+        except ValueError as e:
+            raise SsdTierError(f"ssd_cache_size/ssd_segment_size: {e}") from e
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise SsdTierError(f"ssd_cache_path: cannot create {self.dir}: {e}") from e
-        problem = check_free_space(self.dir, capacity)
-        if problem:
-            raise SsdTierError(problem)
         self._lock_fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
