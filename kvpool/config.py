@@ -87,6 +87,12 @@ class MasterConfig(LogConfig):
     )
     heartbeat_interval_s: float = opt(1.0, "how often store nodes heartbeat", "duration")
     node_timeout_s: float = opt(5.0, "a node silent this long is declared down", "duration")
+    restore_grace_s: float = opt(
+        30.0,
+        "a node declared down keeps its index entries this long (invisible to lookups), so "
+        "that it can claim its SSD blocks back after a restart",
+        "duration",
+    )
     raft_min_timeout_s: float = opt(0.4, "Raft election timeout, lower bound", "duration")
     raft_max_timeout_s: float = opt(1.2, "Raft election timeout, upper bound", "duration")
     raft_append_period_s: float = opt(0.05, "Raft leader heartbeat period", "duration")
@@ -170,6 +176,8 @@ class MasterConfig(LogConfig):
             errors.append("commit_timeout_s: must be positive")
         if self.stuck_follower_s <= 0:
             errors.append("stuck_follower_s: must be positive")
+        if self.restore_grace_s < 0:
+            errors.append("restore_grace_s: must not be negative")
         return errors
 
 
