@@ -370,8 +370,10 @@ class BlockStore:
 
     def tier_stats(self) -> tuple[TierStats, ...]:
         out = []
-        for level in sorted(self.tiers.tiers):
-            tier = self.tiers.tiers[level]
+        for level in (TierLevel.CPU, TierLevel.GPU, TierLevel.SSD):
+            tier = self.tiers.tiers.get(level)
+            if tier is None:
+                continue
             c = self.counters.tiers[level]
             out.append(
                 TierStats(
