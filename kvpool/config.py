@@ -338,9 +338,14 @@ class ClientConfig:
     replicas: int = opt(1, "replicas written per block")
     max_value_size: int = opt(64 << 20, "largest value accepted by put", "size")
     connections_per_node: int = opt(2, "data-plane connections pooled per node")
+    max_tier: str = opt(
+        "", "slowest tier a get accepts: gpu, cpu or ssd (empty: any); slower is a miss"
+    )
 
     def validate(self) -> list[str]:
         errors = _validate_masters(self.masters)
+        if self.max_tier.lower() not in ("", "any", "gpu", "cpu", "ssd"):
+            errors.append(f"max_tier: expected gpu, cpu, ssd or any, got {self.max_tier!r}")
         if self.timeout_s <= 0:
             errors.append("timeout_s: must be positive")
         if self.replicas < 1:

@@ -75,9 +75,12 @@ def test_a_restarted_node_gets_back_exactly_the_writes_it_still_holds() -> None:
     ]
     assert claim(index, new, blocks, restore=True) == (True, False, False, False, False, True)
     a, b, d = index.lookup(["a", "b", "d"])
-    assert a is not None and a.replicas == (new,) and a.tier == SSD
+    assert a is not None
+    assert a.replicas == (new,)
+    assert a.tier == SSD
     assert b is None
-    assert d is not None and d.write_id == 99  # untouched
+    assert d is not None
+    assert d.write_id == 99
     # Claiming again is idempotent; without restore nothing is added.
     assert claim(index, new, blocks[:1], restore=True) == (True,)
     other = register(index, "m")
@@ -90,7 +93,8 @@ def test_tier_hints_follow_the_last_report_and_survive_other_changes() -> None:
     a, b = register(index, "a"), register(index, "b")
     version = put(index, "k", 5, (a, b))
     (view,) = index.lookup(["k"])
-    assert view is not None and view.tier == 0  # never reported: unknown (in memory)
+    assert view is not None
+    assert view.tier == 0
     revision = index.revision
     assert claim(index, a, [ClaimedBlock("k", 5, version, 4, 77, SSD)], restore=False) == (True,)
     assert index.lookup(["k"])[0].tier == SSD  # type: ignore[union-attr]
@@ -99,7 +103,9 @@ def test_tier_hints_follow_the_last_report_and_survive_other_changes() -> None:
     assert index.revision == revision + 1  # nothing changed: no new revision
     index.apply(DropReplicas(rid(), b, (("k", 5),)))
     (view,) = index.lookup(["k"])
-    assert view is not None and view.replicas == (a,) and view.tier == SSD
+    assert view is not None
+    assert view.replicas == (a,)
+    assert view.tier == SSD
     assert claim(index, a, [ClaimedBlock("k", 5, version, 4, 77, CPU)], restore=False) == (True,)
     assert index.lookup(["k"])[0].tier == CPU  # type: ignore[union-attr]
 
@@ -109,9 +115,7 @@ def test_a_dead_member_claims_nothing() -> None:
     old = register(index, "n", incarnation=1)
     version = put(index, "k", 5, (old,))
     register(index, "n", incarnation=2)
-    assert claim(index, old, [ClaimedBlock("k", 5, version, 4, 77, SSD)], restore=True) == (
-        False,
-    )
+    assert claim(index, old, [ClaimedBlock("k", 5, version, 4, 77, SSD)], restore=True) == (False,)
 
 
 def test_records_with_a_tier_byte_read_the_same_without_it() -> None:
@@ -193,7 +197,8 @@ def test_a_dead_members_entries_wait_out_the_grace_so_a_restart_can_claim_them()
         assert index.lookup(["lost"]) == [None]
         assert len(index) == 1  # "lost" was not claimed: purged after the grace
         (k,) = index.lookup(["k"])
-        assert k is not None and k.replicas == (new,)
+        assert k is not None
+        assert k.replicas == (new,)
         index.check_invariants()
 
     asyncio.run(run())

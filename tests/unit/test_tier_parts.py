@@ -119,7 +119,11 @@ def test_s3fifo_bookkeeping_stays_consistent(ops: list[tuple[str, int]]) -> None
         elif op == "r":
             policy.removed(block)
         else:
-            victim = policy.pop_victim(lambda b, n=n: hash(b) % 3 != n % 3)
+
+            def eligible(b: tuple[str, int], n: int = n) -> bool:
+                return (b[1] + n) % 3 != 0
+
+            victim = policy.pop_victim(eligible)
             assert victim is None or victim not in policy
         policy.check_invariants()
 
@@ -177,7 +181,7 @@ def land(seg: int, gen: int, offset: int, key: str = "k", size: int = 100) -> La
 
 
 def test_manifest_replay_keeps_what_landed_in_the_current_generation() -> None:
-    records = [
+    records: list[manifest.Record] = [
         OpenRecord(0, 1),
         land(0, 1, 0, "a"),
         land(0, 1, 4096, "b"),

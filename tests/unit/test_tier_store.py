@@ -20,6 +20,7 @@ from kvpool.proto.wire import MissReason, Status, TierLevel
 from kvpool.store_node.allocator import Allocator
 from kvpool.store_node.block_store import BlockStore, ReadResult
 from kvpool.store_node.eviction import LruPolicy, S3FifoPolicy
+from kvpool.store_node.jobs import WriteJob
 from kvpool.store_node.tier_worker import TierWorker
 from kvpool.store_node.tiers.cpu import CpuTier
 from kvpool.store_node.tiers.ssd import SsdTier
@@ -235,16 +236,15 @@ def test_a_block_stays_readable_from_cpu_while_its_demotion_is_in_flight(node: N
     for i in range(14):
         assert node.put(f"k{i}") == Status.OK
     jobs = node.store.take_jobs()  # planned, not run
-    writes = [j for j in jobs if hasattr(j, "items")]
+    writes = [j for j in jobs if isinstance(j, WriteJob)]
     assert writes
-    moving = writes[0].items[0].source.block  # type: ignore[union-attr]
+    moving = writes[0].items[0].source.block
     data, level = node.read(moving.key)
     assert level is TierLevel.CPU
     assert data == payload(moving.key, 1, BLOCK)
-    for job in jobs:
-        if hasattr(job, "items"):
-            node.worker._write(job)  # type: ignore[arg-type]
-            node.store.finish_write(job, True)  # type: ignore[arg-type]
+    for job in writes:
+        node.worker._write(job)
+        node.store.finish_write(job, True)
     node.store.check_invariants()
     assert node.read(moving.key) == (payload(moving.key, 1, BLOCK), TierLevel.SSD)
 
@@ -253,11 +253,11 @@ def test_a_block_deleted_during_its_demotion_leaves_nothing_behind(node: Node) -
     for i in range(14):
         assert node.put(f"k{i}") == Status.OK
     jobs = node.store.take_jobs()
-    write = next(j for j in jobs if hasattr(j, "items"))
-    victim = write.items[0].source.block  # type: ignore[union-attr]
+    write = next(j for j in jobs if isinstance(j, WriteJob))
+    victim = write.items[0].source.block
     assert node.store.delete(victim.key, 1)
-    node.worker._write(write)  # type: ignore[arg-type]
-    node.store.finish_write(write, True)  # type: ignore[arg-type]
+    node.worker._write(write)
+    node.store.finish_write(write, True)
     node.run()
     assert node.read(victim.key) == (MissReason.ABSENT, TierLevel.ANY)
     assert node.ssd.segments.allocations == node.store.tiers.copies_on(TierLevel.SSD)
