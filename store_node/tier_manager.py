@@ -234,6 +234,13 @@ class TierManager:
         if self._planned:
             self._build_write_jobs()
 
+    def drain(self, level: TierLevel, need_bytes: int) -> None:
+        """Make ``need_bytes`` of copies leave ``level`` now, as pressure would: redundant
+        copies are dropped, the others demoted to the SSD when possible, else lost."""
+        self._make_leave(level, need_bytes, demote=self.ssd_enabled)
+        if self._planned:
+            self._build_write_jobs()
+
     def evict(self, level: TierLevel, need_bytes: int) -> list[BlockId]:
         """Drop ``need_bytes`` of copies from ``level`` now (losing blocks with no other copy);
         the ids of the blocks lost."""

@@ -422,9 +422,7 @@ def test_hot_blocks_move_up_to_the_gpu_and_come_back_byte_exact(tmp_path: Path) 
         # A GPU copy with no other copy left is demoted to the SSD, not dropped.
         gpu_only = [b for b in n.store.committed_blocks() if set(b.copies) == {TierLevel.GPU}]
         for block in gpu_only:
-            n.store.tiers._make_leave(TierLevel.GPU, block.copies[TierLevel.GPU].footprint,
-                                      demote=True)  # fmt: skip
-        n.store.tiers.relieve()
+            n.store.tiers.drain(TierLevel.GPU, block.copies[TierLevel.GPU].footprint)
         n.run()
         assert n.store.stats().evictions == 1  # only "hot", dropped on purpose above
         for i in range(8):
