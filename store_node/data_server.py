@@ -38,7 +38,7 @@ from kvpool.store_node.block_store import (
     ReadOutcome,
     ReadResult,
 )
-from kvpool.store_node.tier_worker import TierWorker
+from kvpool.store_node.tier_worker import TierWorker, WorkerStoppedError
 from kvpool.transports.tcp import FrameServerProtocol, start_frame_server
 
 LEASE_TIMEOUT_S = 30.0
@@ -234,6 +234,9 @@ class DataConnection(FrameServerProtocol):
         assert copy is not None
         try:
             buf, size = await worker.read(result)
+        except WorkerStoppedError as e:
+            self.send_error(request, Status.INTERNAL, str(e))
+            return
         except Exception as e:
             self._log.exception("tier_read_failed", peer=self.peer)
             self.send_error(request, Status.INTERNAL, f"{type(e).__name__}: {e}")

@@ -1,9 +1,10 @@
 """Tier benchmark (``kvpool bench tiers``): the numbers the tiered store is judged by.
 
-- ``flood`` — a node (data server + CPU tier + SSD tier, in a child process as in production)
-  takes a write flood of three times its CPU tier over loopback TCP: puts/s, demotions/s and the
-  SSD write rate, SSD reclaims (evictions) once the SSD fills too, and NO_SPACE refusals (the
-  back-pressure while demotions drain).
+- ``flood`` — a node (data server + CPU tier + SSD tier of three times the CPU tier, in a child
+  process as in production) takes a write flood of six times its CPU tier over loopback TCP:
+  puts/s, demotions/s and the SSD write rate, SSD evictions/s once the SSD fills too (segments
+  reclaimed, whole segments, down to the low watermark), blocks held at the end, and NO_SPACE
+  refusals (the back-pressure while demotions drain).
 - ``get`` — then GET throughput over TCP, pipelined: blocks in CPU memory against blocks only on
   the SSD (each read once, so that none is promoted by the measurement itself), in GB/s.
 - ``policy`` — the pure core alone: eviction decisions per second (S3-FIFO and LRU) with the CPU
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.checksum import block_checksum
-from kvpool.proto.wire import Op, Status, TierLevel
+from kvpool.proto.wire import MissReason, Op, Status, TierLevel
 from kvpool.transports.tcp import TcpConnection
 
 TIMEOUT_S = 30.0
@@ -93,7 +94,7 @@ def _serve(
 
 
 async def _flood_and_get(
-    port: int, pipe: Connection, block_bytes: int, blocks: int, depth: int
+    port: int, pipe: Connection, *, block_bytes: int, blocks: int, depth: int
 ) -> dict[str, Any]:
     conn = await TcpConnection.open("127.0.0.1", port, timeout_s=5)
     payloads = [bytes([i % 251]) * block_bytes for i in range(8)]
@@ -128,7 +129,8 @@ async def _flood_and_get(
         after_flood = await asyncio.to_thread(pipe.recv)
         drained_s = time.perf_counter() - started
 
-        # Which blocks are where: a GET limited to CPU memory misses the SSD ones.
+        # Which blocks are where: a GET limited to CPU memory misses the SSD ones (SLOW_TIER);
+        # blocks beyond what CPU + SSD hold are gone (evicted).
         where: dict[int, list[int]] = {int(TierLevel.CPU): [], int(TierLevel.SSD): []}
         sink = memoryview(bytearray(block_bytes))
         for i in range(blocks):
@@ -136,8 +138,10 @@ async def _flood_and_get(
                 Op.GET, f"b{i}".encode(), write_id=1, flags=int(TierLevel.CPU), sink=sink,
                 timeout_s=TIMEOUT_S,
             )  # fmt: skip
-            level = TierLevel.CPU if r.status == Status.OK else TierLevel.SSD
-            where[int(level)].append(i)
+            if r.status == Status.OK:
+                where[int(TierLevel.CPU)].append(i)
+            elif r.header.flags == MissReason.SLOW_TIER:
+                where[int(TierLevel.SSD)].append(i)
 
         async def read_all(indexes: list[int]) -> tuple[float, int]:
             sinks = [memoryview(bytearray(block_bytes)) for _ in range(depth)]
@@ -164,6 +168,7 @@ async def _flood_and_get(
     finally:
         conn.close()
     demotions = after_flood["tiers"]["cpu"]["demotions"]
+    reclaimed = after_flood["tiers"]["ssd"]["evictions"]
     cpu_bytes = cpu_ok * block_bytes
     ssd_bytes = ssd_ok * block_bytes
     return {
@@ -177,8 +182,11 @@ async def _flood_and_get(
             "ssd_write_mb_per_s": round(
                 after_flood["ssd_written_bytes"] / max(after_flood["ssd_write_s"], 1e-9) / 1e6
             ),
-            "ssd_reclaims": after_flood["tiers"]["ssd"]["evictions"],
+            "ssd_evictions": reclaimed,
+            "ssd_evictions_per_s": round(reclaimed / drained_s),
             "blocks_lost": after_flood["evictions"],
+            "blocks_held": after_flood["tiers"]["cpu"]["blocks"]
+            + after_flood["tiers"]["ssd"]["blocks"],
             "no_space_refusals": refused,
             "tiers": after_flood["tiers"],
         },
@@ -196,9 +204,10 @@ async def _flood_and_get(
 def bench_flood(
     directory: Path, *, cpu_bytes: int, block_bytes: int, depth: int = 16
 ) -> dict[str, Any]:
-    """A write flood of three times the CPU tier, then CPU vs SSD GET throughput."""
-    blocks = 3 * cpu_bytes // block_bytes
-    ssd_bytes = 4 * cpu_bytes
+    """A write flood of six times the CPU tier into CPU + an SSD of three times it (the last
+    blocks push the first out: SSD evictions), then CPU vs SSD GET throughput."""
+    blocks = 6 * cpu_bytes // block_bytes
+    ssd_bytes = 3 * cpu_bytes
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
@@ -209,7 +218,9 @@ def bench_flood(
     proc.start()
     try:
         port, detail = parent.recv()
-        result = asyncio.run(_flood_and_get(port, parent, block_bytes, blocks, depth))
+        result = asyncio.run(
+            _flood_and_get(port, parent, block_bytes=block_bytes, blocks=blocks, depth=depth)
+        )
         result["ssd_tier"] = detail
         return result
     finally:

@@ -51,6 +51,11 @@ SSD_MAX_FAILURES = 3
 """Consecutive failed SSD writes after which demotions stop (the node goes on without them)."""
 CLEAN_DROP_SCAN = 64
 """Most redundant copies dropped to make room for one allocation before giving up."""
+REDUNDANT_REFUSALS = 256
+"""Most candidates looked at (per drop) when searching for a copy that has another copy."""
+EVICTION_REFUSALS = 4096
+"""Most ineligible candidates (leased, pinned, moving) looked at per victim: they rotate away,
+so the next round starts with others; a full scan of a large cache never happens per PUT."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,7 +496,7 @@ class TierManager:
         tier = self.tiers[level]
         policy = self.policies[level]
         for _ in range(CLEAN_DROP_SCAN):
-            victim = policy.pop_victim(lambda b: self._redundant(b, level))
+            victim = policy.pop_victim(lambda b: self._redundant(b, level), REDUNDANT_REFUSALS)
             if victim is None:
                 return None
             block = self._lookup(victim)
@@ -521,7 +526,7 @@ class TierManager:
         policy = self.policies[level]
         lost: list[BlockId] = []
         while need_bytes > 0:
-            victim = policy.pop_victim(lambda b: self._evictable(b, level))
+            victim = policy.pop_victim(lambda b: self._evictable(b, level), EVICTION_REFUSALS)
             if victim is None:
                 break
             block = self._lookup(victim)

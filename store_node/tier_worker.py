@@ -45,6 +45,10 @@ COMPACT_MIN_RECORDS = 4096
 STOP_TIMEOUT_S = 10.0
 
 
+class WorkerStoppedError(RuntimeError):
+    """The tier worker is stopping: no more reads."""
+
+
 class BouncePool:
     """Page-aligned buffers by power-of-two size class, reused. Event-loop thread only."""
 
@@ -222,13 +226,19 @@ class TierWorker:
     async def read(self, result: ReadResult) -> tuple[mmap.mmap | None, int]:
         """Read a leased non-CPU copy into a bounce buffer, checked; then end the read in the
         store. Returns ``(buffer, size)``, buffer None when the copy was bad (dropped). Give
-        the buffer back with :meth:`release_buffer` once sent."""
+        the buffer back with :meth:`release_buffer` once sent. WorkerStoppedError when the
+        worker is stopping (the lease is given back; nothing was read)."""
         assert result.copy is not None
         assert result.block is not None
         loop = asyncio.get_running_loop()
         size = result.block.size_bytes
         buf = self.bounce.get(size)
-        future = loop.run_in_executor(self._readers, self._read, result, buf)
+        try:
+            future = loop.run_in_executor(self._readers, self._read, result, buf)
+        except RuntimeError:  # the worker is stopping: nothing is read
+            self.store.finish_read(result, ReadOutcome.ABANDONED)
+            self.bounce.put(buf)
+            raise WorkerStoppedError("the node is stopping") from None
         self._track(future)
         try:
             ok = await asyncio.shield(future)
@@ -238,7 +248,7 @@ class TierWorker:
         except Exception:  # the executor is shut down: nothing was read
             self.store.finish_read(result, ReadOutcome.ABANDONED)
             self.bounce.put(buf)
-            return None, size
+            raise WorkerStoppedError("the node is stopping") from None
         self.store.finish_read(result, ReadOutcome.OK if ok else ReadOutcome.CORRUPT)
         if not ok:
             self.bounce.put(buf)

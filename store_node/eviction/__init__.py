@@ -45,9 +45,13 @@ class EvictionPolicy(Protocol):
     def removed(self, block: BlockId) -> None:
         """The copy left the tier (deleted, replaced, moved). Unknown ids are ignored."""
 
-    def pop_victim(self, eligible: Callable[[BlockId], bool]) -> BlockId | None:
+    def pop_victim(
+        self, eligible: Callable[[BlockId], bool], max_refusals: int | None = None
+    ) -> BlockId | None:
         """The least valuable block that ``eligible`` accepts, already removed from the
-        policy; None when no eligible block was met within a bounded scan."""
+        policy; None when no eligible block was met within a bounded scan (at most
+        ``max_refusals`` refused candidates, when given; refused ones rotate away, so the
+        next call looks at others)."""
         ...
 
     def __contains__(self, block: object) -> bool: ...

@@ -28,8 +28,11 @@ class LruPolicy:
     def removed(self, block: BlockId) -> None:
         self._order.pop(block, None)
 
-    def pop_victim(self, eligible: Callable[[BlockId], bool]) -> BlockId | None:
-        for _ in range(len(self._order)):
+    def pop_victim(
+        self, eligible: Callable[[BlockId], bool], max_refusals: int | None = None
+    ) -> BlockId | None:
+        scan = len(self._order) if max_refusals is None else min(len(self._order), max_refusals + 1)
+        for _ in range(scan):
             block = next(iter(self._order))
             if eligible(block):
                 del self._order[block]

@@ -96,15 +96,20 @@ class S3FifoPolicy:
 
     # --- eviction -----------------------------------------------------------------------------
 
-    def pop_victim(self, eligible: Callable[[BlockId], bool]) -> BlockId | None:
+    def pop_victim(
+        self, eligible: Callable[[BlockId], bool], max_refusals: int | None = None
+    ) -> BlockId | None:
         """S3-FIFO's eviction, skipping what ``eligible`` refuses (rotated to the queue's
         tail). When every block of main is refused, small's head goes even if it was read
         (main could not take it anyway)."""
         budget = (self._max_freq + 3) * len(self._freq) + 2
         small_misses = 0  # consecutive ineligible blocks met at the head of small
         main_misses = 0
+        refusals_left = len(self._freq) * 2 + 1 if max_refusals is None else max_refusals + 1
         while budget > 0 and self._freq:
             budget -= 1
+            if small_misses + main_misses >= refusals_left:
+                return None
             small_stuck = small_misses >= len(self._small)
             main_stuck = main_misses >= len(self._main)
             if small_stuck and main_stuck:
