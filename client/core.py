@@ -19,6 +19,7 @@ import inspect
 import os
 import random
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvpool.checksum import block_checksum
@@ -83,6 +84,22 @@ def tier_limit(max_tier: str) -> int:
         ) from None
 
 
+@dataclass(frozen=True, slots=True)
+class PutReceipt:
+    """What the index answered for one committed put: the block's version, its identity on the
+    nodes, the index revision after the commit, and where its replicas are."""
+
+    key: str
+    version: int
+    write_id: int
+    revision: int
+    replicas: tuple[str, ...]
+    """Node ids of the replicas the index kept, in the index's order."""
+    member_ids: tuple[int, ...]
+    """The same replicas as member ids (one per node incarnation; a restarted node gets a new
+    one), in the same order."""
+
+
 def _miss_reason(error: KVPoolError) -> str:
     return "timeout" if isinstance(error, DeadlineExceededError) else "unavailable"
 
@@ -145,13 +162,27 @@ class ClientCore:
 
     async def put(self, key: str, value: BytesLike, *, strict: bool | None = None) -> bool:
         """Store one block. True once committed to the index (and published)."""
+        return await self.put_receipt(key, value, strict=strict) is not None
+
+    async def put_receipt(
+        self, key: str, value: BytesLike, *, strict: bool | None = None
+    ) -> PutReceipt | None:
+        """Store one block, as :meth:`put`: its receipt once committed, None on failure
+        (strict: the typed error, as put raises it)."""
         item = self._put_item(key, value)
-        (ok,) = await self._put_prepared([item], self._strict(strict), single=True)
-        return ok
+        (receipt,) = await self._put_prepared([item], self._strict(strict), single=True)
+        return receipt
 
     async def batch_put(self, items: PutItems, *, strict: bool | None = None) -> list[bool]:
         """Store many blocks with one CommitPuts; one bool per item, in order. With strict, a
         failure of the whole call raises; per-item failures stay False."""
+        receipts = await self.batch_put_receipts(items, strict=strict)
+        return [r is not None for r in receipts]
+
+    async def batch_put_receipts(
+        self, items: PutItems, *, strict: bool | None = None
+    ) -> list[PutReceipt | None]:
+        """As :meth:`batch_put`, with each committed item's receipt (None where it failed)."""
         prepared = [self._put_item(k, v) for k, v in put_items(items)]
         if not prepared:
             return []
@@ -428,24 +459,28 @@ class ClientCore:
 
     async def _put_prepared(
         self, items: list[PutItem], strict: bool, *, single: bool
-    ) -> list[bool]:
+    ) -> list[PutReceipt | None]:
+        """The one put path: each item's receipt once committed, None where it failed."""
+        receipts: dict[PutItem, PutReceipt] = {}
         try:
-            await self._within_deadline("put", lambda d: self._put(items, d))
+            await self._within_deadline("put", lambda d: self._put(items, d, receipts))
         except InvalidArgumentError:
             raise
         except KVPoolError:
             self._stats.puts(0, len(items))
             if strict:
                 raise
-            return [False] * len(items)
-        results = [it.committed for it in items]
-        ok = sum(results)
+            return [None] * len(items)
+        results = [receipts.get(it) if it.committed else None for it in items]
+        ok = sum(r is not None for r in results)
         self._stats.puts(ok, len(results) - ok)
-        if single and strict and not results[0]:
+        if single and strict and results[0] is None:
             raise items[0].error or UnavailableError(f"put {items[0].key!r} failed")
         return results
 
-    async def _put(self, items: list[PutItem], deadline: float) -> None:
+    async def _put(
+        self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
+    ) -> None:
         """Place, stage, commit, publish; what the index refuses as placed on a stale ring is
         placed again on a fresh one (new write ids), up to MAX_PUT_ATTEMPTS times."""
         send_deadline = deadline - COMMIT_SHARE * self.config.timeout_s
@@ -464,7 +499,7 @@ class ClientCore:
                 for i in range(0, len(staged), MAX_COMMIT_ENTRIES)
             ]
             outcomes = await asyncio.gather(
-                *(self._commit(chunk, ring_version, deadline) for chunk in chunks),
+                *(self._commit(chunk, ring_version, deadline, receipts) for chunk in chunks),
                 return_exceptions=True,
             )
             failures = [o for o in outcomes if isinstance(o, BaseException)]
@@ -488,7 +523,11 @@ class ClientCore:
             pending = [it for it in pending if not it.committed]
 
     async def _commit(
-        self, staged: list[PutItem], ring_version: int, deadline: float
+        self,
+        staged: list[PutItem],
+        ring_version: int,
+        deadline: float,
+        receipts: dict[PutItem, PutReceipt],
     ) -> list[BlockRef] | None:
         """One CommitPuts for ``staged``: the blocks to publish, or None for a stale ring."""
         request = master_pb2.CommitPutsRequest(
@@ -522,17 +561,31 @@ class ClientCore:
             )
         self._placement.observe_ring_version(response.ring_version)
         self._floor = max(self._floor, response.revision)
-        return self._committed(staged, response)
+        return self._committed(staged, response, receipts)
 
     def _committed(
-        self, staged: list[PutItem], response: master_pb2.CommitPutsResponse
+        self,
+        staged: list[PutItem],
+        response: master_pb2.CommitPutsResponse,
+        receipts: dict[PutItem, PutReceipt],
     ) -> list[BlockRef]:
-        """Mark each staged item by its result; the (block, replica) pairs to publish."""
+        """Mark each staged item by its result and write the receipt of each committed one; the
+        (block, replica) pairs to publish."""
         refs: list[BlockRef] = []
         for it, result in zip(staged, response.results, strict=True):
             if result.status == master_pb2.PUT_STATUS_COMMITTED:
                 it.committed = True
                 kept = set(result.replicas)
+                node_of = {m.member_id: m.node_id for m in it.targets}
+                member_ids = tuple(int(m) for m in result.replicas)
+                receipts[it] = PutReceipt(
+                    key=it.key,
+                    version=int(result.version),
+                    write_id=it.write_id,
+                    revision=int(response.revision),
+                    replicas=tuple(node_of.get(m, "") for m in member_ids),
+                    member_ids=member_ids,
+                )
                 refs.extend(
                     BlockRef(it.key_bytes, it.write_id, result.version, m)
                     for m in it.targets

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvpool.client.core import ClientCore
+from kvpool.client.core import ClientCore, PutReceipt
 from kvpool.client.settings import make_config
 from kvpool.client.values import BytesLike, WritableBuffer, as_payload
 from kvpool.errors import DeadlineExceededError, UnavailableError
@@ -148,6 +148,13 @@ class Client:
         bytes). Do not modify it until put returns."""
         return self._call(self._core.put(key, value, strict=strict), _false, strict)
 
+    def put_receipt(
+        self, key: str, value: BytesLike, *, strict: bool | None = None
+    ) -> PutReceipt | None:
+        """As :meth:`put`, answering the commit's receipt (version, write id, index revision,
+        replica node ids) instead of True; None on failure (strict raises as put does)."""
+        return self._call(self._core.put_receipt(key, value, strict=strict), _none, strict)
+
     def get(
         self, key: str, *, strict: bool | None = None, max_tier: str | None = None
     ) -> bytes | None:
@@ -184,6 +191,19 @@ class Client:
     ) -> list[bool]:
         """Store many blocks with one commit; one bool per item, in order."""
         return self._call(self._core.batch_put(items), lambda: [False] * len(items), None)
+
+    def batch_put_receipts(
+        self,
+        items: Mapping[str, BytesLike] | Sequence[tuple[str, BytesLike]],
+        *,
+        strict: bool | None = None,
+    ) -> list[PutReceipt | None]:
+        """As :meth:`batch_put`, with each committed item's receipt (None where it failed)."""
+        return self._call(
+            self._core.batch_put_receipts(items, strict=strict),
+            lambda: [None] * len(items),
+            strict,
+        )
 
     def batch_get(self, keys: Sequence[str], *, max_tier: str | None = None) -> list[bytes | None]:
         """Each key's bytes or None, in order (one lookup, reads pipelined per node)."""

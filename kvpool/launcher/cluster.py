@@ -1,10 +1,16 @@
-"""A whole kvpool cluster on this host: ``kvpool cluster up`` / ``down``, the demo and the tests.
+"""A whole kvpool cluster on this host: ``kvpool cluster up`` / ``down``, the demo, the tests and
+the chaos harness.
 
 Every process is a real ``python -m kvpool master|node`` child in its own process session
 (so a Ctrl-C in the terminal reaches the launcher, which then stops them in order). The launcher
 writes ``DIR/cluster.json`` with each process's role, addresses, pid and log file; ``down`` (or
 :meth:`LocalCluster.stop`) stops only those pids, and only when the pid still runs a kvpool
 command (a pid reused by another program is left alone).
+
+Where each process runs is a :class:`~kvpool.launcher.placement.Placement`: for a process name
+it gives the IP the process binds and advertises, an argv prefix (``ip netns exec
+kvp-ab12-master-1`` puts it in a network namespace) and extra environment (libfaketime). The
+default, :class:`~kvpool.launcher.placement.LoopbackPlacement`, puts everything on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -14,17 +20,32 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvpool.errors import KVPoolError, UnavailableError
+from kvpool.launcher.placement import (
+    LOOPBACK_HOST,
+    MASTER_GRPC_PORT,
+    MASTER_RAFT_PORT,
+    NODE_ADMIN_PORT,
+    NODE_DATA_PORT,
+    AdvertiseHook,
+    LoopbackPlacement,
+    Placement,
+    ProcessPlacement,
+    free_port,
+)
 from kvpool.launcher.probe import leader_of, probe_masters
+from kvpool.launcher.procfs import pid_runs_kvpool, process_state
+
+# pid_runs_kvpool and free_port lived here before placement.py and procfs.py: still exported.
+__all__ = ["ClusterError", "LocalCluster", "ProcessInfo", "free_port", "pid_runs_kvpool"]
 
 CLUSTER_FILE = "cluster.json"
 SECRET_FILE = "raft.secret"  # noqa: S105 - a file name, not a secret
@@ -44,29 +65,14 @@ class ProcessInfo:
     log: str
     ready_file: str
     pid: int = 0
-    grpc: str = ""  # masters: gRPC address; nodes: admin gRPC address
+    grpc: str = ""  # masters: bound gRPC address; nodes: admin gRPC address
     raft: str = ""  # masters only
-    data: str = ""  # nodes only: data-plane address
+    data: str = ""  # nodes only: the data-plane address clients dial (advertised)
     data_dir: str = ""  # masters only, unless in memory
     node_id: str = ""  # nodes only
+    host: str = LOOPBACK_HOST  # the IP the process binds
+    advertise: str = ""  # masters: gRPC address clients dial, when not ``grpc`` (a proxy)
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def pid_runs_kvpool(pid: int) -> bool:
-    """True when ``pid`` is alive and its command line is a kvpool process."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    if not cmdline:  # a zombie
-        return False
-    return b"kvpool" in cmdline
 
 
 def _tail(path: str, lines: int = 20) -> str:
@@ -78,7 +84,8 @@ def _tail(path: str, lines: int = 20) -> str:
 
 
 class LocalCluster:
-    """Masters and store nodes as child processes on 127.0.0.1, in ``directory``."""
+    """Masters and store nodes as child processes of this host, in ``directory``, placed by
+    ``placement`` (default: all on 127.0.0.1)."""
 
     def __init__(
         self,
@@ -94,6 +101,10 @@ class LocalCluster:
         extra_master_flags: Sequence[str] = (),
         extra_node_flags: Sequence[str] = (),
         python: str = sys.executable,
+        placement: Placement | None = None,
+        advertise_master: AdvertiseHook | None = None,
+        advertise_node_data: AdvertiseHook | None = None,
+        on_spawn: Callable[[ProcessInfo], None] | None = None,
     ) -> None:
         if masters < 1:
             raise ClusterError("a cluster needs at least one master")
@@ -110,15 +121,29 @@ class LocalCluster:
         self.extra_master_flags = list(extra_master_flags)
         self.extra_node_flags = list(extra_node_flags)
         self.python = python
+        self.placement: Placement = placement or LoopbackPlacement()
+        self.advertise_master = advertise_master
+        self.advertise_node_data = advertise_node_data
+        self.on_spawn = on_spawn
         self.secret = ""
         self.processes: dict[str, ProcessInfo] = {}
+        self.started_pids: list[int] = []
+        """Every pid this launcher ever started (restarts included), oldest first."""
         self._popen: dict[str, subprocess.Popen[bytes]] = {}
+        self._env_of: dict[str, dict[str, str]] = {}
+        self._paused: set[str] = set()
 
     # --- description ---------------------------------------------------------------------
 
     @property
     def master_addresses(self) -> list[str]:
+        """The masters' bound gRPC addresses (what nodes and probes dial)."""
         return [p.grpc for p in self.processes.values() if p.role == "master"]
+
+    @property
+    def client_master_addresses(self) -> list[str]:
+        """The masters' addresses as clients should dial them (a proxy's, when advertised)."""
+        return [p.advertise or p.grpc for p in self.processes.values() if p.role == "master"]
 
     @property
     def masters(self) -> list[ProcessInfo]:
@@ -127,6 +152,14 @@ class LocalCluster:
     @property
     def nodes(self) -> list[ProcessInfo]:
         return [p for p in self.processes.values() if p.role == "node"]
+
+    @property
+    def master_names(self) -> list[str]:
+        return [p.name for p in self.masters]
+
+    @property
+    def node_names(self) -> list[str]:
+        return [p.name for p in self.nodes]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -165,13 +198,26 @@ class LocalCluster:
 
     # --- start ---------------------------------------------------------------------------
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, name: str) -> dict[str, str]:
         env = dict(os.environ)
         env["KVPOOL_RAFT_SECRET"] = self.secret
         env.setdefault("PYTHONUNBUFFERED", "1")
         # grpc reads this at import: no fork handlers when PySyncObj forks to write snapshots.
         env.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+        env.update(self._env_of.get(name, {}))
         return env
+
+    def _command(self, name: str, argv: list[str]) -> list[str]:
+        """``argv`` behind the placement's prefix. Extra environment goes behind the prefix
+        too (``env K=V … python …``), so that a library preloaded for the kvpool process
+        (libfaketime) is not also loaded into the prefix's own program (``ip``)."""
+        placed = self.placement.place(name)
+        if placed.argv_prefix and placed.env:
+            pairs = [f"{k}={v}" for k, v in sorted(placed.env.items())]
+            return [*placed.argv_prefix, "env", *pairs, *argv]
+        if placed.env:
+            self._env_of[name] = dict(placed.env)
+        return [*placed.argv_prefix, *argv]
 
     def _spawn(self, info: ProcessInfo) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -183,7 +229,7 @@ class LocalCluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self._env(),
+                env=self._env(info.name),
                 start_new_session=True,
                 cwd=self.dir,
             )
@@ -191,17 +237,27 @@ class LocalCluster:
             log.close()
         info.pid = proc.pid
         self._popen[info.name] = proc
+        self._paused.discard(info.name)
+        self.started_pids.append(proc.pid)
+        if self.on_spawn is not None:
+            self.on_spawn(info)
 
-    def _master_info(self, i: int, raft_ports: list[int]) -> ProcessInfo:
+    def _master_ports(self, placed: ProcessPlacement) -> tuple[int, int]:
+        if placed.own_network:
+            return MASTER_GRPC_PORT, MASTER_RAFT_PORT
+        return free_port(placed.host), free_port(placed.host)
+
+    def _master_info(self, i: int, grpc_ports: list[int], raft: list[str]) -> ProcessInfo:
         name = f"master-{i + 1}"
-        raft = f"127.0.0.1:{raft_ports[i]}"
-        peers = [f"127.0.0.1:{p}" for j, p in enumerate(raft_ports) if j != i]
+        host = self.placement.place(name).host
+        peers = [r for j, r in enumerate(raft) if j != i]
         data_dir = "" if self.in_memory else str(self.dir / name)
-        grpc_port = free_port()
+        grpc = f"{host}:{grpc_ports[i]}"
+        advertise = self.advertise_master(name, grpc) if self.advertise_master else ""
         argv = [
             self.python, "-m", "kvpool", "master",
-            "--listen", f"127.0.0.1:{grpc_port}",
-            "--raft-listen", raft,
+            "--listen", grpc,
+            "--raft-listen", raft[i],
             "--raft-peers", ",".join(peers),
             "--node-timeout-s", str(self.node_timeout_s),
             "--heartbeat-interval-s", str(self.heartbeat_interval_s),
@@ -209,40 +265,59 @@ class LocalCluster:
             "--log-format", "json",
             "--ready-file", str(self.dir / f"{name}.ready"),
         ]  # fmt: skip
+        if advertise:
+            argv += ["--advertise-address", advertise]
         argv += ["--in-memory"] if self.in_memory else ["--data-dir", data_dir]
         argv += self.extra_master_flags
         return ProcessInfo(
             name=name,
             role="master",
-            argv=argv,
+            argv=self._command(name, argv),
             log=str(self.dir / f"{name}.log"),
             ready_file=str(self.dir / f"{name}.ready"),
-            grpc=f"127.0.0.1:{grpc_port}",
-            raft=raft,
+            grpc=grpc,
+            raft=raft[i],
             data_dir=data_dir,
+            host=host,
+            advertise=advertise,
         )
 
-    def _node_info(self, i: int) -> ProcessInfo:
-        name = f"node-{i + 1}"
+    def _node_info(self, name: str, advertise_data_address: str | None = None) -> ProcessInfo:
+        placed = self.placement.place(name)
+        host = placed.host
+        if placed.own_network:
+            admin_port, data_port = NODE_ADMIN_PORT, NODE_DATA_PORT
+        else:
+            # A fixed data port when something (a proxy) must know it before the node starts
+            # and keep pointing at it across restarts; otherwise any free port.
+            needs_port = self.advertise_node_data is not None and advertise_data_address is None
+            admin_port, data_port = 0, free_port(host) if needs_port else 0
+        bound_data = f"{host}:{data_port}"
+        if advertise_data_address is None and self.advertise_node_data is not None:
+            advertise_data_address = self.advertise_node_data(name, bound_data)
         argv = [
             self.python, "-m", "kvpool", "node",
             "--node-id", name,
             "--masters", ",".join(self.master_addresses),
-            "--listen", "127.0.0.1:0",
-            "--data-listen", "127.0.0.1:0",
+            "--listen", f"{host}:{admin_port}",
+            "--data-listen", bound_data,
             "--cpu-cache-size", self.cpu_cache_size,
             "--log-level", self.log_level,
             "--log-format", "json",
             "--ready-file", str(self.dir / f"{name}.ready"),
-            *self.extra_node_flags,
         ]  # fmt: skip
+        if advertise_data_address:
+            argv += ["--advertise-data-address", advertise_data_address]
+        argv += self.extra_node_flags
         return ProcessInfo(
             name=name,
             role="node",
-            argv=argv,
+            argv=self._command(name, argv),
             log=str(self.dir / f"{name}.log"),
             ready_file=str(self.dir / f"{name}.ready"),
             node_id=name,
+            host=host,
+            extra={"data_bound": bound_data} if data_port else {},
         )
 
     def start(self, timeout_s: float = 60.0) -> None:
@@ -253,10 +328,16 @@ class LocalCluster:
         secret_path = self.dir / SECRET_FILE
         secret_path.write_text(self.secret + "\n")
         secret_path.chmod(0o600)
-        raft_ports = [free_port() for _ in range(self.n_masters)]
         try:
+            grpc_ports: list[int] = []
+            raft: list[str] = []
             for i in range(self.n_masters):
-                info = self._master_info(i, raft_ports)
+                placed = self.placement.place(f"master-{i + 1}")
+                grpc_port, raft_port = self._master_ports(placed)
+                grpc_ports.append(grpc_port)
+                raft.append(f"{placed.host}:{raft_port}")
+            for i in range(self.n_masters):
+                info = self._master_info(i, grpc_ports, raft)
                 self.processes[info.name] = info
                 self._spawn(info)
             deadline = time.monotonic() + timeout_s
@@ -264,7 +345,7 @@ class LocalCluster:
                 self._wait_ready(info, deadline)
             self.wait_for_leader(deadline - time.monotonic())
             for i in range(self.n_nodes):
-                info = self._node_info(i)
+                info = self._node_info(f"node-{i + 1}")
                 self.processes[info.name] = info
                 self._spawn(info)
             for info in self.nodes:
@@ -273,6 +354,20 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+
+    def add_node(
+        self, *, advertise_data_address: str | None = None, timeout_s: float = 30.0
+    ) -> ProcessInfo:
+        """Start one more store node (``node-<n+1>``) and wait until it is registered.
+        ``advertise_data_address`` (``tcp://host:port``, e.g. a proxy's) is what clients are
+        told to dial instead of its bound data address."""
+        name = f"node-{len(self.nodes) + 1}"
+        info = self._node_info(name, advertise_data_address)
+        self.processes[name] = info
+        self._spawn(info)
+        self._wait_ready(info, time.monotonic() + timeout_s)
+        self.write_cluster_file()
+        return info
 
     def _wait_ready(self, info: ProcessInfo, deadline: float) -> None:
         path = Path(info.ready_file)
@@ -283,8 +378,15 @@ class LocalCluster:
                 except ValueError:
                     time.sleep(0.05)
                     continue
+                if ready.get("pid", info.pid) != info.pid:
+                    raise ClusterError(
+                        f"{info.name}: the kvpool process has pid {ready.get('pid')}, not the "
+                        f"pid {info.pid} the launcher holds (does the argv prefix "
+                        f"{info.argv[:4]} exec its command?)"
+                    )
                 if info.role == "master":
-                    info.grpc = ready.get("grpc", info.grpc)
+                    if not info.advertise:
+                        info.grpc = ready.get("grpc", info.grpc)
                 else:
                     info.grpc = ready.get("admin", "")
                     info.data = ready.get("data", "")
@@ -305,13 +407,54 @@ class LocalCluster:
         """The gRPC address of the leader, once one is elected and known to the masters."""
         deadline = time.monotonic() + max(timeout_s, 0.1)
         while True:
-            alive = [p.grpc for p in self.masters if self.is_running(p.name)]
-            leader = leader_of(probe_masters(alive, timeout_s=0.5)) if alive else None
+            leader = self.find_leader()
             if leader is not None:
-                return leader.address
+                return leader
             if time.monotonic() > deadline:
                 raise UnavailableError("no master leader elected in time")
             time.sleep(0.1)
+
+    def find_leader(self, probe_timeout_s: float = 0.5) -> str | None:
+        """The gRPC address of the master that says it leads (highest term), or None: one
+        round of probes of the running, unpaused masters."""
+        alive = [
+            p.grpc for p in self.masters if self.is_running(p.name) and p.name not in self._paused
+        ]
+        leader = leader_of(probe_masters(alive, timeout_s=probe_timeout_s)) if alive else None
+        return leader.address if leader is not None else None
+
+    def wait_caught_up(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every running master has applied as far as the leader has committed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            running = [p.grpc for p in self.masters if self.is_running(p.name)]
+            probes = probe_masters(running, timeout_s=0.5)
+            statuses = [p.status.master for p in probes if p.status is not None]
+            leaders = [m for m in statuses if m.role == "leader"]
+            if (
+                len(statuses) == len(running)
+                and leaders
+                and all(m.last_applied >= leaders[0].commit_index for m in statuses)
+            ):
+                return True
+            time.sleep(0.1)
+        return False
+
+    # --- roles -----------------------------------------------------------------------------
+
+    def name_of_master(self, address: str) -> str:
+        for p in self.masters:
+            if address in (p.grpc, p.advertise):
+                return p.name
+        raise ClusterError(f"{address} is not one of this cluster's masters")
+
+    def leader_name(self, timeout_s: float = 30.0) -> str:
+        return self.name_of_master(self.wait_for_leader(timeout_s))
+
+    def follower_names(self, timeout_s: float = 30.0) -> list[str]:
+        """The running masters that are not the leader (waits for a leader)."""
+        leader = self.leader_name(timeout_s)
+        return [p.name for p in self.masters if p.name != leader and self.is_running(p.name)]
 
     # --- faults and restarts ---------------------------------------------------------------
 
@@ -322,6 +465,9 @@ class LocalCluster:
         info = self.processes.get(name)
         return info is not None and info.pid > 0 and pid_runs_kvpool(info.pid)
 
+    def is_paused(self, name: str) -> bool:
+        return name in self._paused and self.is_running(name)
+
     def signal(self, name: str, sig: int) -> None:
         """Send ``sig`` to one of our processes (kill -9 is ``signal.SIGKILL``)."""
         info = self.processes[name]
@@ -329,10 +475,38 @@ class LocalCluster:
             return
         os.kill(info.pid, sig)
         if sig == signal.SIGKILL:
+            self._paused.discard(name)
             self._reap(name, 10.0)
 
     def kill(self, name: str) -> None:
         self.signal(name, signal.SIGKILL)
+
+    def pause(self, name: str, timeout_s: float = 2.0) -> None:
+        """SIGSTOP: the process is alive, holds its sockets and answers nothing. Returns once
+        the kernel reports it stopped."""
+        if not self.is_running(name):
+            raise ClusterError(f"{name} is not running; cannot pause it")
+        self.signal(name, signal.SIGSTOP)
+        self._paused.add(name)
+        self._wait_state(name, stopped=True, timeout_s=timeout_s)
+
+    def resume(self, name: str, timeout_s: float = 2.0) -> None:
+        """SIGCONT a paused process; returns once it runs again."""
+        self._paused.discard(name)
+        self.signal(name, signal.SIGCONT)
+        self._wait_state(name, stopped=False, timeout_s=timeout_s)
+
+    def _wait_state(self, name: str, *, stopped: bool, timeout_s: float) -> None:
+        pid = self.processes[name].pid
+        deadline = time.monotonic() + timeout_s
+        while (process_state(pid) in ("T", "t")) != stopped:
+            if not self.is_running(name):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"{name} (pid {pid}) did not {'stop' if stopped else 'continue'} in time"
+                )
+            time.sleep(0.005)
 
     def terminate(self, name: str, timeout_s: float = 10.0) -> None:
         """SIGTERM one process and wait for it to exit (SIGKILL after ``timeout_s``)."""
@@ -342,15 +516,9 @@ class LocalCluster:
         with contextlib.suppress(ProcessLookupError):
             os.kill(info.pid, signal.SIGCONT)
             os.kill(info.pid, signal.SIGTERM)
+        self._paused.discard(name)
         if not self._reap(name, timeout_s):
             self.kill(name)
-
-    def leader_name(self, timeout_s: float = 30.0) -> str:
-        address = self.wait_for_leader(timeout_s)
-        for p in self.masters:
-            if p.grpc == address:
-                return p.name
-        raise ClusterError(f"leader {address} is not one of this cluster's masters")
 
     def restart(self, name: str, timeout_s: float = 30.0) -> None:
         """Start a stopped or killed process again with the same arguments and data."""
@@ -396,6 +564,7 @@ class LocalCluster:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(info.pid, signal.SIGKILL)
                     self._reap(info.name, 5.0)
+        self._paused.clear()
         for info in order:
             with contextlib.suppress(FileNotFoundError):
                 Path(info.ready_file).unlink()

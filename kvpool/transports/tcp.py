@@ -169,7 +169,11 @@ class TcpConnection(asyncio.BufferedProtocol):
                     self._transport.write(body)
                 return await pending.future
         except TimeoutError:
-            self._abandon(request_id, "request timed out while receiving; connection closed")
+            # A peer that did not answer in time is not trusted to be in step with us (a silent
+            # partition, a request header garbled on the way, an overload): close the
+            # connection, failing what else is pending on it; the pool opens a fresh one.
+            self._pending.pop(request_id, None)
+            self.abort(f"{op.name} timed out after {timeout_s:.3f}s; connection closed")
             raise DeadlineExceededError(
                 f"{self.address}: {op.name} timed out after {timeout_s:.3f}s"
             ) from None

@@ -1,0 +1,56 @@
+"""Where a launched process runs: the IP it binds and advertises, the argv prefix that puts it
+there (``ip netns exec …``), extra environment (libfaketime), and which ports it can use.
+
+A prefix must *exec* the kvpool command (``ip netns exec`` and ``env`` do), so that the pid the
+launcher holds is the kvpool process itself; :class:`~kvpool.launcher.cluster.LocalCluster`
+checks it against the pid each process writes into its ready file.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+LOOPBACK_HOST = "127.0.0.1"
+
+# Ports of a process that has a network stack of its own (a namespace): nothing else binds
+# there, so they are fixed, and a restarted process comes back on the same addresses.
+MASTER_GRPC_PORT = 7300
+MASTER_RAFT_PORT = 7310
+NODE_ADMIN_PORT = 7320
+NODE_DATA_PORT = 7400
+
+
+@dataclass(frozen=True)
+class ProcessPlacement:
+    """Where one process runs: the IP it binds and advertises, the argv prefix that puts it
+    there, extra environment, and whether it has a network stack of its own (then the
+    well-known ports are free for it)."""
+
+    host: str = LOOPBACK_HOST
+    argv_prefix: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    own_network: bool = False
+
+
+class Placement(Protocol):
+    def place(self, name: str) -> ProcessPlacement: ...
+
+
+class LoopbackPlacement:
+    """Every process on 127.0.0.1 of this host, no prefix, no extra environment."""
+
+    def place(self, name: str) -> ProcessPlacement:
+        return ProcessPlacement()
+
+
+AdvertiseHook = Callable[[str, str], str]
+"""``(process name, bound host:port) -> address to advertise`` (a proxy in front of it)."""
+
+
+def free_port(host: str = LOOPBACK_HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
