@@ -43,6 +43,8 @@ _MISS_REASONS: dict[int, str] = {
     MissReason.STAGED: "version_mismatch",
     MissReason.WRONG_VERSION: "version_mismatch",
     MissReason.EVICTED: "evicted",
+    MissReason.SLOW_TIER: "slow_tier",
+    MissReason.CORRUPT: "checksum_mismatch",  # the node found its copy bad and dropped it
 }
 
 
@@ -58,6 +60,8 @@ class ReadItem:
     replicas: list[int]
     next: int = 0
     ok: bool = False
+    max_tier: int = 0  # the slowest tier accepted (TierLevel; 0: any)
+    tier: int = 0  # the tier that served it (TierLevel), once read
     reasons: list[str] = field(default_factory=list)
     errors: list[KVPoolError] = field(default_factory=list)
 
@@ -206,6 +210,7 @@ class DataPlane:
                 Op.GET,
                 it.key_bytes,
                 write_id=entry.write_id,
+                flags=it.max_tier,
                 sink=it.sink if size else None,
                 timeout_s=timeout_s,
             )
@@ -260,6 +265,7 @@ class DataPlane:
             )
             return
         it.ok = True
+        it.tier = response.header.flags
 
     # --- writes -------------------------------------------------------------------------------
 

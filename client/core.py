@@ -51,6 +51,7 @@ from kvpool.errors import (
 )
 from kvpool.logs import get_logger
 from kvpool.proto.v1 import master_pb2
+from kvpool.proto.wire import TierLevel
 from kvpool.transports.tcp import ConnectionPool
 
 T = TypeVar("T")
@@ -68,6 +69,19 @@ DELETE_WAIT_S = 0.25
 """Longest wait for best-effort DELETE frames after a remove."""
 
 SinkFactory = Callable[[str, int], tuple[memoryview, bool]]
+TIER_LIMITS: dict[str, int] = {"": 0, "any": 0, "gpu": 1, "cpu": 2, "ssd": 3}
+"""``max_tier`` names: the slowest tier a get accepts (a block held only on a slower one is a
+miss, ``slow_tier``, without reading it)."""
+
+
+def tier_limit(max_tier: str) -> int:
+    """The TierLevel for a ``max_tier`` name; InvalidArgumentError for an unknown one."""
+    try:
+        return TIER_LIMITS[max_tier.lower()]
+    except (KeyError, AttributeError):
+        raise InvalidArgumentError(
+            f"max_tier: expected one of gpu, cpu, ssd or any, got {max_tier!r}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,15 +188,20 @@ class ClientCore:
             return []
         return await self._put_prepared(prepared, self._strict(strict), single=False)
 
-    async def get(self, key: str, *, strict: bool | None = None) -> bytes | None:
-        """The block's bytes, or None on a miss or any failure (strict: the typed error)."""
+    async def get(
+        self, key: str, *, strict: bool | None = None, max_tier: str | None = None
+    ) -> bytes | None:
+        """The block's bytes, or None on a miss or any failure (strict: the typed error).
+        ``max_tier`` (gpu, cpu, ssd; default: the config's): a block held only on a slower
+        tier is a miss — for an engine that recomputes faster than it reads the SSD."""
         pair = (key, validate_key(key))
         strict = self._strict(strict)
+        limit = self._tier_limit(max_tier)
 
         def fresh(_key: str, size: int) -> tuple[memoryview, bool]:
             return memoryview(bytearray(size)), False
 
-        items = await self._read_or_fail([pair], fresh, strict)
+        items = await self._read_or_fail([pair], fresh, strict, limit)
         if items is None or not self._settle(items[0], pair[0], strict):
             return None
         item = items[0]
@@ -190,19 +209,25 @@ class ClientCore:
         return bytes(item.sink)
 
     async def get_into(
-        self, key: str, buffer: WritableBuffer, *, strict: bool | None = None
+        self,
+        key: str,
+        buffer: WritableBuffer,
+        *,
+        strict: bool | None = None,
+        max_tier: str | None = None,
     ) -> int | None:
         """Read the block into ``buffer``; the number of bytes, or None (then the buffer's
         content is undefined). BufferTooSmallError when the block does not fit."""
         pair = (key, validate_key(key))
         sink = as_sink(buffer)
         strict = self._strict(strict)
+        limit = self._tier_limit(max_tier)
 
         def caller(k: str, size: int) -> tuple[memoryview, bool]:
             check_fits(sink, size, k)
             return sink[:size], True
 
-        items = await self._read_or_fail([pair], caller, strict)
+        items = await self._read_or_fail([pair], caller, strict, limit)
         if items is None or not self._settle(items[0], pair[0], strict):
             return None
         item = items[0]
@@ -210,18 +235,19 @@ class ClientCore:
         return int(item.entry.size_bytes)
 
     async def batch_get(
-        self, keys: Sequence[str], *, strict: bool | None = None
+        self, keys: Sequence[str], *, strict: bool | None = None, max_tier: str | None = None
     ) -> list[bytes | None]:
         """Each key's bytes or None, in order: one Lookup, GETs pipelined per node. With strict,
         a failure of the whole call raises; per-key misses stay None."""
         pairs = validate_keys(keys)
+        limit = self._tier_limit(max_tier)
         if not pairs:
             return []
 
         def fresh(_key: str, size: int) -> tuple[memoryview, bool]:
             return memoryview(bytearray(size)), False
 
-        items = await self._read_or_fail(pairs, fresh, self._strict(strict))
+        items = await self._read_or_fail(pairs, fresh, self._strict(strict), limit)
         if items is None:
             return [None] * len(pairs)
         out: list[bytes | None] = []
@@ -289,6 +315,9 @@ class ClientCore:
 
     # --- failure policy -------------------------------------------------------------------
 
+    def _tier_limit(self, max_tier: str | None) -> int:
+        return tier_limit(self.config.max_tier if max_tier is None else max_tier)
+
     def _strict(self, strict: bool | None) -> bool:
         """The call's strictness; also refuses calls on a closed client, in every mode (using a
         closed client is a bug in the caller, not a failure of the cache)."""
@@ -331,10 +360,12 @@ class ClientCore:
             return None
 
     async def _read_or_fail(
-        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, strict: bool
+        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, strict: bool, limit: int = 0
     ) -> list[ReadItem | None] | None:
         try:
-            return await self._within_deadline("get", lambda d: self._read(pairs, sink_for, d))
+            return await self._within_deadline(
+                "get", lambda d: self._read(pairs, sink_for, d, limit)
+            )
         except InvalidArgumentError:
             raise
         except KVPoolError as e:
@@ -381,7 +412,7 @@ class ClientCore:
         return response
 
     async def _read(
-        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, deadline: float
+        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, deadline: float, limit: int
     ) -> list[ReadItem | None]:
         response = await self._lookup([k for k, _ in pairs], deadline)
         live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
@@ -399,9 +430,20 @@ class ClientCore:
             replicas = self._placement.read_order(
                 entry.replicas, now_s, random.randrange(max(1, len(entry.replicas)))
             )
-            items.append(ReadItem(key, key_bytes, entry, sink, caller_buffer, replicas))
+            item = ReadItem(key, key_bytes, entry, sink, caller_buffer, replicas, max_tier=limit)
+            if limit and limit < entry.tier <= TierLevel.SSD:  # the index: on a slower tier
+                item.replicas = []
+                item.fail(
+                    "slow_tier",
+                    BlockMissError(
+                        f"{key!r} is on the {TierLevel(entry.tier).name.lower()} tier, slower "
+                        f"than max_tier {TierLevel(limit).name.lower()}",
+                        reason="slow_tier",
+                    ),
+                )
+            items.append(item)
         await self._data.read(
-            [it for it in items if it is not None],
+            [it for it in items if it is not None and it.replicas],
             member,
             deadline,
             on_retry=self._stats.replica_retries,

@@ -12,6 +12,7 @@ from typing import Any
 MISS_REASONS: tuple[str, ...] = (
     "absent",  # the index has no such key (or the node never held it)
     "evicted",  # the node evicted it
+    "slow_tier",  # held only on a tier slower than the get's max_tier
     "node_down",  # no replica's node could be reached
     "version_mismatch",  # the node holds another write of the key, or not yet published
     "checksum_mismatch",  # bytes read did not match the checksum stored at put time
@@ -26,6 +27,7 @@ REASON_PRIORITY: tuple[str, ...] = (
     "checksum_mismatch",
     "version_mismatch",
     "evicted",
+    "slow_tier",
     "absent",
     "node_error",
     "node_down",

@@ -155,18 +155,28 @@ class Client:
         replica node ids) instead of True; None on failure (strict raises as put does)."""
         return self._call(self._core.put_receipt(key, value, strict=strict), _none, strict)
 
-    def get(self, key: str, *, strict: bool | None = None) -> bytes | None:
+    def get(
+        self, key: str, *, strict: bool | None = None, max_tier: str | None = None
+    ) -> bytes | None:
         """The bytes stored under ``key``, or None on a miss or any failure (strict raises
-        BlockMissError, ChecksumMismatchError, DeadlineExceededError, UnavailableError…)."""
-        return self._call(self._core.get(key, strict=strict), _none, strict)
+        BlockMissError, ChecksumMismatchError, DeadlineExceededError, UnavailableError…).
+        ``max_tier`` ("gpu", "cpu", "ssd"): a block held only on a slower tier is a miss."""
+        return self._call(self._core.get(key, strict=strict, max_tier=max_tier), _none, strict)
 
     def get_into(
-        self, key: str, buffer: WritableBuffer, *, strict: bool | None = None
+        self,
+        key: str,
+        buffer: WritableBuffer,
+        *,
+        strict: bool | None = None,
+        max_tier: str | None = None,
     ) -> int | None:
         """Read the block straight into ``buffer`` (writable, C-contiguous, large enough, else
         BufferTooSmallError / InvalidValueError): its size in bytes, or None (the buffer's
         content is then undefined)."""
-        return self._call(self._core.get_into(key, buffer, strict=strict), _none, strict)
+        return self._call(
+            self._core.get_into(key, buffer, strict=strict, max_tier=max_tier), _none, strict
+        )
 
     def exists(self, key: str) -> bool:
         """Whether the index has ``key`` (False on failure unless the client is strict)."""
@@ -195,9 +205,11 @@ class Client:
             strict,
         )
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+    def batch_get(self, keys: Sequence[str], *, max_tier: str | None = None) -> list[bytes | None]:
         """Each key's bytes or None, in order (one lookup, reads pipelined per node)."""
-        return self._call(self._core.batch_get(keys), lambda: [None] * len(keys), None)
+        return self._call(
+            self._core.batch_get(keys, max_tier=max_tier), lambda: [None] * len(keys), None
+        )
 
     def prefix_match(self, keys: Sequence[str]) -> int:
         """How many leading keys of a chain are cached (0 on failure)."""

@@ -87,6 +87,12 @@ class MasterConfig(LogConfig):
     )
     heartbeat_interval_s: float = opt(1.0, "how often store nodes heartbeat", "duration")
     node_timeout_s: float = opt(5.0, "a node silent this long is declared down", "duration")
+    restore_grace_s: float = opt(
+        30.0,
+        "a node declared down keeps its index entries this long (invisible to lookups), so "
+        "that it can claim its SSD blocks back after a restart",
+        "duration",
+    )
     raft_min_timeout_s: float = opt(0.4, "Raft election timeout, lower bound", "duration")
     raft_max_timeout_s: float = opt(1.2, "Raft election timeout, upper bound", "duration")
     raft_append_period_s: float = opt(0.05, "Raft leader heartbeat period", "duration")
@@ -170,6 +176,8 @@ class MasterConfig(LogConfig):
             errors.append("commit_timeout_s: must be positive")
         if self.stuck_follower_s <= 0:
             errors.append("stuck_follower_s: must be positive")
+        if self.restore_grace_s < 0:
+            errors.append("restore_grace_s: must not be negative")
         return errors
 
 
@@ -197,9 +205,46 @@ class NodeConfig(LogConfig):
     max_memory_fraction: float = opt(
         0.7, "refuse a CPU tier above this share of the machine's memory"
     )
-    high_watermark: float = opt(0.85, "start evicting above this fill of a tier")
-    low_watermark: float = opt(0.70, "evict down to this fill of a tier")
-    eviction_policy: str = opt("lru", "eviction policy of the CPU tier, by name: lru")
+    high_watermark: float = opt(0.85, "start evicting above this fill of a tier (every tier)")
+    low_watermark: float = opt(0.70, "evict down to this fill of a tier (every tier)")
+    eviction_policy: str = opt(
+        "s3fifo", "eviction policy of the CPU and GPU tiers, by name: s3fifo or lru"
+    )
+    ssd_cache_path: str = opt("", "directory of the SSD tier's files (empty: no SSD tier)")
+    ssd_cache_size: int = opt(
+        0, "size of the SSD tier, preallocated under ssd_cache_path (0: no SSD tier)", "size"
+    )
+    ssd_segment_size: int = opt(
+        64 << 20,
+        "the SSD tier is filled and reclaimed in segments of this size (blocks larger than a "
+        "segment are dropped rather than demoted)",
+        "size",
+    )
+    ssd_write_batch_size: int = opt(
+        8 << 20, "most bytes of demoted blocks gathered into one SSD write", "size"
+    )
+    ssd_direct_io: bool = opt(
+        True, "use O_DIRECT on the SSD tier where the filesystem allows (else buffered I/O)"
+    )
+    gpu_cache_size: int = opt(
+        0, "size of the GPU tier in device memory (0: none; needs cupy and a CUDA device)", "size"
+    )
+    gpu_device: int = opt(0, "CUDA device of the GPU tier")
+    promote_after_hits: int = opt(
+        2, "reads of a block on the SSD tier after which it is copied back to CPU memory"
+    )
+    gpu_promote_after_hits: int = opt(
+        4, "reads of a block in CPU memory after which it is copied to the GPU tier"
+    )
+    report_tiers: bool = opt(
+        True, "tell the index when a block moves between tiers (hints for cost-aware reads)"
+    )
+    tier_threads: int = opt(4, "threads reading the SSD and GPU tiers")
+    lease_timeout_s: float = opt(
+        30.0,
+        "a connection whose responses have not left in this long is cut, ending its leases",
+        "duration",
+    )
     max_block_size: int = opt(64 << 20, "largest block accepted", "size")
     staged_ttl_s: float = opt(
         30.0,
@@ -243,7 +288,8 @@ class NodeConfig(LogConfig):
         if not 0 < self.max_memory_fraction <= 1:
             errors.append("max_memory_fraction: must be in (0, 1]")
         if not self.eviction_policy:
-            errors.append("eviction_policy: must name a policy (lru)")
+            errors.append("eviction_policy: must name a policy (s3fifo, lru)")
+        errors += self._validate_tiers()
         if self.staged_ttl_s <= 0:
             errors.append("staged_ttl_s: must be positive")
         if self.eviction_report_interval_s <= 0:
@@ -256,6 +302,32 @@ class NodeConfig(LogConfig):
             errors.append("max_block_size: must not exceed cpu_cache_size")
         return errors
 
+    def _validate_tiers(self) -> list[str]:
+        errors = []
+        if self.ssd_cache_size and not self.ssd_cache_path:
+            errors.append("ssd_cache_path: required when ssd_cache_size is set")
+        if self.ssd_cache_path and not self.ssd_cache_size:
+            errors.append("ssd_cache_size: required when ssd_cache_path is set")
+        if self.ssd_segment_size <= 0 or self.ssd_segment_size % 4096:
+            errors.append("ssd_segment_size: must be a positive multiple of 4 KiB")
+        elif self.ssd_cache_size and self.ssd_cache_size < 2 * self.ssd_segment_size:
+            errors.append(
+                f"ssd_cache_size: {self.ssd_cache_size} bytes holds fewer than 2 segments of "
+                f"ssd_segment_size ({self.ssd_segment_size} bytes)"
+            )
+        if self.ssd_write_batch_size <= 0 or self.ssd_write_batch_size % 4096:
+            errors.append("ssd_write_batch_size: must be a positive multiple of 4 KiB")
+        if self.gpu_cache_size < 0:
+            errors.append("gpu_cache_size: must not be negative")
+        if self.gpu_device < 0:
+            errors.append("gpu_device: must not be negative")
+        for name in ("promote_after_hits", "gpu_promote_after_hits", "tier_threads"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name}: must be at least 1")
+        if self.lease_timeout_s <= 0:
+            errors.append("lease_timeout_s: must be positive")
+        return errors
+
 
 @dataclass(frozen=True)
 class ClientConfig:
@@ -266,9 +338,14 @@ class ClientConfig:
     replicas: int = opt(1, "replicas written per block")
     max_value_size: int = opt(64 << 20, "largest value accepted by put", "size")
     connections_per_node: int = opt(2, "data-plane connections pooled per node")
+    max_tier: str = opt(
+        "", "slowest tier a get accepts: gpu, cpu or ssd (empty: any); slower is a miss"
+    )
 
     def validate(self) -> list[str]:
         errors = _validate_masters(self.masters)
+        if self.max_tier.lower() not in ("", "any", "gpu", "cpu", "ssd"):
+            errors.append(f"max_tier: expected gpu, cpu, ssd or any, got {self.max_tier!r}")
         if self.timeout_s <= 0:
             errors.append("timeout_s: must be positive")
         if self.replicas < 1:

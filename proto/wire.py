@@ -25,7 +25,9 @@ offset     type    field
 =========  ======  ==========================================================================
 
 A response carries the request's op and request id. An error response (status other than OK and
-MISS) carries a UTF-8 message as its payload. Both sides check magic and version on the first
+MISS) carries a UTF-8 message as its payload. ``flags`` of a GET request is the slowest
+:class:`TierLevel` the caller accepts (0: any); ``flags`` of a GET hit names the tier that served
+it; ``flags`` of a MISS is its :class:`MissReason`. Both sides check magic and version on the first
 six bytes, before anything else: a peer speaking another version gets a VERSION_MISMATCH
 response naming both versions, then the connection is closed.
 """
@@ -72,6 +74,18 @@ class MissReason(enum.IntEnum):
     STAGED = 1  # held but not published (not committed yet)
     WRONG_VERSION = 2  # a different write id of this key is held
     EVICTED = 3  # was held and evicted
+    SLOW_TIER = 4  # held, but only on a tier slower than the GET's limit
+    CORRUPT = 5  # held on a tier whose bytes no longer match the checksum: dropped
+
+
+class TierLevel(enum.IntEnum):
+    """A store node's tiers, fastest first. As a GET request's flags: the slowest tier the
+    caller accepts (``ANY`` = 0: every tier); as a GET hit's flags: the tier that served it."""
+
+    ANY = 0
+    GPU = 1
+    CPU = 2
+    SSD = 3
 
 
 class FrameError(ValueError):

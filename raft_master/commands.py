@@ -106,6 +106,29 @@ class RegisterMaster:
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimedBlock:
+    """A block a member says it holds: exactly this write, on this tier (common.proto Tier)."""
+
+    key: str
+    write_id: int
+    version: int
+    size_bytes: int
+    checksum: int
+    tier: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimReplicas:
+    """A member states blocks it holds. Entries that name exactly that write get the tier as
+    their hint; with ``restore`` (a warm restart), the member is also added as a replica."""
+
+    request_id: bytes
+    member_id: int
+    restore: bool
+    blocks: tuple[ClaimedBlock, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """Several commands in one Raft entry (group commit); each keeps its request id and result.
 
@@ -116,7 +139,13 @@ class Batch:
 
 
 SimpleCommand: TypeAlias = (
-    CommitPuts | RemoveKeys | DropReplicas | RegisterMember | MarkMemberDown | RegisterMaster
+    CommitPuts
+    | RemoveKeys
+    | DropReplicas
+    | RegisterMember
+    | MarkMemberDown
+    | RegisterMaster
+    | ClaimReplicas
 )
 Command: TypeAlias = SimpleCommand | Batch
 
@@ -177,6 +206,12 @@ class RegisterMasterResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimReplicasResult:
+    accepted: tuple[bool, ...]  # per block: the entry names this member for it now
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
 class BatchResult:
     results: tuple[Result, ...]
 
@@ -195,6 +230,7 @@ Result: TypeAlias = (
     | RegisterMemberResult
     | MarkMemberDownResult
     | RegisterMasterResult
+    | ClaimReplicasResult
     | BatchResult
     | ErrorResult
 )
@@ -258,6 +294,20 @@ def _to_proto(command: Command) -> raft_pb2.RaftCommand:
         msg.register_master.SetInParent()
         msg.register_master.raft_address = command.raft_address
         msg.register_master.grpc_address = command.grpc_address
+    elif isinstance(command, ClaimReplicas):
+        cr = msg.claim_replicas
+        cr.SetInParent()
+        cr.member_id = command.member_id
+        cr.restore = command.restore
+        for b in command.blocks:
+            cr.blocks.add(
+                key=b.key,
+                write_id=b.write_id,
+                version=b.version,
+                size_bytes=b.size_bytes,
+                checksum=b.checksum,
+                tier=b.tier,
+            )
     elif isinstance(command, Batch):
         msg.batch.SetInParent()
         for sub in command.commands:
@@ -302,6 +352,17 @@ def _from_proto(msg: raft_pb2.RaftCommand, *, nested: bool) -> Command:
     if kind == "register_master":
         rm = msg.register_master
         return RegisterMaster(rid, rm.raft_address, rm.grpc_address)
+    if kind == "claim_replicas":
+        cr = msg.claim_replicas
+        return ClaimReplicas(
+            rid,
+            cr.member_id,
+            cr.restore,
+            tuple(
+                ClaimedBlock(b.key, b.write_id, b.version, b.size_bytes, b.checksum, int(b.tier))
+                for b in cr.blocks
+            ),
+        )
     if kind == "batch":
         if nested:
             raise CommandDecodeError("a Batch must not contain a Batch")
@@ -322,6 +383,7 @@ _TAG_DROP_REPLICAS = 3
 _TAG_REGISTER_MEMBER = 4
 _TAG_MARK_MEMBER_DOWN = 5
 _TAG_REGISTER_MASTER = 6
+_TAG_CLAIM_REPLICAS = 7
 _U32_U64 = struct.Struct("<IQ")
 _BOOL_U64 = struct.Struct("<?Q")
 _U64 = struct.Struct("<Q")
@@ -351,6 +413,13 @@ def encode_result(result: Result) -> bytes:
         return bytes([_TAG_MARK_MEMBER_DOWN]) + _BOOL_U64.pack(result.changed, result.ring_version)
     if isinstance(result, RegisterMasterResult):
         return bytes([_TAG_REGISTER_MASTER]) + _U64.pack(result.revision)
+    if isinstance(result, ClaimReplicasResult):
+        bits = bytearray((len(result.accepted) + 7) // 8)
+        for i, ok in enumerate(result.accepted):
+            if ok:
+                bits[i // 8] |= 1 << (i % 8)
+        head = _U32_U64.pack(len(result.accepted), result.revision)
+        return bytes([_TAG_CLAIM_REPLICAS]) + head + bytes(bits)
     raise TypeError(f"{type(result).__name__} is not stored")
 
 
@@ -383,4 +452,9 @@ def decode_result(data: bytes) -> Result:
     if tag == _TAG_REGISTER_MASTER:
         (revision,) = _U64.unpack(body)
         return RegisterMasterResult(revision)
+    if tag == _TAG_CLAIM_REPLICAS:
+        count, revision = _U32_U64.unpack_from(body)
+        bits = body[_U32_U64.size :]
+        accepted = tuple(bool(bits[i // 8] >> (i % 8) & 1) for i in range(count))
+        return ClaimReplicasResult(accepted, revision)
     raise ValueError(f"unknown stored result tag {tag}")

@@ -6,7 +6,10 @@ their last heartbeat and the start of this leadership, so a new leader gives eve
 timeout to find it). :class:`FailureLoop` is the thin async shell on the leader: every ~0.25 s it
 proposes ``MarkMemberDown(member, "heartbeat_timeout")`` for expired members and purges dead
 members' replicas with ``DropReplicas`` commands of at most :data:`PURGE_CHUNK_KEYS` keys read
-from the reverse index.
+from the reverse index — once a member has been dead for ``restore_grace_s`` on this leader's
+clock: a node that restarts with its SSD tier claims its blocks back (``ClaimReplicas`` with
+restore), which needs the entries to still be there. Lookups never name a dead member, so the
+grace costs memory, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class FailureLoop:
         established: Callable[[], bool] | None = None,
         logger: Any = None,
         period_s: float = LOOP_PERIOD_S,
+        restore_grace_s: float = 0.0,
     ) -> None:
         self._replicator = replicator
         self._established = established or replicator.is_ready
@@ -117,6 +121,8 @@ class FailureLoop:
         self._clock = clock
         self._log = logger or get_logger("kvpool.raft_master.failure")
         self._period_s = period_s
+        self._restore_grace_s = restore_grace_s
+        self._dead_since: dict[int, float] = {}  # dead member -> when this leader saw it so
         self.declared_down: list[int] = []  # member ids this loop declared down (tests, stats)
         self._term: int | None = None  # the term of the leadership the detector measures
 
@@ -138,11 +144,13 @@ class FailureLoop:
             if self._detector.leading:
                 self._detector.lost_leadership()
             self._term = None
+            self._dead_since.clear()
             return
         term = self._replicator.term()
         if term != self._term:  # a new leadership, even if lost and regained between steps
             self._detector.became_leader(now)
             self._term = term
+            self._dead_since.clear()
         if not self._established():
             return  # not caught up with the log yet: the member table may be stale
         live = self._replicator.read(lambda ix: [m.member_id for m in ix.live_members()])
@@ -172,9 +180,16 @@ class FailureLoop:
     async def _purge(self, started: float) -> None:
         """Drop dead members' replicas from the entries, a chunk per command, within a budget."""
 
+        dead = self._replicator.read(lambda ix: ix.dead_members_with_keys())
+        self._dead_since = {m: self._dead_since.get(m, started) for m in dead}
+        due = {
+            m for m, since in self._dead_since.items() if started - since >= self._restore_grace_s
+        }
+
         def next_chunk(ix: BlockIndex) -> tuple[int, list[str]] | None:
             for member_id in ix.dead_members_with_keys():
-                return member_id, ix.member_keys(member_id, PURGE_CHUNK_KEYS)
+                if member_id in due:
+                    return member_id, ix.member_keys(member_id, PURGE_CHUNK_KEYS)
             return None
 
         while self._clock() - started < _PURGE_BUDGET_S and self._replicator.is_leader():

@@ -34,6 +34,8 @@ from kvpool.raft_master.commands import (
     PUT_NO_LIVE_REPLICA,
     Batch,
     BatchResult,
+    ClaimReplicas,
+    ClaimReplicasResult,
     CommandDecodeError,
     CommitPuts,
     CommitPutsResult,
@@ -64,8 +66,10 @@ from kvpool.raft_master.records import (
     MemberRecord,
     pack_record,
     record_replicas,
+    record_tier,
     restore_snapshot_v1,
     unpack_record,
+    with_tier,
 )
 
 __all__ = [
@@ -151,6 +155,8 @@ class BlockIndex:
             return self._mark_member_down(command)
         if isinstance(command, RegisterMaster):
             return self._register_master(command)
+        if isinstance(command, ClaimReplicas):
+            return self._claim_replicas(command)
         assert_never(command)
 
     def _remember(self, request_id: bytes, stored: bytes) -> None:
@@ -244,7 +250,13 @@ class BlockIndex:
             rest = tuple(m for m in replicas if m != member_id)
             if rest:
                 self._entries[key] = pack_record(
-                    version, indexed_write_id, size_bytes, checksum, rest, pinned=pinned
+                    version,
+                    indexed_write_id,
+                    size_bytes,
+                    checksum,
+                    rest,
+                    pinned=pinned,
+                    tier=record_tier(record),
                 )
             else:
                 del self._entries[key]
@@ -254,6 +266,53 @@ class BlockIndex:
         if dropped or forgotten:
             self._revision += 1
         return DropReplicasResult(dropped, self._revision)
+
+    def _claim_replicas(self, cmd: ClaimReplicas) -> ClaimReplicasResult:
+        """Tier hints, and (restore) replicas of a member that proves it holds exactly the
+        indexed write. Never creates an entry: a key removed or overwritten meanwhile stays
+        so, and the member drops what was refused."""
+        member_id = cmd.member_id
+        rec = self._members.get(member_id)
+        live = rec is not None and rec.live
+        accepted: list[bool] = []
+        changed = False
+        for item in cmd.blocks:
+            record = self._entries.get(item.key) if live else None
+            if record is None:
+                accepted.append(False)
+                continue
+            version, write_id, size_bytes, checksum, pinned, replicas = unpack_record(record)
+            if (write_id, version, size_bytes, checksum) != (
+                item.write_id,
+                item.version,
+                item.size_bytes,
+                item.checksum,
+            ):
+                accepted.append(False)
+                continue
+            if member_id not in replicas:
+                if not cmd.restore:
+                    accepted.append(False)
+                    continue
+                record = pack_record(
+                    version,
+                    write_id,
+                    size_bytes,
+                    checksum,
+                    (*replicas, member_id),
+                    pinned=pinned,
+                    tier=record_tier(record),
+                )
+                self._member_keys[member_id][item.key] = None
+                changed = True
+            if record_tier(record) != item.tier:
+                record = with_tier(record, item.tier)
+                changed = True
+            self._entries[item.key] = record
+            accepted.append(True)
+        if changed:
+            self._revision += 1
+        return ClaimReplicasResult(tuple(accepted), self._revision)
 
     def _register_member(self, cmd: RegisterMember) -> RegisterMemberResult:
         existing_id = self._member_of_node.get(cmd.node_id)
@@ -326,7 +385,8 @@ class BlockIndex:
             if not live:
                 out.append(None)
                 continue
-            out.append(BlockView(key, version, write_id, size_bytes, checksum, live, pinned))
+            tier = record_tier(record)
+            out.append(BlockView(key, version, write_id, size_bytes, checksum, live, pinned, tier))
         return out
 
     def prefix_match(self, keys: Iterable[str]) -> int:

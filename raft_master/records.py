@@ -1,7 +1,9 @@
 """The index's data layouts: packed entry records, member records, lookup views, snapshots.
 
 An entry is one ``bytes`` object per key (:data:`_RECORD`, then the replicas as little-endian
-u32 member ids): 72 bytes with one replica, against about 280 for a tuple of Python ints.
+u32 member ids): 72 bytes with one replica, against about 280 for a tuple of Python ints. A
+tier hint (common.proto ``Tier``, 0 = unknown) may follow as one last byte: the replica count
+is ``(len - head) // 4``, so a record with the byte reads the same in a release that ignores it.
 
 :class:`IndexSnapshot` and :func:`restore_snapshot_v1` are part of the durable snapshot format
 (PySyncObj pickles the state by reference to them): never rename or move them.
@@ -50,6 +52,7 @@ class BlockView:
     checksum: int
     replicas: tuple[int, ...]
     pinned: bool
+    tier: int = 0  # the tier a replica last reported (common.proto Tier; 0 = unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +73,22 @@ def pack_record(
     replicas: Sequence[int],
     *,
     pinned: bool = False,
+    tier: int = 0,
 ) -> bytes:
     head = _RECORD.pack(version, write_id, size_bytes, checksum, pinned)
-    return head + struct.pack(f"<{len(replicas)}I", *replicas)
+    tail = bytes([tier]) if tier else b""
+    return head + struct.pack(f"<{len(replicas)}I", *replicas) + tail
+
+
+def record_tier(record: bytes) -> int:
+    """The record's tier hint (0 when it has none)."""
+    return record[-1] if (len(record) - _RECORD_SIZE) % _U32 else 0
+
+
+def with_tier(record: bytes, tier: int) -> bytes:
+    """The record with its tier hint set to ``tier`` (0: removed)."""
+    base = record[: len(record) - (len(record) - _RECORD_SIZE) % _U32]
+    return base + bytes([tier]) if tier else base
 
 
 def unpack_record(record: bytes) -> tuple[int, int, int, int, bool, tuple[int, ...]]:

@@ -134,6 +134,7 @@ class MasterProcess:
             self.detector,
             commit_timeout_s=cfg.commit_timeout_s,
             established=self.service.leader_established,
+            restore_grace_s=cfg.restore_grace_s,
         )
         self.stuck_watch = StuckFollowerWatch(cfg.stuck_follower_s)
         self._stop: asyncio.Event | None = None

@@ -39,6 +39,9 @@ from kvpool.proto.v1 import common_pb2, master_pb2, master_pb2_grpc
 from kvpool.proto.wire import MAX_KEY_BYTES
 from kvpool.raft_master.commands import (
     Batch,
+    ClaimedBlock,
+    ClaimReplicas,
+    ClaimReplicasResult,
     CommitPuts,
     DropReplicas,
     DropReplicasResult,
@@ -60,6 +63,7 @@ from kvpool.raft_master.replication import Replicator
 
 REQUEST_ID_BYTES = 16
 MAX_REVISION_WAIT_S = 1.0
+_TIERS = frozenset(common_pb2.Tier.values())
 
 # --- validation -------------------------------------------------------------------------------
 
@@ -358,6 +362,35 @@ class MasterService(master_pb2_grpc.MasterServicer):
             raise InternalError(f"unexpected result {type(result).__name__}")
         return master_pb2.ReportEvictionsResponse(dropped=result.dropped, revision=result.revision)
 
+    async def ClaimReplicas(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.ClaimReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.ClaimReplicasResponse:
+        request_id = check_request_id(request.request_id)
+        if request.member_id == 0:
+            raise MalformedRequestError("ClaimReplicas without member_id")
+        if len(request.blocks) > self.cfg.commit_batch_max_entries:
+            raise MalformedRequestError(
+                f"{len(request.blocks)} blocks in one ClaimReplicas; at most "
+                f"{self.cfg.commit_batch_max_entries}"
+            )
+        blocks = []
+        for b in request.blocks:
+            check_key(b.key)
+            if b.write_id == 0:
+                raise MalformedRequestError(f"block {b.key!r}: write_id 0 is reserved")
+            if b.tier not in _TIERS:
+                raise MalformedRequestError(f"block {b.key!r}: unknown tier {b.tier}")
+            blocks.append(
+                ClaimedBlock(b.key, b.write_id, b.version, b.size_bytes, b.checksum, int(b.tier))
+            )
+        self._require_leader()
+        result = await self._propose(
+            ClaimReplicas(request_id, request.member_id, request.restore, tuple(blocks)), context
+        )
+        if not isinstance(result, ClaimReplicasResult):
+            raise InternalError(f"unexpected result {type(result).__name__}")
+        return master_pb2.ClaimReplicasResponse(accepted=result.accepted, revision=result.revision)
+
     async def LeaveNode(  # noqa: N802 - gRPC method name
         self, request: master_pb2.LeaveNodeRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.LeaveNodeResponse:
@@ -432,6 +465,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                     checksum=v.checksum,
                     replicas=v.replicas,
                     pinned=v.pinned,
+                    tier=v.tier,
                 )
         return response
 

@@ -1,4 +1,5 @@
-"""The node's admin service (``kvpool.v1.NodeAdmin``): capacity, fill and counters over gRPC."""
+"""The node's admin service (``kvpool.v1.NodeAdmin``): capacity, fill and counters over gRPC,
+one ``TierStats`` per tier (CPU first, then GPU and SSD when present)."""
 
 from __future__ import annotations
 
@@ -41,13 +42,20 @@ class NodeAdmin(node_pb2_grpc.NodeAdminServicer):
             data_address=identity.data_address,
             tiers=[
                 node_pb2.TierStats(
-                    name=self._store.tier.name,
-                    capacity_bytes=stats.capacity_bytes,
-                    used_bytes=stats.used_bytes,
-                    block_count=stats.blocks,
+                    name=t.name,
+                    capacity_bytes=t.capacity_bytes,
+                    used_bytes=t.used_bytes,
+                    block_count=t.blocks,
                     high_watermark=stats.high_watermark,
                     low_watermark=stats.low_watermark,
+                    fragmentation=t.fragmentation,
+                    hits_total=t.hits,
+                    evictions_total=t.evictions,
+                    demotions_total=t.demotions,
+                    promotions_total=t.promotions,
+                    detail=t.detail,
                 )
+                for t in stats.tiers
             ],
             staged_count=stats.staged,
             hits_total=stats.hits,

@@ -1,4 +1,4 @@
-"""The block table of a store node: pure bookkeeping over a tier, no I/O, no clock of its own.
+"""The block table of a store node: pure bookkeeping, no I/O, no clock of its own.
 
 A block is identified by ``(key, write_id)`` and lives in one of three states:
 
@@ -7,27 +7,56 @@ A block is identified by ``(key, write_id)`` and lives in one of three states:
 ``committed``  published with the index's version: readable by exact write id
 
 At most one committed block per key: publishing version V replaces a lower committed version
-and loses against a higher one. A block being read is *leased*; a leased block is never evicted,
-and a deleted or replaced one leaves the table at once (so nobody else can find it) but keeps its
-memory until the last lease ends — the bytes under a reader never change. Eviction takes only
-committed, unpinned, unleased blocks; staged blocks are reaped by the node's staged reaper.
-Evicted (and forcibly reaped) blocks are queued for reporting to the index.
+and loses against a higher one. A block's bytes live in one or more tiers (GPU, CPU, SSD), as
+decided by the :class:`~kvpool.store_node.tier_manager.TierManager`. A read *leases* the copy
+it is served from; a leased copy is never evicted, and a deleted or replaced block leaves the
+table at once (so nobody else can find it) but keeps its memory until the last lease ends — the
+bytes under a reader never change. Eviction takes only committed, unpinned, unleased blocks;
+staged blocks are reaped by the node's staged reaper. Blocks lost to pressure (and forcibly
+reaped ones) are queued for reporting to the index; so are tier changes, as hints.
 
 Everything here is synchronous and deterministic given the injected clock: the data server
-(one asyncio loop) drives it and performs the I/O.
+(one asyncio loop) drives it, the tier worker performs the I/O it asks for.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 
 from kvpool.checksum import block_checksum
-from kvpool.proto.wire import MissReason, Status
-from kvpool.store_node.cpu_tier import Tier
-from kvpool.store_node.eviction import BlockId, EvictionPolicy
+from kvpool.proto.wire import MissReason, Status, TierLevel
+from kvpool.store_node.blocks import (
+    Block,
+    BlockId,
+    BlockState,
+    Copy,
+    Counters,
+    PutVerdict,
+    ReadOutcome,
+    ReadResult,
+    StagedBlock,
+    StoreStats,
+    TierChange,
+    TierStats,
+)
+from kvpool.store_node.eviction import EvictionPolicy
+from kvpool.store_node.jobs import CopyJob, Job, WriteJob
+from kvpool.store_node.tier_manager import TierManager, TierPolicy
+from kvpool.store_node.tiers import TIER_NAMES, Tier
+from kvpool.store_node.tiers.cpu import CpuTier
+from kvpool.store_node.tiers.ssd import SsdTier
+
+__all__ = [
+    "Block",
+    "BlockState",
+    "BlockStore",
+    "PutVerdict",
+    "ReadOutcome",
+    "ReadResult",
+    "StagedBlock",
+    "StoreStats",
+]
 
 RECENT_EVICTIONS = 8192
 """How many evicted block ids are remembered, to answer MISS EVICTED rather than ABSENT."""
@@ -36,104 +65,12 @@ EVICTION_BACKLOG = 262_144
 points at a block we lack until it is read: a miss, never a wrong read)."""
 
 
-class BlockState(enum.Enum):
-    RECEIVING = "receiving"
-    STAGED = "staged"
-    COMMITTED = "committed"
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    key: str
-    write_id: int
-    offset: int
-    size_bytes: int
-    checksum: int
-    state: BlockState = BlockState.RECEIVING
-    version: int = 0
-    staged_at: float = 0.0
-    leases: int = 0
-    pinned: bool = False
-    detached: bool = False  # out of the table; memory freed when the last lease ends
-
-    @property
-    def id(self) -> BlockId:
-        return (self.key, self.write_id)
-
-
-@dataclass(frozen=True, slots=True)
-class PutVerdict:
-    """What to do with a PUT's payload: receive it into ``block`` (status OK with a block),
-    discard it and answer ``status`` (with ``message`` for errors)."""
-
-    status: Status
-    block: Block | None = None
-    message: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadResult:
-    """A GET's answer. On OK ``block`` is leased: call :meth:`BlockStore.release` once the
-    bytes have left."""
-
-    status: Status
-    reason: MissReason = MissReason.ABSENT
-    block: Block | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StagedBlock:
-    key: str
-    write_id: int
-    age_s: float
-
-
-@dataclass(slots=True)
-class Counters:
-    puts: int = 0
-    put_bytes: int = 0
-    hits: int = 0
-    get_bytes: int = 0
-    misses: dict[MissReason, int] = field(default_factory=lambda: dict.fromkeys(MissReason, 0))
-    evictions: int = 0
-    no_space: int = 0
-    too_large: int = 0
-    checksum_mismatches: int = 0
-    publishes: int = 0
-    superseded: int = 0
-    deletes: int = 0
-    reaped: int = 0
-    dropped_reports: int = 0
-    bad_frames: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStats:
-    capacity_bytes: int
-    used_bytes: int
-    blocks: int
-    staged: int
-    committed: int
-    leased_bytes_lingering: int
-    high_watermark: float
-    low_watermark: float
-    hits: int
-    misses: dict[str, int]
-    evictions: int
-    puts: int
-    bad_frames: int
-
-    @property
-    def misses_total(self) -> int:
-        return sum(self.misses.values())
-
-
 class BlockStore:
-    """The block table over one tier. Not thread-safe: one event loop drives it."""
+    """The block table over a node's tiers. Not thread-safe: one event loop drives it."""
 
     def __init__(
         self,
-        tier: Tier,
+        tier: CpuTier,
         policy: EvictionPolicy,
         *,
         max_block_size: int,
@@ -142,6 +79,13 @@ class BlockStore:
         low_watermark: float = 0.70,
         recent_evictions: int = RECENT_EVICTIONS,
         eviction_backlog: int = EVICTION_BACKLOG,
+        ssd: SsdTier | None = None,
+        gpu: Tier | None = None,
+        gpu_policy: EvictionPolicy | None = None,
+        promote_after_hits: int = 2,
+        gpu_promote_after_hits: int = 4,
+        write_batch_bytes: int = 8 << 20,
+        on_work: Callable[[], None] | None = None,
     ) -> None:
         if not 0 < low_watermark < high_watermark <= 1:
             raise ValueError("need 0 < low_watermark < high_watermark <= 1")
@@ -156,16 +100,34 @@ class BlockStore:
         self._by_key: dict[str, dict[int, None]] = {}  # key -> write ids held (any state)
         self._committed: dict[str, int] = {}  # key -> its one committed write id
         self._staged: dict[BlockId, None] = {}  # in staging order = staged_at order
-        self._lingering: dict[int, Block] = {}  # offset -> detached block still leased
         self._recent: OrderedDict[BlockId, None] = OrderedDict()
         self._recent_cap = recent_evictions
         self._to_report: OrderedDict[BlockId, None] = OrderedDict()
         self._backlog_cap = eviction_backlog
+        self.tiers = TierManager(
+            tier,
+            policy,
+            rules=TierPolicy(
+                high_watermark=high_watermark,
+                low_watermark=low_watermark,
+                promote_after_hits=promote_after_hits,
+                gpu_promote_after_hits=gpu_promote_after_hits,
+                write_batch_bytes=write_batch_bytes,
+            ),
+            counters=self.counters.tiers,
+            lookup=self._blocks.get,
+            lose=self._lose,
+            ssd=ssd,
+            gpu=gpu,
+            gpu_policy=gpu_policy,
+            on_work=on_work,
+        )
 
     # --- PUT ------------------------------------------------------------------------------------
 
     def reserve(self, key: str, write_id: int, size_bytes: int, checksum: int) -> PutVerdict:
-        """Decide a PUT before its payload is read: room for it (evicting if needed) or not."""
+        """Decide a PUT before its payload is read: room for it (evicting or demoting if
+        needed) or not."""
         if write_id == 0:
             return PutVerdict(Status.BAD_REQUEST, message="write id 0 is reserved")
         if not key:
@@ -188,28 +150,35 @@ class BlockStore:
             return PutVerdict(
                 Status.BAD_REQUEST, message="write id already used for other bytes of this key"
             )
-        offset = self.tier.alloc(size_bytes)
-        if offset is None:
-            low_target = int(self.low_watermark * self.tier.capacity_bytes)
-            self._evict(max(self.tier.footprint(size_bytes), self.tier.used_bytes - low_target))
-            offset = self.tier.alloc(size_bytes)
-            if offset is None:
-                self.counters.no_space += 1
-                return PutVerdict(
-                    Status.NO_SPACE,
-                    message=f"no room for {size_bytes} bytes: {self.tier.used_bytes} of "
-                    f"{self.tier.capacity_bytes} bytes used by blocks that cannot be evicted "
-                    "now (staged, leased, pinned) or too fragmented",
-                )
-        block = Block(key, write_id, offset, size_bytes, checksum)
+        block = Block(key, write_id, size_bytes, checksum)
+        copy = self.tiers.alloc_received(block)
+        if copy is None:
+            self.counters.no_space += 1
+            leaving = self.tiers.leaving_bytes(TierLevel.CPU)
+            why = (
+                f"{leaving} bytes are on their way to the SSD tier; retry shortly"
+                if leaving
+                else "used by blocks that cannot be evicted now (staged, leased, pinned) or "
+                "too fragmented"
+            )
+            return PutVerdict(
+                Status.NO_SPACE,
+                message=f"no room for {size_bytes} bytes: {self.tier.used_bytes} of "
+                f"{self.tier.capacity_bytes} bytes of the CPU tier in use, {why}",
+            )
         self._blocks[block.id] = block
         self._by_key.setdefault(key, {})[write_id] = None
-        self.evict_if_needed()
         return PutVerdict(Status.OK, block)
 
     def view(self, block: Block) -> memoryview:
-        """The block's bytes in the tier (write the payload here; send it from here)."""
-        return self.tier.view(block.offset, block.size_bytes)
+        """The block's bytes in the CPU tier (write the payload here; send it from here)."""
+        copy = block.copies[TierLevel.CPU]
+        return self.tier.view(copy.offset, block.size_bytes)
+
+    def view_copy(self, copy: Copy) -> memoryview:
+        """A CPU copy's bytes (valid while it is leased, even after it left its block)."""
+        assert copy.level is TierLevel.CPU, "only CPU copies are sent from where they lie"
+        return self.tier.view(copy.offset, copy.block.size_bytes)
 
     def finish_put(self, block: Block) -> Status:
         """The payload is in: verify it and stage the block (OK) or free it
@@ -242,33 +211,29 @@ class BlockStore:
             return ReadResult(Status.MISS, MissReason.ABSENT)
         if block.state is BlockState.COMMITTED:
             return ReadResult(Status.OK)  # idempotent re-publish
-        current_id = self._committed.get(key)
-        if current_id is not None:
-            current = self._blocks[(key, current_id)]
-            self.counters.superseded += 1
-            if current.version >= version:
-                self._remove(block)  # the incoming write lost: drop it, keep the newer one
-                return ReadResult(Status.MISS, MissReason.WRONG_VERSION)
-            self._remove(current)
+        if not self._make_current(block, version):
+            return ReadResult(Status.MISS, MissReason.WRONG_VERSION)
         del self._staged[block.id]
         block.state = BlockState.COMMITTED
         block.version = version
         self._committed[key] = write_id
-        self.policy.inserted(block.id)
+        self.tiers.committed(block)
         self.counters.publishes += 1
         return ReadResult(Status.OK)
 
-    def get(self, key: str, write_id: int) -> ReadResult:
-        """The committed block with exactly this write id, leased (release it when sent), or
-        a miss with its reason. Never another write's bytes."""
+    def get(self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY) -> ReadResult:
+        """The committed block with exactly this write id, its copy leased (release it when the
+        bytes have left), or a miss with its reason. Never another write's bytes. A copy
+        only on tiers slower than ``max_level`` is a MISS SLOW_TIER."""
         block = self._blocks.get((key, write_id))
         if block is not None and block.state is BlockState.COMMITTED:
-            block.leases += 1
-            self.policy.touched(block.id)
-            self.counters.hits += 1
-            self.counters.get_bytes += block.size_bytes
-            return ReadResult(Status.OK, block=block)
-        if block is not None:
+            copy, promote = self.tiers.lease_for_read(block, max_level)
+            if copy is not None:
+                self.counters.hits += 1
+                self.counters.get_bytes += block.size_bytes
+                return ReadResult(Status.OK, block=block, copy=copy, promote=promote)
+            reason = MissReason.SLOW_TIER
+        elif block is not None:
             reason = MissReason.STAGED
         elif key in self._by_key:
             reason = MissReason.WRONG_VERSION
@@ -279,13 +244,20 @@ class BlockStore:
         self.counters.misses[reason] += 1
         return ReadResult(Status.MISS, reason)
 
-    def release(self, block: Block) -> None:
-        """A reader is done with the block's bytes (the transport let go of them)."""
-        assert block.leases > 0, "release of a block that is not leased"
-        block.leases -= 1
-        if block.leases == 0 and block.detached:
-            del self._lingering[block.offset]
-            self.tier.free(block.offset)
+    def finish_read(self, result: ReadResult, outcome: ReadOutcome) -> None:
+        """A read of a copy that is not sent from where it lies (SSD, GPU) is over: its lease
+        ends, its promotion (if any) lands when the bytes were good. CORRUPT: the bytes did
+        not match the checksum — the copy is dropped (the block too, if it was the last)."""
+        assert result.copy is not None
+        self.tiers.finish_read(result.copy, result.promote, outcome)
+        if outcome is ReadOutcome.CORRUPT:
+            self.counters.checksum_mismatches += 1
+
+    def release(self, target: Block | Copy) -> None:
+        """A reader is done with the bytes (the transport let go of them). A :class:`Block`
+        stands for its CPU copy, as :meth:`get` leases it for blocks that are in memory."""
+        copy = target if isinstance(target, Copy) else target.copies[TierLevel.CPU]
+        self.tiers.release(copy)
 
     def delete(self, key: str, write_id: int) -> bool:
         """Drop the staged or committed block (write id 0: every block of the key). A block
@@ -309,37 +281,20 @@ class BlockStore:
         block.pinned = pinned
         return True
 
-    # --- eviction ----------------------------------------------------------------------------
+    # --- eviction and tier work ---------------------------------------------------------------
 
-    def evict_if_needed(self) -> list[BlockId]:
-        """Above the high watermark, evict committed blocks down to the low watermark."""
-        capacity = self.tier.capacity_bytes
-        used = self.tier.used_bytes
-        if used <= self.high_watermark * capacity:
-            return []
-        return self._evict(used - int(self.low_watermark * capacity))
+    def evict_if_needed(self) -> None:
+        """Above a tier's high watermark, make blocks leave it down to its low watermark."""
+        self.tiers.relieve()
 
-    def _evict(self, need_bytes: int) -> list[BlockId]:
-        if need_bytes <= 0:
-            return []
-        chosen: list[Block] = []
-        freed = 0
-        for block_id in self.policy.victims():  # advise...
-            block = self._blocks.get(block_id)
-            if (
-                block is None
-                or block.state is not BlockState.COMMITTED
-                or block.pinned
-                or block.leases
-            ):
-                continue
-            chosen.append(block)
-            freed += self.tier.footprint(block.size_bytes)
-            if freed >= need_bytes:
-                break
-        for block in chosen:  # ...then act
-            self._remove(block, evicted=True)
-        return [block.id for block in chosen]
+    def take_jobs(self) -> list[Job]:
+        return self.tiers.take_jobs()
+
+    def finish_write(self, job: WriteJob, ok: bool) -> None:
+        self.tiers.finish_write(job, ok)
+
+    def finish_copy(self, job: CopyJob, ok: bool) -> None:
+        self.tiers.finish_copy(job, ok)
 
     def take_evicted(self, limit: int) -> list[BlockId]:
         """Up to ``limit`` blocks to report to the index as gone, oldest first."""
@@ -348,11 +303,15 @@ class BlockStore:
             out.append(self._to_report.popitem(last=False)[0])
         return out
 
+    def take_tier_changes(self, limit: int) -> list[TierChange]:
+        """Up to ``limit`` tier hints for the index (coalesced per block)."""
+        return self.tiers.take_tier_changes(limit)
+
     @property
     def evictions_pending(self) -> int:
         return len(self._to_report)
 
-    # --- staged reaping and re-registration ------------------------------------------------
+    # --- staged reaping, re-registration and warm restart -------------------------------------
 
     def expired_staged(self, now: float, ttl_s: float, limit: int) -> list[StagedBlock]:
         """Staged blocks older than ``ttl_s``, oldest first."""
@@ -382,9 +341,56 @@ class BlockStore:
         for block in victims:
             self._remove(block)
         self._to_report.clear()
+        self.tiers.take_tier_changes(len(victims) + 1)
         return len(victims)
 
+    def restore(
+        self, *, key: str, write_id: int, version: int, size_bytes: int, checksum: int, offset: int
+    ) -> bool:
+        """A committed block found on the SSD at start (its extent already restored in the
+        segment allocator). A key held twice keeps its higher version; False when this one
+        lost (its SSD extent is freed)."""
+        block = Block(key, write_id, size_bytes, checksum, BlockState.COMMITTED, version)
+        block.level_reported = TierLevel.SSD
+        self.tiers.restore_ssd_copy(block, offset)
+        self._blocks[block.id] = block
+        self._by_key.setdefault(key, {})[write_id] = None
+        if not self._make_current(block, version):
+            return False
+        self._committed[key] = write_id
+        self.tiers.committed(block)
+        return True
+
+    def committed_blocks(self) -> Iterator[Block]:
+        """Every committed block (for claims to the index)."""
+        for key, write_id in self._committed.items():
+            yield self._blocks[(key, write_id)]
+
     # --- stats --------------------------------------------------------------------------------
+
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        out = []
+        for level in (TierLevel.CPU, TierLevel.GPU, TierLevel.SSD):
+            tier = self.tiers.tiers.get(level)
+            if tier is None:
+                continue
+            c = self.counters.tiers[level]
+            out.append(
+                TierStats(
+                    level=level,
+                    name=TIER_NAMES[level],
+                    detail=tier.detail,
+                    capacity_bytes=tier.capacity_bytes,
+                    used_bytes=tier.used_bytes,
+                    blocks=self.tiers.copies_on(level),
+                    fragmentation=tier.fragmentation(),
+                    hits=c.hits,
+                    evictions=c.evictions,
+                    demotions=c.demotions,
+                    promotions=c.promotions,
+                )
+            )
+        return tuple(out)
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -393,7 +399,7 @@ class BlockStore:
             blocks=len(self._blocks),
             staged=len(self._staged),
             committed=len(self._committed),
-            leased_bytes_lingering=sum(b.size_bytes for b in self._lingering.values()),
+            leased_bytes_lingering=self.tiers.lingering_bytes(),
             high_watermark=self.high_watermark,
             low_watermark=self.low_watermark,
             hits=self.counters.hits,
@@ -401,32 +407,50 @@ class BlockStore:
             evictions=self.counters.evictions,
             puts=self.counters.puts,
             bad_frames=self.counters.bad_frames,
+            tiers=self.tier_stats(),
         )
 
     def state_of(self, key: str, write_id: int) -> BlockState | None:
         block = self._blocks.get((key, write_id))
         return block.state if block is not None else None
 
+    def block(self, key: str, write_id: int) -> Block | None:
+        return self._blocks.get((key, write_id))
+
     # --- internals ------------------------------------------------------------------------------
 
+    def _make_current(self, block: Block, version: int) -> bool:
+        """Make room for ``block`` as its key's committed block: the current one goes if it is
+        older; if it is newer, ``block`` goes (False)."""
+        current_id = self._committed.get(block.key)
+        if current_id is None:
+            return True
+        current = self._blocks[(block.key, current_id)]
+        self.counters.superseded += 1
+        if current.version >= version:
+            self._remove(block)  # the incoming write lost: drop it, keep the newer one
+            return False
+        self._remove(current)
+        return True
+
+    def _lose(self, block: Block, level: TierLevel) -> None:
+        """Pressure took the block's last copy (on ``level``): it is gone; tell the index."""
+        self._remove(block, evicted=True)
+
     def _remove(self, block: Block, *, evicted: bool = False, report: bool | None = None) -> None:
-        """Take a block out of the table; free its memory now or when its last lease ends."""
+        """Take a block out of the table; its copies go now or when their last lease ends."""
         block_id = block.id
         del self._blocks[block_id]
         write_ids = self._by_key[block.key]
         del write_ids[block.write_id]
         if not write_ids:
             del self._by_key[block.key]
-        if block.state is BlockState.COMMITTED:
+        if self._committed.get(block.key) == block.write_id:
             del self._committed[block.key]
-            self.policy.removed(block_id)
-        elif block.state is BlockState.STAGED:
+        if block.state is BlockState.STAGED:
             del self._staged[block_id]
-        if block.leases:
-            block.detached = True
-            self._lingering[block.offset] = block
-        else:
-            self.tier.free(block.offset)
+        block.detached = True
+        self.tiers.detach_block(block)
         if evicted:
             self.counters.evictions += 1
             self._recent[block_id] = None
@@ -442,7 +466,6 @@ class BlockStore:
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the table is consistent (tests, debugging)."""
-        footprint = 0
         for block_id, block in self._blocks.items():
             assert block.id == block_id
             assert not block.detached
@@ -451,12 +474,6 @@ class BlockStore:
                 block.state is BlockState.COMMITTED
             ), f"committed map disagrees for {block_id}"
             assert (block_id in self._staged) == (block.state is BlockState.STAGED)
-            footprint += self.tier.footprint(block.size_bytes)
-        for offset, block in self._lingering.items():
-            assert block.detached
-            assert block.leases > 0
-            assert block.offset == offset
-            footprint += self.tier.footprint(block.size_bytes)
+            assert block.copies, f"{block_id} has no copy"
         assert sum(len(ids) for ids in self._by_key.values()) == len(self._blocks)
-        assert len(self.policy) == len(self._committed)
-        assert footprint == self.tier.used_bytes, f"{footprint} != {self.tier.used_bytes} used"
+        self.tiers.check_invariants(self._blocks.values())

@@ -2,9 +2,16 @@
 
 Each connection is a :class:`~kvpool.transports.tcp.FrameServerProtocol`. A PUT is decided when
 its header arrives, before any payload byte is read: the block store reserves tier memory and the
-frame reader receives the payload straight into it (``recv_into``). A GET answers with a view of
-the tier, leased until the transport has let go of the bytes. Requests on one connection are
-answered in order; many may be in flight (pipelining).
+frame reader receives the payload straight into it (``recv_into``). A GET of a block in CPU
+memory answers with a view of the tier, leased until the transport has let go of the bytes; a
+block only on the SSD (or GPU) is first read by the tier worker into a bounce buffer — checked
+against its checksum — while later requests go on being answered: responses carry the request's
+id, so they may come back out of order. A GET's flags may name the slowest tier the caller
+accepts (a block only on a slower one is a MISS SLOW_TIER); a hit's flags name the tier that
+served it. Many requests may be in flight on one connection (pipelining).
+
+No reader can hold a lease for ever: a connection whose sent bytes have not left after
+``lease_timeout_s`` (a peer that stopped reading) is cut, which ends its leases.
 
 Refusals: a PUT without room, above ``max_block_size`` or otherwise refused has its payload read
 and discarded (the connection stays usable); a payload above :data:`MAX_DISCARD_BYTES` is not
@@ -16,13 +23,27 @@ as bad frames. Nothing a peer sends can lose a stored block or stop the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from kvpool.logs import get_logger
-from kvpool.proto.wire import FrameError, Header, Op, Status
-from kvpool.store_node.block_store import Block, BlockStore, PutVerdict
+from kvpool.proto.wire import FrameError, Header, MissReason, Op, Status, TierLevel
+from kvpool.store_node.block_store import (
+    Block,
+    BlockStore,
+    PutVerdict,
+    ReadOutcome,
+    ReadResult,
+)
+from kvpool.store_node.tier_worker import TierWorker, WorkerStoppedError
 from kvpool.transports.tcp import FrameServerProtocol, start_frame_server
+
+LEASE_TIMEOUT_S = 30.0
+"""A connection whose responses have not left for this long is cut (its leases end)."""
+_TIER_LIMITS = {int(level) for level in TierLevel}
 
 MAX_DISCARD_BYTES = 1 << 30
 """A refused payload larger than this is not read and skipped: the connection is closed."""
@@ -45,6 +66,7 @@ class DataConnection(FrameServerProtocol):
         self._receiving: Block | None = None  # the PUT whose payload is arriving
         self._refusal: tuple[Status, str] | None = None  # decided for the current frame
         self._closing = False
+        self.blocked_since: float | None = None  # when the transport last stopped draining
 
     # --- connection lifecycle ---------------------------------------------------------------
 
@@ -55,7 +77,17 @@ class DataConnection(FrameServerProtocol):
             self.peer = f"{peer[0]}:{peer[1]}"
         self._server.connections.add(self)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.blocked_since is None:
+            self.blocked_since = self._server.clock()
+
+    def resume_writing(self) -> None:
+        self.blocked_since = None
+        super().resume_writing()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self.blocked_since = None
         self._server.connections.discard(self)
         if self._receiving is not None:
             self._store.abort_put(self._receiving)
@@ -161,31 +193,79 @@ class DataConnection(FrameServerProtocol):
             result = self._store.publish(name, header.write_id, header.version)
             self._answer(header, result.status, flags=result.reason)
             return
-        result = self._store.get(name, header.write_id)
-        if result.block is None:
+        if header.flags not in _TIER_LIMITS:
+            self._answer(header, Status.BAD_REQUEST, f"unknown tier limit {header.flags}")
+            return
+        result = self._store.get(name, header.write_id, TierLevel(header.flags))
+        if result.copy is None:
             self._answer(header, result.status, flags=result.reason)
             return
-        self._send_block(header, result.block)
+        if result.copy.level is TierLevel.CPU:
+            self._send_block(header, result)
+            return
+        worker = self._server.worker
+        if worker is None:  # a store with slow tiers always runs with a worker
+            self._store.finish_read(result, ReadOutcome.ABANDONED)
+            self.send_error(header, Status.INTERNAL, "no tier worker to read the block")
+            return
+        task = asyncio.get_running_loop().create_task(self._send_slow(header, result, worker))
+        self._server.reads.add(task)
+        task.add_done_callback(self._server.reads.discard)
 
-    def _send_block(self, request: Header, block: Block) -> None:
+    def _send_block(self, request: Header, result: ReadResult) -> None:
+        block, copy = result.block, result.copy
+        assert block is not None
+        assert copy is not None
         try:
             self.send(
-                Header(
-                    op=Op.GET,
-                    status=Status.OK,
-                    request_id=request.request_id,
-                    write_id=block.write_id,
-                    version=block.version,
-                    payload_len=block.size_bytes,
-                    checksum=block.checksum,
-                ),
+                self._hit_header(request, block, TierLevel.CPU),
                 b"",
-                self._store.view(block),
-                on_sent=partial(self._store.release, block),
+                self._store.view_copy(copy),
+                on_sent=partial(self._store.release, copy),
             )
         except Exception:
-            self._store.release(block)  # send() registers on_sent only after both writes
+            self._store.release(copy)  # send() registers on_sent only after both writes
             raise
+
+    async def _send_slow(self, request: Header, result: ReadResult, worker: TierWorker) -> None:
+        """Read a block off a slow tier, then answer; every lease and buffer is given back."""
+        block, copy = result.block, result.copy
+        assert block is not None
+        assert copy is not None
+        try:
+            buf, size = await worker.read(result)
+        except WorkerStoppedError as e:
+            self.send_error(request, Status.INTERNAL, str(e))
+            return
+        except Exception as e:
+            self._log.exception("tier_read_failed", peer=self.peer)
+            self.send_error(request, Status.INTERNAL, f"{type(e).__name__}: {e}")
+            return
+        if buf is None:
+            self._answer(request, Status.MISS, flags=MissReason.CORRUPT)
+            return
+        try:
+            self.send(
+                self._hit_header(request, block, copy.level),
+                b"",
+                memoryview(buf)[:size],
+                on_sent=partial(worker.release_buffer, buf),
+            )
+        except Exception:
+            self._log.exception("send_failed", peer=self.peer)
+
+    @staticmethod
+    def _hit_header(request: Header, block: Block, level: TierLevel) -> Header:
+        return Header(
+            op=Op.GET,
+            status=Status.OK,
+            request_id=request.request_id,
+            write_id=block.write_id,
+            version=block.version,
+            payload_len=block.size_bytes,
+            checksum=block.checksum,
+            flags=int(level),
+        )
 
     def _answer(self, request: Header, status: Status, message: str = "", flags: int = 0) -> None:
         if status not in (Status.OK, Status.MISS):
@@ -213,20 +293,56 @@ def _decode_key(key: bytes) -> str | None:
 
 
 class DataServer:
-    """The data-plane listener of one node over one :class:`BlockStore`."""
+    """The data-plane listener of one node over one :class:`BlockStore` (and the
+    :class:`TierWorker` that reads its slow tiers)."""
 
-    def __init__(self, store: BlockStore, *, log: Any = None) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        *,
+        log: Any = None,
+        worker: TierWorker | None = None,
+        lease_timeout_s: float = LEASE_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store = store
+        self.worker = worker
         self.log = log if log is not None else get_logger("kvpool.node.data")
+        self.lease_timeout_s = lease_timeout_s
+        self.clock = clock
         self.connections: set[DataConnection] = set()
+        self.reads: set[asyncio.Task[None]] = set()  # slow-tier reads in progress
         self._server: asyncio.Server | None = None
+        self._guard: asyncio.Task[None] | None = None
         self.port = 0
+        self.stalled_cut = 0
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 = any free port); returns the bound port. OSError when
         the address cannot be bound."""
         self._server, self.port = await start_frame_server(host, port, self._new_connection)
+        self._guard = asyncio.get_running_loop().create_task(self._lease_guard())
         return self.port
+
+    def cut_stalled(self) -> int:
+        """Cut connections whose responses have not left for ``lease_timeout_s``: a peer
+        that stopped reading must not keep blocks leased (so unevictable) for ever."""
+        now = self.clock()
+        cut = 0
+        for conn in list(self.connections):
+            since = conn.blocked_since
+            if since is not None and now - since > self.lease_timeout_s:
+                self.log.warning("stalled_reader_cut", peer=conn.peer, stalled_s=round(now - since))
+                conn.abort()
+                cut += 1
+        self.stalled_cut += cut
+        return cut
+
+    async def _lease_guard(self) -> None:
+        period_s = max(0.05, min(1.0, self.lease_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period_s)
+            self.cut_stalled()
 
     def _new_connection(self) -> DataConnection:
         return DataConnection(self)
@@ -238,6 +354,11 @@ class DataServer:
     async def close(self) -> None:
         """Stop accepting, cut every connection (in-flight PUTs are aborted, leases end)."""
         self.stop_accepting()
+        if self._guard is not None:
+            self._guard.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._guard
+            self._guard = None
         for conn in list(self.connections):
             conn.abort()
         if self._server is not None:
@@ -247,3 +368,5 @@ class DataServer:
             if not self.connections:
                 break
             await asyncio.sleep(0)
+        if self.reads:  # slow-tier reads end on their own (their leases are given back)
+            await asyncio.wait(list(self.reads), timeout=5.0)

@@ -13,6 +13,12 @@ block store.
   again with a new incarnation (``node_reregistered``).
 - Eviction reports: batches of at most :data:`REPORT_BATCH` blocks, retried with the same request
   id until they succeed; dropped when the member changed (the index forgot the old member).
+- Tier reports (``report_tiers``): blocks whose fastest tier changed (demoted to the SSD,
+  promoted back), coalesced per block, sent as ``ClaimReplicas`` without restore — hints the
+  index hands out with lookups; a failed batch is dropped (hints only).
+- Warm restart: blocks found on the SSD tier at start are claimed (``ClaimReplicas`` with
+  restore) right after the first registration, in batches; the index accepts those it still
+  holds with exactly that write, and the node drops the others (``ssd_blocks_restored``).
 - Staged reaper: staged blocks older than ``staged_ttl_s`` are looked up in one batch. Indexed with
   the same write id on this member → the client's PUBLISH was lost: publish with the index's
   version. Otherwise → free. Masters unreachable → try later; older than
@@ -37,9 +43,10 @@ from kvpool.logs import get_logger
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import Status
 from kvpool.store_node.block_store import BlockStore, StagedBlock
+from kvpool.store_node.blocks import BlockId
 
 REPORT_BATCH = 1024
-"""Most blocks in one ReportEvictions call."""
+"""Most blocks in one ReportEvictions or ClaimReplicas call."""
 REAP_BATCH = 1024
 """Most staged blocks checked with one Lookup."""
 FORCE_REAP_TTLS = 10
@@ -89,6 +96,12 @@ class _PendingReport:
     blocks: list[tuple[str, int]]
 
 
+@dataclass(slots=True)
+class _PendingClaim:
+    request: master_pb2.ClaimReplicasRequest
+    member_id: int
+
+
 class NodeRegistration:
     """This node's membership: identity, heartbeats, eviction reports, staged reaping."""
 
@@ -118,7 +131,11 @@ class NodeRegistration:
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
         self.node_timeout_s = 0.0
         self._pending_report: _PendingReport | None = None
+        self._pending_tiers: _PendingClaim | None = None
         self._heartbeat_failing = False
+        self._to_restore: list[BlockId] = []
+        self.restored = 0
+        self.restore_refused = 0
 
     # --- registration --------------------------------------------------------------------------
 
@@ -167,6 +184,8 @@ class NodeRegistration:
         self.member_id = 0
         self.incarnation = new_incarnation()
         self._pending_report = None
+        self._pending_tiers = None
+        self._to_restore = []
         if await self.register(stop):
             self._log.info(
                 "node_reregistered",
@@ -210,6 +229,8 @@ class NodeRegistration:
             asyncio.create_task(self._report_loop(stop), name="node-eviction-reports"),
             asyncio.create_task(self._reap_loop(stop), name="node-staged-reaper"),
         ]
+        if self._to_restore:
+            loops.append(asyncio.create_task(self._restore_loop(stop), name="node-ssd-restore"))
         try:
             await asyncio.gather(*loops)
         finally:
@@ -257,6 +278,125 @@ class NodeRegistration:
         while not await _wait(stop, self._cfg.eviction_report_interval_s):
             while await self._guarded("eviction_report", self.report_evictions_once(), False):
                 pass
+            if self._cfg.report_tiers:
+                while await self._guarded("tier_report", self.report_tiers_once(), False):
+                    pass
+
+    async def report_tiers_once(self) -> bool:
+        """Send one batch of tier hints; True when it went and more may be waiting."""
+        pending = self._pending_tiers
+        if pending is not None and pending.member_id != self.member_id:
+            pending = self._pending_tiers = None
+        if pending is None:
+            if not self.member_id:
+                return False
+            changes = self._store.take_tier_changes(REPORT_BATCH)
+            if not changes:
+                return False
+            request = master_pb2.ClaimReplicasRequest(
+                request_id=secrets.token_bytes(16), member_id=self.member_id, restore=False
+            )
+            for c in changes:
+                request.blocks.add(
+                    key=c.key,
+                    write_id=c.write_id,
+                    version=c.version,
+                    size_bytes=c.size_bytes,
+                    checksum=c.checksum,
+                    tier=int(c.level),
+                )
+            pending = self._pending_tiers = _PendingClaim(request, self.member_id)
+        loop = asyncio.get_running_loop()
+        try:
+            await self._masters.call(
+                "ClaimReplicas",
+                pending.request,
+                deadline=loop.time() + self._cfg.request_timeout_s,
+                leader_only=True,
+            )
+        except KVPoolError as e:
+            if e.retryable:
+                return False
+            self._log.warning(
+                "tier_report_refused", blocks=len(pending.request.blocks), error=e.message
+            )
+        if self._pending_tiers is pending:
+            self._pending_tiers = None
+        return True
+
+    # --- warm restart -----------------------------------------------------------------------
+
+    def restore_after_start(self, blocks: list[BlockId]) -> None:
+        """Claim these blocks (found on the SSD at start) once registered."""
+        self._to_restore = list(blocks)
+
+    async def _restore_loop(self, stop: asyncio.Event) -> None:
+        started = self._clock()
+        member_id = self.member_id
+        backoff = Backoff(base_s=0.05, cap_s=1.0)
+        total = len(self._to_restore)
+        while self._to_restore and not stop.is_set() and self.member_id == member_id:
+            batch = self._to_restore[:REPORT_BATCH]
+            try:
+                done = await self.restore_once(batch, member_id)
+            except KVPoolError as e:
+                if e.retryable:
+                    await _wait(stop, backoff.next_delay())
+                    continue
+                self._log.warning("ssd_restore_refused", blocks=len(batch), error=e.message)
+                for key, write_id in batch:
+                    self._store.delete(key, write_id)
+                self.restore_refused += len(batch)
+                done = True
+            if done:
+                del self._to_restore[: len(batch)]
+        self._log.info(
+            "ssd_blocks_restored",
+            claimed=total,
+            accepted=self.restored,
+            refused=self.restore_refused,
+            seconds=round(self._clock() - started, 3),
+        )
+
+    async def restore_once(self, batch: list[BlockId], member_id: int) -> bool:
+        """Claim one batch; drop what the index refused. Raises the call's error."""
+        request = master_pb2.ClaimReplicasRequest(
+            request_id=secrets.token_bytes(16), member_id=member_id, restore=True
+        )
+        claimed: list[BlockId] = []
+        for key, write_id in batch:
+            block = self._store.block(key, write_id)
+            if block is None or block.detached:
+                continue  # deleted or evicted meanwhile
+            fastest = block.fastest()
+            request.blocks.add(
+                key=key,
+                write_id=write_id,
+                version=block.version,
+                size_bytes=block.size_bytes,
+                checksum=block.checksum,
+                tier=int(fastest.level) if fastest is not None else 0,
+            )
+            claimed.append((key, write_id))
+        if not claimed:
+            return True
+        loop = asyncio.get_running_loop()
+        response = await self._masters.call(
+            "ClaimReplicas",
+            request,
+            deadline=loop.time() + self._cfg.request_timeout_s,
+            leader_only=True,
+        )
+        if self.member_id != member_id:
+            return True  # re-registered meanwhile: everything was dropped anyway
+        accepted = list(response.accepted) + [False] * (len(claimed) - len(response.accepted))
+        for (key, write_id), ok in zip(claimed, accepted, strict=False):
+            if ok:
+                self.restored += 1
+            else:
+                self._store.delete(key, write_id)
+                self.restore_refused += 1
+        return True
 
     async def report_evictions_once(self) -> bool:
         """Send one batch of evictions; True when it went and more may be waiting."""

@@ -1,13 +1,16 @@
-"""The store node process (`kvpool node`): CPU tier, data server, admin service, registration.
+"""The store node process (`kvpool node`): tiers, data server, admin service, registration.
 
 ``main(cfg)`` blocks until SIGTERM or SIGINT and returns the exit status: 0 after a graceful
 stop, 2 when the configuration or start-up is refused (the reason on stderr), 1 when the node
 failed while running (for example the masters speak another protocol version).
 
-Lifecycle: arena and block store → data server → admin server (not ready) → ``node_started`` →
-register (retried until a leader answers) → ready, ready file, ``node_registered`` → heartbeats,
-eviction reports, staged reaper → signal → LeaveNode → stop accepting → close servers → release
-the arena → ``node_stopped``.
+Lifecycle: CPU arena, SSD tier (refused at start when larger than the free disk; its blocks
+recovered and verified: ``ssd_tier_recovered``), GPU tier (or ``gpu_tier_unavailable`` with the
+reason, and the node goes on with CPU and SSD), block store and tier worker → data server →
+admin server (not ready) → ``node_started`` → register (retried until a leader answers) → ready,
+ready file, ``node_registered`` → SSD blocks claimed back, heartbeats, eviction and tier
+reports, staged reaper → signal → LeaveNode → stop accepting → close servers → tier work
+drained → release the tiers → ``node_stopped``.
 
 ``python -m kvpool.store_node.server --config-json '{"masters": [...]}'`` runs one node without
 the ``kvpool`` command (tests, debugging).
@@ -35,10 +38,15 @@ from kvpool.logs import bind_process, configure_logging, get_logger
 from kvpool.proto.v1 import node_pb2_grpc
 from kvpool.store_node.admin import SERVICE_NAME, NodeAdmin
 from kvpool.store_node.block_store import BlockStore
-from kvpool.store_node.cpu_tier import CpuTier
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.eviction import POLICIES, make_policy
 from kvpool.store_node.registration import NodeRegistration
+from kvpool.store_node.tier_worker import TierWorker
+from kvpool.store_node.tiers import Tier
+from kvpool.store_node.tiers.cpu import CpuTier
+from kvpool.store_node.tiers.gpu import GpuTier, GpuUnavailableError
+from kvpool.store_node.tiers.ssd import SsdTier, SsdTierError
+from kvpool.store_node.warm_restart import recover_ssd, restore_into
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 ADMIN_STOP_GRACE_S = 1.0
@@ -111,6 +119,12 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                     f"cpu_cache_size: cannot map {cfg.cpu_cache_size} bytes: {e}"
                 ) from e
             stack.callback(tier.close)
+            ssd = _open_ssd(cfg, log)
+            if ssd is not None:
+                stack.callback(ssd.close)
+            gpu = _open_gpu(cfg, log)
+            if gpu is not None:
+                stack.callback(gpu.close)
             store = BlockStore(
                 tier,
                 make_policy(cfg.eviction_policy),
@@ -118,9 +132,21 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 clock=time.monotonic,
                 high_watermark=cfg.high_watermark,
                 low_watermark=cfg.low_watermark,
+                ssd=ssd,
+                gpu=gpu,
+                gpu_policy=make_policy(cfg.eviction_policy) if gpu is not None else None,
+                promote_after_hits=cfg.promote_after_hits,
+                gpu_promote_after_hits=cfg.gpu_promote_after_hits,
+                write_batch_bytes=cfg.ssd_write_batch_size,
             )
+            worker = TierWorker(store, read_threads=cfg.tier_threads, log=log)
+            recovered = []
+            if ssd is not None:
+                recovered = await _recover(ssd, store, log)
+            worker.start()
+            stack.push_async_callback(worker.stop)
 
-            data = DataServer(store, log=log)
+            data = DataServer(store, log=log, worker=worker, lease_timeout_s=cfg.lease_timeout_s)
             try:
                 port = await data.start(data_host, data_port)
             except OSError as e:
@@ -135,6 +161,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
             registration = NodeRegistration(
                 cfg, store, masters, data_address=data_address, admin_address="", log=log
             )
+            registration.restore_after_start(recovered)
             admin = NodeAdmin(store, registration)
             try:
                 handle = await start_server(
@@ -151,6 +178,8 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 data=data_address,
                 admin=admin_address,
                 capacity_bytes=tier.capacity_bytes,
+                tiers={t.name: t.capacity_bytes for t in store.tier_stats()},
+                eviction_policy=cfg.eviction_policy,
                 masters=list(cfg.masters),
                 pid=os.getpid(),
             )
@@ -192,6 +221,60 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
             loop.remove_signal_handler(sig)
     log.info("node_stopped", status=status)
     return status
+
+
+def _open_ssd(cfg: NodeConfig, log: Any) -> SsdTier | None:
+    if not cfg.ssd_cache_size:
+        return None
+    try:
+        ssd = SsdTier(
+            cfg.ssd_cache_path,
+            cfg.ssd_cache_size,
+            cfg.ssd_segment_size,
+            direct_io=cfg.ssd_direct_io,
+        )
+    except SsdTierError as e:
+        raise StartupError(str(e)) from e
+    log.info(
+        "ssd_tier_opened",
+        path=str(ssd.data_path),
+        capacity_bytes=ssd.capacity_bytes,
+        segments=ssd.segments.segment_count,
+        direct_io=ssd.direct_io,
+        io=ssd.direct_reason,
+    )
+    if not ssd.direct_io and cfg.ssd_direct_io:
+        log.warning("ssd_direct_io_unavailable", reason=ssd.direct_reason)
+    return ssd
+
+
+def _open_gpu(cfg: NodeConfig, log: Any) -> Tier | None:
+    if not cfg.gpu_cache_size:
+        return None
+    try:
+        gpu = GpuTier(cfg.gpu_cache_size, device=cfg.gpu_device)
+    except GpuUnavailableError as e:
+        log.warning("gpu_tier_unavailable", reason=str(e), tiers="cpu and ssd only")
+        return None
+    log.info("gpu_tier_opened", device=cfg.gpu_device, capacity_bytes=gpu.capacity_bytes)
+    return gpu
+
+
+async def _recover(ssd: SsdTier, store: BlockStore, log: Any) -> list[tuple[str, int]]:
+    """Find the SSD tier's blocks again (verified) and put them in the store."""
+    recovery = await asyncio.to_thread(recover_ssd, ssd)
+    held = restore_into(store, recovery)
+    if not recovery.layout_ok:
+        log.warning("ssd_tier_reset", reason="its files were written for another size or layout")
+    log.info(
+        "ssd_tier_recovered",
+        blocks=held,
+        corrupt=recovery.corrupt,
+        torn_manifest_bytes=recovery.torn_bytes,
+        verified_bytes=recovery.verified_bytes,
+        seconds=round(recovery.seconds, 3),
+    )
+    return [b.id for b in store.committed_blocks()]
 
 
 async def _prefault(tier: CpuTier, stop: threading.Event, log: Any, cfg: NodeConfig) -> None:

@@ -6,7 +6,7 @@ run the demo.
     kvpool cluster up [--detach --dir DIR]      kvpool cluster down --dir DIR
     kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
     kvpool demo
-    kvpool bench cluster | index | data-plane
+    kvpool bench cluster | index | data-plane | tiers
     kvpool chaos list | run --scenario NAME [--seed S] [--duration D] [--json]
 
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
@@ -120,6 +120,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the master: memory per 1 M entries, apply rate, compaction stall, commit rates",
     )
     b.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke runs)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b = bsub.add_parser(
+        "tiers",
+        help="the tiered node: write flood (demotions, evictions), CPU vs SSD get GB/s, "
+        "eviction decisions/s, warm-restart time",
+    )
+    b.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke runs)")
+    b.add_argument("--dir", help="where the SSD tier's files go [a temp dir]")
     b.add_argument("--json", action="store_true", help="print JSON")
     b = bsub.add_parser(
         "data-plane",
@@ -263,10 +271,12 @@ def _bench(args: argparse.Namespace) -> int:
         from kvpool.store_node.bench import main as data_plane_main
 
         return data_plane_main(args.rest or [])
-    from kvpool.cli.bench import bench_cluster, bench_index, print_result
+    from kvpool.cli.bench import bench_cluster, bench_index, bench_tiers, print_result
 
     if args.bench_command == "cluster":
         result = bench_cluster(rounds=args.rounds, kills=args.kills, directory=args.dir)
+    elif args.bench_command == "tiers":
+        result = bench_tiers(quick=args.quick, directory=args.dir)
     else:
         result = bench_index(quick=args.quick)
     print_result(result, args.json)

@@ -6,6 +6,9 @@
 * ``kvpool bench index`` — the master alone: index memory per million entries, apply rate,
   compaction stall at 1 M entries, commit latency and group-commit throughput.
 * ``kvpool bench data-plane`` — one store node's data server over loopback TCP.
+* ``kvpool bench tiers`` — the tiered node: a write flood of three times its CPU tier (puts,
+  demotions and SSD writes per second, refusals while demotions drain), GET GB/s from CPU
+  memory against the SSD, eviction decisions per second, warm-restart time for 10k blocks.
 
 The machine is shared and noisy: compare ratios measured in one run, and rerun.
 """
@@ -149,6 +152,13 @@ def bench_index(quick: bool = False) -> dict[str, Any]:
     from kvpool.raft_master import bench
 
     result: dict[str, Any] = bench.run_all(quick=quick)
+    return result
+
+
+def bench_tiers(quick: bool = False, directory: str | None = None) -> dict[str, Any]:
+    from kvpool.store_node import tier_bench
+
+    result: dict[str, Any] = tier_bench.run_all(quick=quick, directory=directory)
     return result
 
 

@@ -11,6 +11,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -21,6 +22,26 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _Tier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Tier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TIER_UNKNOWN: _Tier.ValueType  # 0
+    TIER_GPU: _Tier.ValueType  # 1
+    TIER_CPU: _Tier.ValueType  # 2
+    TIER_SSD: _Tier.ValueType  # 3
+
+class Tier(_Tier, metaclass=_TierEnumTypeWrapper):
+    """A store node's tiers, fastest first (the values of kvpool.proto.wire.TierLevel)."""
+
+TIER_UNKNOWN: Tier.ValueType  # 0
+TIER_GPU: Tier.ValueType  # 1
+TIER_CPU: Tier.ValueType  # 2
+TIER_SSD: Tier.ValueType  # 3
+Global___Tier: _TypeAlias = Tier  # noqa: Y015
 
 @_typing.final
 class Member(_message.Message):
@@ -84,6 +105,7 @@ class BlockEntry(_message.Message):
     CHECKSUM_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     found: _builtins.bool
     version: _builtins.int
@@ -94,6 +116,10 @@ class BlockEntry(_message.Message):
     checksum: _builtins.int
     """xxh3-64 of the block's bytes"""
     pinned: _builtins.bool
+    tier: Global___Tier.ValueType
+    """The tier a replica last reported holding the block on: a hint (the node answers from
+    what it really holds; a GET with a tier limit turns a slower tier into a miss).
+    """
     @_builtins.property
     def replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """live member ids holding the block"""
@@ -109,10 +135,11 @@ class BlockEntry(_message.Message):
         checksum: _builtins.int = ...,
         replicas: _abc.Iterable[_builtins.int] | None = ...,
         pinned: _builtins.bool = ...,
+        tier: Global___Tier.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "found", b"found", "key", b"key", "pinned", b"pinned", "replicas", b"replicas", "size_bytes", b"size_bytes", "version", b"version", "write_id", b"write_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "found", b"found", "key", b"key", "pinned", b"pinned", "replicas", b"replicas", "size_bytes", b"size_bytes", "tier", b"tier", "version", b"version", "write_id", b"write_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -610,6 +610,98 @@ class ReportEvictionsResponse(_message.Message):
 Global___ReportEvictionsResponse: _TypeAlias = ReportEvictionsResponse  # noqa: Y015
 
 @_typing.final
+class ClaimedBlock(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    WRITE_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    write_id: _builtins.int
+    version: _builtins.int
+    size_bytes: _builtins.int
+    checksum: _builtins.int
+    tier: _common_pb2.Tier.ValueType
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        write_id: _builtins.int = ...,
+        version: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+        checksum: _builtins.int = ...,
+        tier: _common_pb2.Tier.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "key", b"key", "size_bytes", b"size_bytes", "tier", b"tier", "version", b"version", "write_id", b"write_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimedBlock: _TypeAlias = ClaimedBlock  # noqa: Y015
+
+@_typing.final
+class ClaimReplicasRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    RESTORE_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.bytes
+    member_id: _builtins.int
+    restore: _builtins.bool
+    """False: only update the tier hint of entries that already name this member.
+    True (warm restart): also add this member as a replica of every entry that matches the
+    claimed block exactly (write id, version, size and checksum).
+    """
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimedBlock]: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.bytes = ...,
+        member_id: _builtins.int = ...,
+        restore: _builtins.bool = ...,
+        blocks: _abc.Iterable[Global___ClaimedBlock] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "member_id", b"member_id", "request_id", b"request_id", "restore", b"restore"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimReplicasRequest: _TypeAlias = ClaimReplicasRequest  # noqa: Y015
+
+@_typing.final
+class ClaimReplicasResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def accepted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """one per block: the index names this member for it now"""
+
+    def __init__(
+        self,
+        *,
+        accepted: _abc.Iterable[_builtins.bool] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimReplicasResponse: _TypeAlias = ClaimReplicasResponse  # noqa: Y015
+
+@_typing.final
 class LeaveNodeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

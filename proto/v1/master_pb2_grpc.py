@@ -74,6 +74,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ReportEvictionsRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ReportEvictionsResponse.FromString,
                 _registered_method=True)
+        self.ClaimReplicas = channel.unary_unary(
+                '/kvpool.v1.Master/ClaimReplicas',
+                request_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ClaimReplicasRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ClaimReplicasResponse.FromString,
+                _registered_method=True)
         self.LeaveNode = channel.unary_unary(
                 '/kvpool.v1.Master/LeaveNode',
                 request_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.LeaveNodeRequest.SerializeToString,
@@ -145,6 +150,14 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimReplicas(self, request, context):
+        """A store node states which blocks it holds, on which tier: tier hints for lookups, and
+        after a warm restart (restore) its replicas for entries the index still holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LeaveNode(self, request, context):
         """A store node leaves on purpose (graceful shutdown).
         """
@@ -201,6 +214,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportEvictions,
                     request_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ReportEvictionsRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ReportEvictionsResponse.SerializeToString,
+            ),
+            'ClaimReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimReplicas,
+                    request_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ClaimReplicasRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ClaimReplicasResponse.SerializeToString,
             ),
             'LeaveNode': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaveNode,
@@ -429,6 +447,33 @@ class Master:
             '/kvpool.v1.Master/ReportEvictions',
             kvpool_dot_proto_dot_v1_dot_master__pb2.ReportEvictionsRequest.SerializeToString,
             kvpool_dot_proto_dot_v1_dot_master__pb2.ReportEvictionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/ClaimReplicas',
+            kvpool_dot_proto_dot_v1_dot_master__pb2.ClaimReplicasRequest.SerializeToString,
+            kvpool_dot_proto_dot_v1_dot_master__pb2.ClaimReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,6 +58,10 @@ class MasterStub:
     """A store node proves it is alive and reports its fill."""
     ReportEvictions: _grpc.UnaryUnaryMultiCallable[_master_pb2.ReportEvictionsRequest, _master_pb2.ReportEvictionsResponse]
     """A store node reports blocks it evicted or dropped, in a batch."""
+    ClaimReplicas: _grpc.UnaryUnaryMultiCallable[_master_pb2.ClaimReplicasRequest, _master_pb2.ClaimReplicasResponse]
+    """A store node states which blocks it holds, on which tier: tier hints for lookups, and
+    after a warm restart (restore) its replicas for entries the index still holds.
+    """
     LeaveNode: _grpc.UnaryUnaryMultiCallable[_master_pb2.LeaveNodeRequest, _master_pb2.LeaveNodeResponse]
     """A store node leaves on purpose (graceful shutdown)."""
     ClusterStatus: _grpc.UnaryUnaryMultiCallable[_master_pb2.ClusterStatusRequest, _master_pb2.ClusterStatusResponse]
@@ -82,6 +86,10 @@ class MasterAsyncStub(MasterStub):
     """A store node proves it is alive and reports its fill."""
     ReportEvictions: _aio.UnaryUnaryMultiCallable[_master_pb2.ReportEvictionsRequest, _master_pb2.ReportEvictionsResponse]  # type: ignore[assignment]
     """A store node reports blocks it evicted or dropped, in a batch."""
+    ClaimReplicas: _aio.UnaryUnaryMultiCallable[_master_pb2.ClaimReplicasRequest, _master_pb2.ClaimReplicasResponse]  # type: ignore[assignment]
+    """A store node states which blocks it holds, on which tier: tier hints for lookups, and
+    after a warm restart (restore) its replicas for entries the index still holds.
+    """
     LeaveNode: _aio.UnaryUnaryMultiCallable[_master_pb2.LeaveNodeRequest, _master_pb2.LeaveNodeResponse]  # type: ignore[assignment]
     """A store node leaves on purpose (graceful shutdown)."""
     ClusterStatus: _aio.UnaryUnaryMultiCallable[_master_pb2.ClusterStatusRequest, _master_pb2.ClusterStatusResponse]  # type: ignore[assignment]
@@ -151,6 +159,16 @@ class MasterServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_master_pb2.ReportEvictionsResponse, _abc.Awaitable[_master_pb2.ReportEvictionsResponse]]:
         """A store node reports blocks it evicted or dropped, in a batch."""
+
+    @_abc_1.abstractmethod
+    def ClaimReplicas(
+        self,
+        request: _master_pb2.ClaimReplicasRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_master_pb2.ClaimReplicasResponse, _abc.Awaitable[_master_pb2.ClaimReplicasResponse]]:
+        """A store node states which blocks it holds, on which tier: tier hints for lookups, and
+        after a warm restart (restore) its replicas for entries the index still holds.
+        """
 
     @_abc_1.abstractmethod
     def LeaveNode(

@@ -45,13 +45,33 @@ class TierStats(_message.Message):
     BLOCK_COUNT_FIELD_NUMBER: _builtins.int
     HIGH_WATERMARK_FIELD_NUMBER: _builtins.int
     LOW_WATERMARK_FIELD_NUMBER: _builtins.int
+    FRAGMENTATION_FIELD_NUMBER: _builtins.int
+    HITS_TOTAL_FIELD_NUMBER: _builtins.int
+    EVICTIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    DEMOTIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    PROMOTIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """"cpu" (later: "gpu", "ssd")"""
+    """"gpu", "cpu" or "ssd" """
     capacity_bytes: _builtins.int
     used_bytes: _builtins.int
     block_count: _builtins.int
     high_watermark: _builtins.float
     low_watermark: _builtins.float
+    fragmentation: _builtins.float
+    """0 when free space is one extent; towards 1 as it splinters (SSD: dead bytes not yet
+    reclaimed over bytes in use).
+    """
+    hits_total: _builtins.int
+    """reads served from this tier"""
+    evictions_total: _builtins.int
+    """copies dropped from this tier under pressure"""
+    demotions_total: _builtins.int
+    """copies written to a slower tier on the way out"""
+    promotions_total: _builtins.int
+    """copies made on this tier from a slower one"""
+    detail: _builtins.str
+    """e.g. the SSD path and whether O_DIRECT is in use"""
     def __init__(
         self,
         *,
@@ -61,10 +81,16 @@ class TierStats(_message.Message):
         block_count: _builtins.int = ...,
         high_watermark: _builtins.float = ...,
         low_watermark: _builtins.float = ...,
+        fragmentation: _builtins.float = ...,
+        hits_total: _builtins.int = ...,
+        evictions_total: _builtins.int = ...,
+        demotions_total: _builtins.int = ...,
+        promotions_total: _builtins.int = ...,
+        detail: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_count", b"block_count", "capacity_bytes", b"capacity_bytes", "high_watermark", b"high_watermark", "low_watermark", b"low_watermark", "name", b"name", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_count", b"block_count", "capacity_bytes", b"capacity_bytes", "demotions_total", b"demotions_total", "detail", b"detail", "evictions_total", b"evictions_total", "fragmentation", b"fragmentation", "high_watermark", b"high_watermark", "hits_total", b"hits_total", "low_watermark", b"low_watermark", "name", b"name", "promotions_total", b"promotions_total", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

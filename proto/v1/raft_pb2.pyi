@@ -36,6 +36,7 @@ class RaftCommand(_message.Message):
     MARK_MEMBER_DOWN_FIELD_NUMBER: _builtins.int
     REGISTER_MASTER_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
+    CLAIM_REPLICAS_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     request_id: _builtins.bytes
     @_builtins.property
@@ -52,6 +53,8 @@ class RaftCommand(_message.Message):
     def register_master(self) -> Global___RegisterMasterCommand: ...
     @_builtins.property
     def batch(self) -> Global___BatchCommand: ...
+    @_builtins.property
+    def claim_replicas(self) -> Global___ClaimReplicasCommand: ...
     def __init__(
         self,
         *,
@@ -64,12 +67,13 @@ class RaftCommand(_message.Message):
         mark_member_down: Global___MarkMemberDownCommand | None = ...,
         register_master: Global___RegisterMasterCommand | None = ...,
         batch: Global___BatchCommand | None = ...,
+        claim_replicas: Global___ClaimReplicasCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "claim_replicas", b"claim_replicas", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "format_version", b"format_version", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "claim_replicas", b"claim_replicas", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "format_version", b"format_version", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["commit_puts", "remove_keys", "drop_replicas", "register_member", "mark_member_down", "register_master", "batch"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["commit_puts", "remove_keys", "drop_replicas", "register_member", "mark_member_down", "register_master", "batch", "claim_replicas"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -245,3 +249,29 @@ class RegisterMasterCommand(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterMasterCommand: _TypeAlias = RegisterMasterCommand  # noqa: Y015
+
+@_typing.final
+class ClaimReplicasCommand(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    RESTORE_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    member_id: _builtins.int
+    restore: _builtins.bool
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[_master_pb2.ClaimedBlock]: ...
+    def __init__(
+        self,
+        *,
+        member_id: _builtins.int = ...,
+        restore: _builtins.bool = ...,
+        blocks: _abc.Iterable[_master_pb2.ClaimedBlock] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "member_id", b"member_id", "restore", b"restore"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimReplicasCommand: _TypeAlias = ClaimReplicasCommand  # noqa: Y015

@@ -354,7 +354,9 @@ def test_cluster_status_shows_heartbeats_on_the_leader_only(group: LocalMasterGr
 
 
 def test_a_silent_node_is_declared_down_and_its_replicas_purged(tmp_path: Path) -> None:
-    with new_group(tmp_path, node_timeout_s=1.0, heartbeat_interval_s=0.2) as g:
+    with new_group(
+        tmp_path, node_timeout_s=1.0, heartbeat_interval_s=0.2, restore_grace_s=0.0
+    ) as g:
         g.start()
 
         async def run() -> None:

@@ -291,6 +291,9 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
     async def ClusterStatus(self, request: Any, context: Any) -> Any:
         raise InternalError("not in the fake")
 
+    async def ClaimReplicas(self, request: Any, context: Any) -> Any:
+        raise InternalError("not in the fake")
+
 
 class FakeCluster:
     """One fake master and ``n_nodes`` fake nodes on a background event-loop thread."""
