@@ -47,6 +47,10 @@ class Scenario:
     fake_clocks: bool = False  # start processes with a fake wall clock (clock faults)
     node_timeout_s: float = 2.0
     extra_master_flags: tuple[str, ...] = ()
+    extra_node_flags: tuple[str, ...] = ()  # {name} and {dir}: the node's name, cluster dir
+    cpu_cache_size: str = "256MiB"
+    workload_args: tuple[str, ...] = ()  # more flags for python -m kvpool.chaos.workload
+    hit_rate_target: float = 0.9  # convergence: verification reads that must hit after healing
     timeout_s: float = 1.0  # the workload's per-call client timeout
     processes: int = 3
     keys: int = 48
@@ -210,6 +214,32 @@ SCENARIOS: dict[str, Scenario] = _scenarios(
             extra_master_flags=("--raft-compaction-min-entries", "200"),
             catches="log compaction stalling the Raft thread into elections; snapshots sent to "
             "followers",
+        ),
+        Scenario(
+            "node-kill-full-ssd",
+            "kill -9 a store node whose small CPU tier has spilled into a full SSD tier, then "
+            "restart it: it finds its SSD blocks again, checks them and claims them back",
+            ("kill-node",),
+            hold_s=3.0,
+            recover_s=4.0,
+            cpu_cache_size="16MiB",
+            extra_node_flags=(
+                "--ssd-cache-path",
+                "{dir}/{name}-ssd",
+                "--ssd-cache-size",
+                "32MiB",
+                "--ssd-segment-size",
+                "4MiB",
+                "--max-block-size",
+                "1MiB",
+            ),
+            keys=400,  # ~85 MiB of distinct values: a bit more than CPU + SSD of both nodes
+            workload_args=("--size-min", "64KiB", "--size-max", "512KiB"),
+            # Capacity-bound by design (the SSD must be full when the node dies): evicted keys
+            # are misses, so the hit rate after healing cannot reach 90 %.
+            hit_rate_target=0.4,
+            catches="SSD blocks served wrong or lost after a kill; a warm restart that claims "
+            "blocks the index no longer names; demotion racing a kill",
         ),
         Scenario(
             "random-mix",

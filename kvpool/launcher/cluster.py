@@ -308,7 +308,12 @@ class LocalCluster:
         ]  # fmt: skip
         if advertise_data_address:
             argv += ["--advertise-data-address", advertise_data_address]
-        argv += self.extra_node_flags
+        # ``{name}`` and ``{dir}`` in extra node flags become this node's name and the cluster
+        # directory, so that e.g. every node gets its own SSD tier directory.
+        argv += [
+            flag.replace("{name}", name).replace("{dir}", str(self.dir))
+            for flag in self.extra_node_flags
+        ]
         return ProcessInfo(
             name=name,
             role="node",
