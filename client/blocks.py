@@ -10,7 +10,7 @@ Writes send PUT frames to every target replica at once (grouped per node the sam
 PUBLISH after the commit, and DELETE after a remove (best effort).
 
 A payload read into a caller's buffer is never written after the read returns: a request that
-times out while receiving closes its connection (TcpConnection), and so does a read that is
+times out while receiving closes its connection (FrameConnection), and so does a read that is
 cancelled.
 """
 
@@ -36,7 +36,7 @@ from kvpool.errors import (
 )
 from kvpool.proto.v1 import common_pb2
 from kvpool.proto.wire import MissReason, Op, Status
-from kvpool.transports.tcp import ConnectionPool, Response, TcpConnection
+from kvpool.transports.tcp import ConnectionPool, FrameConnection, Response
 
 _MISS_REASONS: dict[int, str] = {
     MissReason.ABSENT: "absent",
@@ -201,7 +201,7 @@ class DataPlane:
         await asyncio.gather(*(self._read_one(conn, it, m, timeout_s) for it, m in group))
 
     async def _read_one(
-        self, conn: TcpConnection, it: ReadItem, member: MemberInfo, timeout_s: float
+        self, conn: FrameConnection, it: ReadItem, member: MemberInfo, timeout_s: float
     ) -> None:
         entry = it.entry
         size = entry.size_bytes
@@ -295,7 +295,7 @@ class DataPlane:
         await asyncio.gather(*(self._stage_one(conn, it, m, timeout_s) for it, m in group))
 
     async def _stage_one(
-        self, conn: TcpConnection, it: PutItem, member: MemberInfo, timeout_s: float
+        self, conn: FrameConnection, it: PutItem, member: MemberInfo, timeout_s: float
     ) -> None:
         try:
             response = await conn.request(
@@ -337,7 +337,7 @@ class DataPlane:
         for ref in refs:
             groups.setdefault(ref.member.data_address, []).append(ref)
 
-        async def one(conn: TcpConnection, ref: BlockRef) -> None:
+        async def one(conn: FrameConnection, ref: BlockRef) -> None:
             try:
                 await conn.request(
                     op,
@@ -366,7 +366,7 @@ class DataPlane:
         member: MemberInfo,
         timeout_s: float,
         items: list[ReadItem] | list[PutItem],
-    ) -> TcpConnection | None:
+    ) -> FrameConnection | None:
         try:
             return await self._pool.get(address, timeout_s=timeout_s)
         except KVPoolError as e:

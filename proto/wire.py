@@ -24,6 +24,15 @@ offset     type    field
 52         u32     reserved, 0
 =========  ======  ==========================================================================
 
+Multi-key and shared-memory ops (``MGET``, ``SHM_*``) carry a table in their payload: a ``u32``
+count, then fixed records (:data:`KEY_RECORD` + key bytes in requests, :data:`MGET_RECORD`,
+:data:`SHM_RECORD` or :data:`RESERVE_RECORD` in responses); the helpers below build and parse
+them. An ``MGET`` response's payload is the record table followed by the bytes of every hit, in
+request order. ``HELLO`` answers a small JSON object naming the node's features (a peer that does
+not know ``HELLO`` answers BAD_REQUEST or an empty OK: no features). None of these change how an
+older frame is read, so ``PROTOCOL_VERSION`` stays 1: a node that does not know an op answers
+BAD_REQUEST and the client uses the single-key ops.
+
 A response carries the request's op and request id. An error response (status other than OK and
 MISS) carries a UTF-8 message as its payload. ``flags`` of a GET request is the slowest
 :class:`TierLevel` the caller accepts (0: any); ``flags`` of a GET hit names the tier that served
@@ -55,6 +64,12 @@ class Op(enum.IntEnum):
     PUBLISH = 3  # make a staged block readable: key, write id, version
     DELETE = 4  # drop a block (key, write id; write id 0 = every block of the key)
     PING = 5  # liveness and version check
+    HELLO = 6  # features of the node (JSON payload in the response)
+    MGET = 7  # many GETs in one frame: request table of (write id, key); response table + bytes
+    SHM_GET = 8  # like MGET, but answers where each block lies in the shared arena (leased)
+    SHM_RELEASE = 9  # end leases handed out by SHM_GET (payload: lease ids); no response
+    SHM_RESERVE = 10  # reserve arena extents for puts (table of write id, size, checksum, key)
+    SHM_COMMIT = 11  # the reserved extents are written: verify and stage them (reservation ids)
 
 
 class Status(enum.IntEnum):
@@ -67,6 +82,7 @@ class Status(enum.IntEnum):
     TOO_LARGE = 6  # payload above the node's block size limit
     INTERNAL = 7  # unexpected server error; payload says what
     UNAUTHORIZED = 8  # reserved for data-plane tokens
+    DEFERRED = 9  # MGET/SHM_GET record only: not in memory here, read it with a single GET
 
 
 class MissReason(enum.IntEnum):
@@ -185,3 +201,97 @@ def encode_key(key: str) -> bytes:
     if len(raw) > MAX_KEY_BYTES:
         raise ValueError(f"key of {len(raw)} bytes is above the limit of {MAX_KEY_BYTES}")
     return raw
+
+
+# --- tables of multi-key ops ------------------------------------------------------------------
+
+COUNT = struct.Struct("<I")
+KEY_RECORD = struct.Struct("<QQQH")
+"""Request record: write id, size (SHM_RESERVE) or 0, checksum (SHM_RESERVE) or 0, key length;
+the key's bytes follow the record."""
+MGET_RECORD = struct.Struct("<BB6xQQQ")
+"""MGET response record: status, flags (miss reason or tier), write id, size, checksum."""
+SHM_RECORD = struct.Struct("<BB6xQQQQQ")
+"""SHM_GET response record: status, flags, write id, size, checksum, arena offset, lease id."""
+RESERVE_RECORD = struct.Struct("<BB6xQQ")
+"""SHM_RESERVE / SHM_COMMIT response record: status, flags, arena offset (reserve), reservation
+id (reserve; 0 when refused)."""
+ID = struct.Struct("<Q")
+MAX_TABLE_KEYS = 4096
+"""Most records in one multi-key frame."""
+MAX_TABLE_BYTES = MAX_TABLE_KEYS * (KEY_RECORD.size + MAX_KEY_BYTES) + COUNT.size
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    key: bytes
+    write_id: int
+    size_bytes: int = 0
+    checksum: int = 0
+
+
+def encode_key_table(records: list[KeyRecord]) -> bytes:
+    """A request table: count, then per key its record and its bytes."""
+    parts = [COUNT.pack(len(records))]
+    pack = KEY_RECORD.pack
+    for r in records:
+        parts.append(pack(r.write_id, r.size_bytes, r.checksum, len(r.key)))
+        parts.append(r.key)
+    return b"".join(parts)
+
+
+def decode_key_table(buf: bytes | bytearray | memoryview) -> list[KeyRecord]:
+    """Parse a request table; FrameError when it is malformed."""
+    view = memoryview(buf)
+    if len(view) < COUNT.size:
+        raise FrameError("table shorter than its count")
+    (count,) = COUNT.unpack_from(view, 0)
+    if count > MAX_TABLE_KEYS:
+        raise FrameError(f"{count} records in one table; at most {MAX_TABLE_KEYS}")
+    out: list[KeyRecord] = []
+    pos = COUNT.size
+    unpack, rec = KEY_RECORD.unpack_from, KEY_RECORD.size
+    for _ in range(count):
+        if pos + rec > len(view):
+            raise FrameError("table truncated in a record")
+        write_id, size, checksum, key_len = unpack(view, pos)
+        pos += rec
+        if key_len > MAX_KEY_BYTES or pos + key_len > len(view):
+            raise FrameError("table truncated in a key (or key too long)")
+        out.append(KeyRecord(bytes(view[pos : pos + key_len]), write_id, size, checksum))
+        pos += key_len
+    if pos != len(view):
+        raise FrameError(f"{len(view) - pos} bytes after the last record")
+    return out
+
+
+def encode_ids(ids: list[int]) -> bytes:
+    return COUNT.pack(len(ids)) + b"".join(ID.pack(i) for i in ids)
+
+
+def decode_ids(buf: bytes | bytearray | memoryview) -> list[int]:
+    view = memoryview(buf)
+    if len(view) < COUNT.size:
+        raise FrameError("id list shorter than its count")
+    (count,) = COUNT.unpack_from(view, 0)
+    if count > MAX_TABLE_KEYS or len(view) != COUNT.size + count * ID.size:
+        raise FrameError("id list of the wrong length")
+    return [ID.unpack_from(view, COUNT.size + i * ID.size)[0] for i in range(count)]
+
+
+def table_size(record: struct.Struct, count: int) -> int:
+    """Bytes of a response table of ``count`` records."""
+    return COUNT.size + record.size * count
+
+
+def read_table(
+    record: struct.Struct, buf: bytes | bytearray | memoryview, expected: int
+) -> list[tuple[int, ...]]:
+    """The records of a response table that must hold ``expected`` of them (FrameError if not)."""
+    view = memoryview(buf)
+    if len(view) < COUNT.size:
+        raise FrameError("response table shorter than its count")
+    (count,) = COUNT.unpack_from(view, 0)
+    if count != expected or len(view) < COUNT.size + count * record.size:
+        raise FrameError(f"response table of {count} records for {expected} requests")
+    return list(record.iter_unpack(view[COUNT.size : COUNT.size + count * record.size]))

@@ -1,14 +1,20 @@
 """The store node's data plane: ``tcp://`` frames in, block bytes straight into tier memory.
 
-Each connection is a :class:`~kvpool.transports.tcp.FrameServerProtocol`. A PUT is decided when
-its header arrives, before any payload byte is read: the block store reserves tier memory and the
+Each connection is a :class:`~kvpool.transports.stream.FrameStream`. A PUT is decided when its
+header arrives, before any payload byte is read: the block store reserves tier memory and the
 frame reader receives the payload straight into it (``recv_into``). A GET of a block in CPU
-memory answers with a view of the tier, leased until the transport has let go of the bytes; a
-block only on the SSD (or GPU) is first read by the tier worker into a bounce buffer — checked
-against its checksum — while later requests go on being answered: responses carry the request's
-id, so they may come back out of order. A GET's flags may name the slowest tier the caller
-accepts (a block only on a slower one is a MISS SLOW_TIER); a hit's flags name the tier that
-served it. Many requests may be in flight on one connection (pipelining).
+memory answers with a view of the tier — queued as it is, sent with ``sendmsg``, never copied —
+leased until the kernel has taken its last byte; a block only on the SSD (or GPU) is first read
+by the tier worker into a bounce buffer — checked against its checksum — while later requests
+go on being answered: responses carry the request's id, so they may come back out of order. A
+GET's flags may name the slowest tier the caller accepts (a block only on a slower one is a MISS
+SLOW_TIER); a hit's flags name the tier that served it. Many requests may be in flight on one
+connection (pipelining); the answers to every frame of one read leave in one ``sendmsg``.
+
+An MGET asks for many blocks in one frame: the answer is one table and the bytes of every block
+held in CPU memory, sent from where they lie in one vectored write (a block only on a slower
+tier is marked DEFERRED: the client reads it with a single GET). HELLO tells a client what this
+node offers (MGET; same-host shared memory, see :mod:`kvpool.store_node.shm_server`).
 
 No reader can hold a lease for ever: a connection whose sent bytes have not left after
 ``lease_timeout_s`` (a peer that stopped reading) is cut, which ends its leases.
@@ -16,21 +22,39 @@ No reader can hold a lease for ever: a connection whose sent bytes have not left
 Refusals: a PUT without room, above ``max_block_size`` or otherwise refused has its payload read
 and discarded (the connection stays usable); a payload above :data:`MAX_DISCARD_BYTES` is not
 worth skipping — the answer is sent and the connection closed. Garbage (bad magic) and another
-protocol version are answered and the connection closed by the base protocol; both are counted
-as bad frames. Nothing a peer sends can lose a stored block or stop the server.
+protocol version are answered and the connection closed; both are counted as bad frames.
+Nothing a peer sends can lose a stored block or stop the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 from kvpool.logs import get_logger
-from kvpool.proto.wire import FrameError, Header, MissReason, Op, Status, TierLevel
+from kvpool.proto import PROTOCOL_VERSION
+from kvpool.proto.wire import (
+    COUNT,
+    MAX_ERROR_MESSAGE_BYTES,
+    MAX_TABLE_BYTES,
+    MGET_RECORD,
+    FrameError,
+    Header,
+    MissReason,
+    Op,
+    Status,
+    TierLevel,
+    decode_key_table,
+    table_size,
+    version_mismatch_message,
+)
 from kvpool.store_node.block_store import (
     Block,
     BlockStore,
@@ -38,8 +62,11 @@ from kvpool.store_node.block_store import (
     ReadOutcome,
     ReadResult,
 )
+from kvpool.store_node.blocks import BlockState, Copy
 from kvpool.store_node.tier_worker import TierWorker, WorkerStoppedError
-from kvpool.transports.tcp import FrameServerProtocol, start_frame_server
+from kvpool.transports import host_id
+from kvpool.transports.inproc import register_inproc, unregister_inproc
+from kvpool.transports.stream import Buffer, FrameStream, StreamServer, listen_tcp, tune_socket
 
 LEASE_TIMEOUT_S = 30.0
 """A connection whose responses have not left for this long is cut (its leases end)."""
@@ -54,49 +81,61 @@ _PUT_ERRORS = {
 }
 
 
-class DataConnection(FrameServerProtocol):
-    """One client connection to the data port."""
+class DataConnection:
+    """One client connection to the data port (or to the shared-memory socket)."""
 
     def __init__(self, server: DataServer) -> None:
-        super().__init__()
         self._server = server
         self._store = server.store
         self._log = server.log
+        self.stream: FrameStream | None = None
         self.peer = "?"
         self._receiving: Block | None = None  # the PUT whose payload is arriving
         self._refusal: tuple[Status, str] | None = None  # decided for the current frame
         self._closing = False
-        self.blocked_since: float | None = None  # when the transport last stopped draining
 
     # --- connection lifecycle ---------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        peer = transport.get_extra_info("peername")
-        if isinstance(peer, tuple) and len(peer) >= 2:
-            self.peer = f"{peer[0]}:{peer[1]}"
+    def attach(self, sock: socket.socket) -> None:
+        tune_socket(sock)
+        self.stream = FrameStream(sock, self, backpressure=True, clock=self._server.clock)
+        self.peer = self.stream.peername
         self._server.connections.add(self)
 
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        if self.blocked_since is None:
-            self.blocked_since = self._server.clock()
+    @property
+    def blocked_since(self) -> float | None:
+        """Since when sent bytes have been waiting for this peer to read them (None: they
+        are not)."""
+        return self.stream.blocked_since if self.stream is not None else None
 
-    def resume_writing(self) -> None:
-        self.blocked_since = None
-        super().resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.blocked_since = None
+    def stream_closed(self, error: Exception | None) -> None:
         self._server.connections.discard(self)
         if self._receiving is not None:
             self._store.abort_put(self._receiving)
             self._receiving = None
-        super().connection_lost(exc)  # runs pending on_sent callbacks: leases end
 
     def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
+        if self.stream is not None:
+            self.stream.abort()
+
+    def send(
+        self,
+        header: Header,
+        key: bytes = b"",
+        payload: Buffer | Sequence[Buffer] = b"",
+        on_sent: Callable[[], None] | None = None,
+    ) -> None:
+        if self.stream is None:
+            if on_sent is not None:
+                on_sent()
+            return
+        self.stream.send(header, key, payload, on_sent)
+
+    def send_error(
+        self, request: Header | None, status: Status, message: str, *, close: bool = False
+    ) -> None:
+        if self.stream is not None:
+            self.stream.send_error(request, status, message, close=close)
 
     # --- FrameHandler ----------------------------------------------------------------------------
 
@@ -104,7 +143,8 @@ class DataConnection(FrameServerProtocol):
         self._refusal = None
         if self._closing:
             return None
-        if header.op == Op.PUT:
+        op = header.op
+        if op == Op.PUT:
             try:
                 verdict = self._decide_put(header, key)
             except Exception as e:  # the server keeps serving whatever happens
@@ -114,8 +154,12 @@ class DataConnection(FrameServerProtocol):
                 self._receiving = verdict.block
                 return self._store.view(verdict.block)
             self._refusal = (verdict.status, verdict.message)
+        elif op in TABLE_OPS:
+            if header.payload_len <= MAX_TABLE_BYTES:
+                return memoryview(bytearray(header.payload_len))
+            self._refusal = (Status.TOO_LARGE, f"a table of {header.payload_len} bytes")
         elif header.payload_len:
-            self._refusal = (Status.BAD_REQUEST, f"op {header.op} takes no payload")
+            self._refusal = (Status.BAD_REQUEST, f"op {op} takes no payload")
         if self._refusal is not None and header.payload_len > MAX_DISCARD_BYTES:
             status, message = self._refusal
             self._closing = True
@@ -132,7 +176,10 @@ class DataConnection(FrameServerProtocol):
         if self._closing:
             return
         try:
-            self._dispatch(header, key)
+            if header.op in TABLE_OPS and self._refusal is None:
+                self._dispatch_table(header, payload)
+            else:
+                self._dispatch(header, key)
         except Exception as e:
             self._log.exception("frame_failed", peer=self.peer, op=header.op)
             if self._receiving is not None:
@@ -143,12 +190,17 @@ class DataConnection(FrameServerProtocol):
     def bad_frame(self, error: FrameError) -> None:
         self._store.counters.bad_frames += 1
         self._log.warning("bad_frame", peer=self.peer, error=str(error))
-        super().bad_frame(error)
+        self.send_error(None, Status.BAD_REQUEST, str(error), close=True)
 
     def version_mismatch(self, theirs: int) -> None:
         self._store.counters.bad_frames += 1
         self._log.warning("peer_version_mismatch", peer=self.peer, peer_version=theirs)
-        super().version_mismatch(theirs)
+        self.send_error(
+            None,
+            Status.VERSION_MISMATCH,
+            version_mismatch_message(PROTOCOL_VERSION, theirs),
+            close=True,
+        )
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -174,6 +226,9 @@ class DataConnection(FrameServerProtocol):
             return
         if op == Op.PING:
             self._answer(header, Status.OK)
+            return
+        if op == Op.HELLO:
+            self._hello(header)
             return
         if op not in (Op.GET, Op.PUBLISH, Op.DELETE):
             self._answer(header, Status.BAD_REQUEST, f"unknown op {op}")
@@ -212,6 +267,90 @@ class DataConnection(FrameServerProtocol):
         self._server.reads.add(task)
         task.add_done_callback(self._server.reads.discard)
 
+    def _dispatch_table(self, header: Header, payload: memoryview | None) -> None:
+        """Multi-key ops: their payload is a table of keys (see :mod:`kvpool.proto.wire`)."""
+        if header.op != Op.MGET:
+            self._answer(header, Status.BAD_REQUEST, f"op {header.op} needs shared memory")
+            return
+        if header.flags not in _TIER_LIMITS:
+            self._answer(header, Status.BAD_REQUEST, f"unknown tier limit {header.flags}")
+            return
+        try:
+            records = decode_key_table(payload if payload is not None else b"")
+        except FrameError as e:
+            self._answer(header, Status.BAD_REQUEST, f"bad MGET table: {e}")
+            return
+        limit = TierLevel(header.flags)
+        table = bytearray(table_size(MGET_RECORD, len(records)))
+        COUNT.pack_into(table, 0, len(records))
+        pack, pos = MGET_RECORD.pack_into, COUNT.size
+        views: list[Buffer] = [table]
+        leased: list[Copy] = []
+        data_bytes = 0
+        store = self._store
+        for rec in records:
+            name = _decode_key(rec.key)
+            if name is None or rec.write_id == 0:
+                pack(table, pos, Status.BAD_REQUEST, 0, rec.write_id, 0, 0)
+            elif self._on_slow_tier(name, rec.write_id, limit):
+                pack(table, pos, Status.DEFERRED, 0, rec.write_id, 0, 0)
+            else:
+                result = store.get(name, rec.write_id, limit)
+                block, copy = result.block, result.copy
+                if copy is None or block is None:
+                    pack(table, pos, result.status, result.reason, rec.write_id, 0, 0)
+                else:
+                    leased.append(copy)
+                    views.append(store.view_copy(copy))
+                    data_bytes += block.size_bytes
+                    pack(
+                        table,
+                        pos,
+                        Status.OK,
+                        int(TierLevel.CPU),
+                        block.write_id,
+                        block.size_bytes,
+                        block.checksum,
+                    )
+            pos += MGET_RECORD.size
+        response = Header(
+            op=Op.MGET,
+            status=Status.OK,
+            request_id=header.request_id,
+            payload_len=len(table) + data_bytes,
+        )
+        self.send(response, b"", views, on_sent=partial(_release_all, store, leased))
+
+    def _on_slow_tier(self, key: str, write_id: int, limit: TierLevel) -> bool:
+        """The committed block's fastest acceptable copy is not in CPU memory (the tier worker
+        must read it: the client asks for it with a single GET)."""
+        block = self._store.block(key, write_id)
+        if block is None or block.state is not BlockState.COMMITTED:
+            return False
+        copy = block.fastest(limit)
+        return copy is not None and copy.level is not TierLevel.CPU
+
+    def _hello(self, header: Header) -> None:
+        stream = self.stream
+        shm = self._server.shm_address
+        info: dict[str, Any] = {
+            "features": ["mget", *(["shm"] if shm else [])],
+            "host": host_id(),
+            "pid": os.getpid(),
+            "local": stream.sockname if stream is not None else "",
+            "peer": stream.peername if stream is not None else "",
+        }
+        if shm:
+            info["shm"] = shm
+        body = json.dumps(info, separators=(",", ":")).encode()[:MAX_ERROR_MESSAGE_BYTES]
+        self.send(
+            Header(
+                op=Op.HELLO, status=Status.OK, request_id=header.request_id, payload_len=len(body)
+            ),
+            b"",
+            body,
+        )
+
     def _send_block(self, request: Header, result: ReadResult) -> None:
         block, copy = result.block, result.copy
         assert block is not None
@@ -224,7 +363,7 @@ class DataConnection(FrameServerProtocol):
                 on_sent=partial(self._store.release, copy),
             )
         except Exception:
-            self._store.release(copy)  # send() registers on_sent only after both writes
+            self._store.release(copy)  # send() registers on_sent only after queueing
             raise
 
     async def _send_slow(self, request: Header, result: ReadResult, worker: TierWorker) -> None:
@@ -283,6 +422,14 @@ class DataConnection(FrameServerProtocol):
         )
 
 
+TABLE_OPS = frozenset({Op.MGET, Op.SHM_GET, Op.SHM_RELEASE, Op.SHM_RESERVE, Op.SHM_COMMIT})
+
+
+def _release_all(store: BlockStore, copies: list[Copy]) -> None:
+    for copy in copies:
+        store.release(copy)
+
+
 def _decode_key(key: bytes) -> str | None:
     if not key:
         return None
@@ -294,7 +441,9 @@ def _decode_key(key: bytes) -> str | None:
 
 class DataServer:
     """The data-plane listener of one node over one :class:`BlockStore` (and the
-    :class:`TierWorker` that reads its slow tiers)."""
+    :class:`TierWorker` that reads its slow tiers): ``tcp://``; ``shm://`` for same-host
+    clients when ``shm`` (:mod:`kvpool.store_node.shm_server`); ``inproc://<inproc_name>`` for
+    tests when a name is given."""
 
     def __init__(
         self,
@@ -304,6 +453,8 @@ class DataServer:
         worker: TierWorker | None = None,
         lease_timeout_s: float = LEASE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        shm: bool = False,
+        inproc_name: str = "",
     ) -> None:
         self.store = store
         self.worker = worker
@@ -312,21 +463,41 @@ class DataServer:
         self.clock = clock
         self.connections: set[DataConnection] = set()
         self.reads: set[asyncio.Task[None]] = set()  # slow-tier reads in progress
-        self._server: asyncio.Server | None = None
+        self._server: StreamServer | None = None
+        self._shm: Any = None  # the ShmListener, when serving shared memory
+        self._want_shm = shm
+        self._inproc_name = inproc_name
         self._guard: asyncio.Task[None] | None = None
         self.port = 0
         self.stalled_cut = 0
+        self.shm_address = ""
+        """``shm://<name>`` once same-host clients can connect ("" when not offered)."""
+        self.inproc_address = ""
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 = any free port); returns the bound port. OSError when
         the address cannot be bound."""
-        self._server, self.port = await start_frame_server(host, port, self._new_connection)
+        self._server = StreamServer(listen_tcp(host, port), self._adopt)
+        self.port = self._server.port
+        if self._want_shm:
+            from kvpool.store_node.shm_server import ShmListener, shm_supported
+
+            if shm_supported(self.store.tier):
+                self._shm = ShmListener(self)
+                self.shm_address = self._shm.start()
+        if self._inproc_name:
+            register_inproc(self._inproc_name, self._adopt)
+            self.inproc_address = f"inproc://{self._inproc_name}"
         self._guard = asyncio.get_running_loop().create_task(self._lease_guard())
         return self.port
 
+    def _adopt(self, sock: socket.socket) -> None:
+        DataConnection(self).attach(sock)
+
     def cut_stalled(self) -> int:
-        """Cut connections whose responses have not left for ``lease_timeout_s``: a peer
-        that stopped reading must not keep blocks leased (so unevictable) for ever."""
+        """Cut connections whose responses have not left (or whose shared-memory leases have
+        been held) for ``lease_timeout_s``: a peer that stopped reading must not keep blocks
+        leased (so unevictable) for ever."""
         now = self.clock()
         cut = 0
         for conn in list(self.connections):
@@ -344,12 +515,13 @@ class DataServer:
             await asyncio.sleep(period_s)
             self.cut_stalled()
 
-    def _new_connection(self) -> DataConnection:
-        return DataConnection(self)
-
     def stop_accepting(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._shm is not None:
+            self._shm.close()
+        if self._inproc_name:
+            unregister_inproc(self._inproc_name)
 
     async def close(self) -> None:
         """Stop accepting, cut every connection (in-flight PUTs are aborted, leases end)."""
@@ -361,10 +533,8 @@ class DataServer:
             self._guard = None
         for conn in list(self.connections):
             conn.abort()
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
-        for _ in range(3):  # let the connection_lost callbacks run
+        self._server = None
+        for _ in range(3):  # let the close callbacks run
             if not self.connections:
                 break
             await asyncio.sleep(0)

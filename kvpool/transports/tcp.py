@@ -1,13 +1,16 @@
 """The ``tcp://`` transport: pipelined frames over asyncio, payloads received in place.
 
-Client side, :class:`TcpConnection` sends requests with a fresh request id each and matches
-responses by id; many requests are in flight on one connection. A GET's payload lands straight in
-the caller's buffer (see :mod:`kvpool.transports.frames`). A request that times out while its
-payload is being received closes the connection, so a late response can never write into a
-buffer the caller has taken back.
+Client side, :class:`TcpConnection` (a :class:`FrameConnection` over a
+:class:`~kvpool.transports.stream.FrameStream`) sends requests with a fresh request id each and
+matches responses by id; many requests are in flight on one connection. A request's payload is
+sent from the caller's memory with the header in one vectored write; a GET's payload lands
+straight in the caller's buffer (see :mod:`kvpool.transports.frames`). A request that times out
+while its payload is being received closes the connection, so a late response can never write
+into a buffer the caller has taken back.
 
-Server side, :func:`start_frame_server` runs an asyncio server whose protocol feeds a
-:class:`~kvpool.transports.frames.FrameReader` and hands whole frames to a handler. Its write
+Server side, :func:`start_frame_server` runs a plain asyncio server whose protocol feeds a
+:class:`~kvpool.transports.frames.FrameReader` and hands whole frames to a handler (test fakes use
+it; the store node serves on :class:`~kvpool.transports.stream.StreamServer`). Its write
 buffer limits are zero, so the protocol is told exactly when everything written has left (the
 node keeps a block leased until then).
 """
@@ -15,10 +18,9 @@ node keeps a block leased until then).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvpool.errors import (
@@ -35,9 +37,14 @@ from kvpool.proto.wire import (
     Status,
     version_mismatch_message,
 )
+from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
 from kvpool.transports.frames import FrameReader
+from kvpool.transports.stream import FrameStream
+from kvpool.transports.stream import tune_socket as stream_tune_socket
 
 SOCKET_BUFFER_BYTES = 4 * 2**20
+MAX_ALLOC_BYTES = 1 << 30
+"""Largest response payload a request may ask to be allocated on arrival (``alloc=True``)."""
 
 
 @dataclass(slots=True)
@@ -60,63 +67,54 @@ class Response:
 class _Pending:
     future: asyncio.Future[Response]
     sink: memoryview | None
+    alloc: bool = False  # allocate a buffer for a payload of any size on arrival
     started: bool = False  # its response frame is being received
 
 
 def tune_socket(sock: socket.socket | None) -> None:
-    if sock is None:
-        return
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+    if sock is not None:
+        stream_tune_socket(sock)
 
 
-class TcpConnection(asyncio.BufferedProtocol):
-    """One client connection to a node's data port, with many requests in flight."""
+class FrameConnection:
+    """One client connection to a node over a stream (TCP, unix or an in-process socket pair),
+    with many requests in flight, matched to their responses by request id."""
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._reader = FrameReader(self)
-        self._transport: asyncio.Transport | None = None
+        self._stream: FrameStream | None = None
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
-        self._writable = asyncio.Event()
-        self._writable.set()
         self._closed_error: Exception | None = None
         self.closed = asyncio.Event()
 
     # --- opening and closing --------------------------------------------------------------
 
-    @classmethod
-    async def open(cls, host: str, port: int, *, timeout_s: float) -> TcpConnection:
-        loop = asyncio.get_running_loop()
-        address = f"tcp://{host}:{port}"
-        conn = cls(address)
-        try:
-            await asyncio.wait_for(loop.create_connection(lambda: conn, host, port), timeout_s)
-        except TimeoutError:
-            raise DeadlineExceededError(f"{address}: connect timed out") from None
-        except OSError as e:
-            raise TransportError(f"{address}: connect failed: {e}") from None
-        return conn
+    def attach(self, sock: socket.socket) -> None:
+        """Start speaking frames over ``sock`` (connected)."""
+        tune_socket(sock)
+        self._stream = FrameStream(sock, self, backpressure=False)
+
+    @property
+    def stream(self) -> FrameStream | None:
+        return self._stream
 
     @property
     def is_open(self) -> bool:
-        return self._transport is not None and self._closed_error is None
+        return self._stream is not None and self._closed_error is None
 
     @property
     def in_flight(self) -> int:
         return len(self._pending)
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
+        if self._stream is not None:
+            self._stream.close()
 
     def abort(self, why: str) -> None:
         self._fail_all(TransportError(f"{self.address}: {why}"))
-        if self._transport is not None:
-            self._transport.abort()
+        if self._stream is not None:
+            self._stream.abort()
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -131,21 +129,25 @@ class TcpConnection(asyncio.BufferedProtocol):
         flags: int = 0,
         payload: memoryview | bytes | None = None,
         sink: memoryview | None = None,
+        alloc: bool = False,
         timeout_s: float,
     ) -> Response:
         """Send one request and wait for its response.
 
-        ``payload`` is sent after the header; ``sink`` receives a response payload of exactly
-        its length (a response of another length fails with TransportError). Errors: the
-        typed TransportError, DeadlineExceededError, ProtocolVersionError.
+        ``payload`` is sent after the header, from the caller's memory (not copied; do not
+        change it until this returns); ``sink`` receives a response payload of exactly its
+        length (a response of another length fails with TransportError); ``alloc`` takes a
+        response payload of any length into a fresh buffer. Errors: the typed TransportError,
+        DeadlineExceededError, ProtocolVersionError.
         """
-        if self._closed_error is not None or self._transport is None:
+        stream = self._stream
+        if self._closed_error is not None or stream is None:
             raise TransportError(f"{self.address}: connection closed")
         if timeout_s <= 0:
             raise DeadlineExceededError(f"{self.address}: no time left")
         request_id = next(self._ids)
         loop = asyncio.get_running_loop()
-        pending = _Pending(loop.create_future(), sink)
+        pending = _Pending(loop.create_future(), sink, alloc)
         self._pending[request_id] = pending
         body = payload if payload is not None else b""
         header = Header(
@@ -160,13 +162,7 @@ class TcpConnection(asyncio.BufferedProtocol):
         )
         try:
             async with asyncio.timeout(timeout_s):
-                if not self._writable.is_set():
-                    await self._writable.wait()
-                if self._closed_error is not None:
-                    raise self._closed_error
-                self._transport.write(header.pack() + key)
-                if len(body):
-                    self._transport.write(body)
+                stream.send(header, key, body)
                 return await pending.future
         except TimeoutError:
             # A peer that did not answer in time is not trusted to be in step with us (a silent
@@ -191,36 +187,13 @@ class TcpConnection(asyncio.BufferedProtocol):
         if current is not None and current.started:
             self.abort(why)
 
-    # --- asyncio.BufferedProtocol -------------------------------------------------------------
+    # --- StreamHandler ------------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        tune_socket(transport.get_extra_info("socket"))
-
-    def connection_lost(self, exc: Exception | None) -> None:
+    def stream_closed(self, error: Exception | None) -> None:
         self._fail_all(
-            TransportError(f"{self.address}: connection lost" + (f": {exc}" if exc else ""))
+            TransportError(f"{self.address}: connection lost" + (f": {error}" if error else ""))
         )
-        self._writable.set()
         self.closed.set()
-
-    def pause_writing(self) -> None:
-        self._writable.clear()
-
-    def resume_writing(self) -> None:
-        self._writable.set()
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._reader.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._reader.buffer_updated(nbytes)
-
-    def eof_received(self) -> bool | None:
-        return False
-
-    # --- FrameHandler -------------------------------------------------------------------------
 
     def frame_sink(self, header: Header, key: bytes) -> memoryview | None:
         pending = self._pending.get(header.request_id)
@@ -230,6 +203,9 @@ class TcpConnection(asyncio.BufferedProtocol):
             return memoryview(bytearray(header.payload_len))
         if pending is None or pending.future.done() or header.payload_len == 0:
             return None
+        if pending.alloc and header.payload_len <= MAX_ALLOC_BYTES:
+            pending.started = True
+            return memoryview(bytearray(header.payload_len))
         if pending.sink is None or len(pending.sink) != header.payload_len:
             if pending.sink is None and header.payload_len <= MAX_ERROR_MESSAGE_BYTES:
                 return memoryview(bytearray(header.payload_len))
@@ -245,13 +221,13 @@ class TcpConnection(asyncio.BufferedProtocol):
         if (
             header.status == Status.OK
             and header.payload_len
-            and pending.sink is not None
+            and (pending.sink is not None or pending.alloc)
             and payload is None
         ):
             pending.future.set_exception(
                 TransportError(
                     f"{self.address}: response of {header.payload_len} bytes for a buffer of "
-                    f"{len(pending.sink)}"
+                    f"{len(pending.sink) if pending.sink is not None else 0}"
                 )
             )
             return
@@ -271,8 +247,8 @@ class TcpConnection(asyncio.BufferedProtocol):
                 f"{self.address}: {version_mismatch_message(PROTOCOL_VERSION, theirs)}"
             )
         )
-        if self._transport is not None:
-            self._transport.abort()
+        if self._stream is not None:
+            self._stream.abort()
 
     def bad_frame(self, error: FrameError) -> None:
         self.abort(f"bad frame from node: {error}")
@@ -286,17 +262,61 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._pending.clear()
 
 
-class ConnectionPool:
-    """Up to ``size`` connections per node address, used round-robin; dead ones are replaced."""
+class TcpConnection(FrameConnection):
+    """A :class:`FrameConnection` to a node's ``tcp://`` data port."""
 
-    def __init__(self, size: int = 2, connect_timeout_s: float = 1.0) -> None:
+    @classmethod
+    async def open(cls, host: str, port: int, *, timeout_s: float) -> TcpConnection:
+        address = f"tcp://{host}:{port}"
+        conn = cls(address)
+        conn.attach(await connect_tcp(host, port, address=address, timeout_s=timeout_s))
+        return conn
+
+
+async def connect_tcp(host: str, port: int, *, address: str, timeout_s: float) -> socket.socket:
+    """A connected, non-blocking TCP socket (typed errors on failure)."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(timeout_s):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, sockaddr = infos[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, sockaddr)
+            except BaseException:
+                sock.close()
+                raise
+    except TimeoutError:
+        raise DeadlineExceededError(f"{address}: connect timed out") from None
+    except OSError as e:
+        raise TransportError(f"{address}: connect failed: {e}") from None
+    return sock
+
+
+class ConnectionPool:
+    """Up to ``size`` connections per node address, used round-robin; dead ones are replaced.
+    Addresses of any registered scheme (see :mod:`kvpool.transports`)."""
+
+    def __init__(
+        self,
+        size: int = 2,
+        connect_timeout_s: float = 1.0,
+        opener: Callable[[str, float], Awaitable[FrameConnection]] | None = None,
+    ) -> None:
         self._size = size
         self._connect_timeout_s = connect_timeout_s
-        self._conns: dict[str, list[TcpConnection]] = {}
+        self._opener = opener or open_tcp_address
+        self._conns: dict[str, list[FrameConnection]] = {}
         self._next: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def get(self, address: str, *, timeout_s: float) -> TcpConnection:
+    async def get(self, address: str, *, timeout_s: float) -> FrameConnection:
+        conns = self._conns.get(address)
+        if conns is not None and len(conns) >= self._size and all(c.is_open for c in conns):
+            i = self._next.get(address, 0)
+            self._next[address] = i + 1
+            return conns[i % len(conns)]
         conns = [c for c in self._conns.get(address, []) if c.is_open]
         self._conns[address] = conns
         if len(conns) < self._size:
@@ -304,10 +324,7 @@ class ConnectionPool:
             async with lock:
                 conns = [c for c in self._conns.get(address, []) if c.is_open]
                 if len(conns) < self._size:
-                    host, port = parse_tcp_address(address)
-                    conn = await TcpConnection.open(
-                        host, port, timeout_s=min(timeout_s, self._connect_timeout_s)
-                    )
+                    conn = await self._opener(address, min(timeout_s, self._connect_timeout_s))
                     conns.append(conn)
                     self._conns[address] = conns
                     return conn
@@ -324,6 +341,11 @@ class ConnectionPool:
             for conn in conns:
                 conn.close()
         self._conns.clear()
+
+
+async def open_tcp_address(address: str, timeout_s: float) -> FrameConnection:
+    host, port = parse_tcp_address(address)
+    return await TcpConnection.open(host, port, timeout_s=timeout_s)
 
 
 def parse_tcp_address(address: str) -> tuple[str, int]:
@@ -450,3 +472,17 @@ async def start_frame_server(
     server = await loop.create_server(protocol_factory, host, port, reuse_address=True)
     bound = server.sockets[0].getsockname()[1]
     return server, int(bound)
+
+
+class TcpTransport:
+    """``tcp://host:port``."""
+
+    scheme = "tcp"
+
+    async def open(self, address: str, timeout_s: float) -> FrameConnection:
+        return await open_tcp_address(address, timeout_s)
+
+    def open_blocking(self, address: str, timeout_s: float) -> BlockingConnection:
+        host, port = parse_tcp_address(address)
+        sock = connect_tcp_blocking(host, port, address=address, timeout_s=timeout_s)
+        return BlockingConnection(sock, address, timeout_s=timeout_s)

@@ -1,0 +1,219 @@
+"""The ``shm://name`` transport: a same-host client reads and writes a node's CPU arena directly.
+
+The node's CPU tier is one memfd arena. A node offering shared memory listens on an abstract
+unix socket (``shm://<name>``, named in its HELLO answer); on connect it sends a preamble and the
+arena's file descriptor (``SCM_RIGHTS``), which the client maps. From then on the connection
+speaks ordinary frames plus four ops (:mod:`kvpool.proto.wire`):
+
+* ``SHM_GET`` — for each (key, write id): where the block lies in the arena, *leased*: the node
+  will not evict or reuse those bytes until the client sends ``SHM_RELEASE`` (or the connection
+  closes, or the lease outlives ``lease_timeout_s`` and the node cuts the connection). The
+  client copies the bytes out and checks the checksum on its own copy, as over TCP.
+* ``SHM_RESERVE`` / ``SHM_COMMIT`` — a put: the node reserves an extent (invisible, as a TCP PUT
+  whose payload is arriving), the client copies the value in, and the commit has the node verify
+  the checksum and stage the block. Publish, delete and everything else are the usual frames.
+
+So a get copies each block once (arena → caller's buffer) and a put once (caller → arena), with
+no socket in between. Abstract unix sockets belong to a network namespace, so only a client in
+the node's namespace (same host, no partition between them) can connect. A client that dies
+mid-copy leaves a reservation that is aborted when its connection drops; a copy that outlives its
+lease can only produce a checksum mismatch (a miss), never a wrong read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import socket
+import struct
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvpool.errors import DeadlineExceededError, TransportError
+from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.tcp import FrameConnection
+
+PREAMBLE = struct.Struct("<4sQ16s")
+"""What the node sends first, with the arena's fd: magic, arena size, arena token."""
+SHM_MAGIC = b"KVPS"
+NUMPY_COPY_BYTES = 256 * 1024
+"""Copies at least this large go through numpy, which releases the GIL while copying."""
+
+
+def shm_supported() -> bool:
+    """Linux (abstract unix sockets, memfd, SCM_RIGHTS)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "recv_fds")
+
+
+def parse_shm_address(address: str) -> str:
+    if not address.startswith("shm://") or len(address) <= len("shm://"):
+        raise TransportError(f"not a shm://name address: {address!r}")
+    return address[len("shm://") :]
+
+
+def copy_bytes(dest: memoryview, src: memoryview) -> None:
+    """``dest[:] = src``; large copies without holding the GIL."""
+    if src.nbytes >= NUMPY_COPY_BYTES:
+        np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    else:
+        dest[:] = src
+
+
+class Arena:
+    """A node's CPU arena mapped into this process, shared by every connection to it."""
+
+    def __init__(self, fd: int, size: int, token: bytes) -> None:
+        self.size = size
+        self.token = token
+        self._mmap = mmap.mmap(
+            fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+        self.view: memoryview = memoryview(self._mmap)
+        self.users = 0
+
+    def extent(self, offset: int, size: int) -> memoryview:
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise TransportError(f"extent [{offset}, {offset + size}) outside the arena")
+        return self.view[offset : offset + size]
+
+    def close(self) -> None:
+        self.view.release()
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+
+
+_ARENAS: dict[bytes, Arena] = {}
+_ARENAS_LOCK = threading.Lock()
+
+
+def _adopt_arena(fd: int, size: int, token: bytes) -> Arena:
+    with _ARENAS_LOCK:
+        arena = _ARENAS.get(token)
+        if arena is None or arena.size != size:
+            arena = Arena(fd, size, token)
+            _ARENAS[token] = arena
+        arena.users += 1
+        return arena
+
+
+def _drop_arena(arena: Arena) -> None:
+    with _ARENAS_LOCK:
+        arena.users -= 1
+        if arena.users <= 0 and _ARENAS.get(arena.token) is arena:
+            del _ARENAS[arena.token]
+            arena.close()
+
+
+def _take_preamble(sock: socket.socket, address: str) -> Arena:
+    """Receive the preamble and the arena's fd (the socket is ready to read)."""
+    try:
+        msg, fds, _flags, _addr = socket.recv_fds(sock, PREAMBLE.size, 1)
+    except (BlockingIOError, TimeoutError):
+        raise DeadlineExceededError(f"{address}: no arena offered in time") from None
+    except OSError as e:
+        raise TransportError(f"{address}: receiving the arena failed: {e}") from None
+    try:
+        if len(msg) != PREAMBLE.size or len(fds) != 1:
+            raise TransportError(f"{address}: not a kvpool shared-memory peer")
+        magic, size, token = PREAMBLE.unpack(msg)
+        if magic != SHM_MAGIC or size <= 0:
+            raise TransportError(f"{address}: not a kvpool shared-memory peer")
+        try:
+            return _adopt_arena(fds[0], size, token)
+        except (OSError, ValueError) as e:
+            raise TransportError(f"{address}: cannot map the arena: {e}") from None
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                socket.close(fd)
+
+
+def _unix_socket() -> socket.socket:
+    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+
+class ShmBlockingConnection(BlockingConnection):
+    """A blocking connection to a node's shared-memory socket, with its arena mapped."""
+
+    def __init__(self, sock: socket.socket, address: str, arena: Arena, timeout_s: float) -> None:
+        super().__init__(sock, address, timeout_s=timeout_s)
+        self.arena: Arena | None = arena
+
+    def close(self) -> None:
+        super().close()
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            _drop_arena(arena)
+
+
+class ShmConnection(FrameConnection):
+    """An event-loop connection to a node's shared-memory socket, with its arena mapped."""
+
+    def __init__(self, address: str, arena: Arena) -> None:
+        super().__init__(address)
+        self.arena: Arena | None = arena
+
+    def stream_closed(self, error: Exception | None) -> None:
+        super().stream_closed(error)
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            _drop_arena(arena)
+
+
+class ShmTransport:
+    scheme = "shm"
+
+    async def open(self, address: str, timeout_s: float) -> FrameConnection:
+        name = parse_shm_address(address)
+        loop = asyncio.get_running_loop()
+        sock = _unix_socket()
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await loop.sock_connect(sock, "\0" + name)
+                ready: asyncio.Future[None] = loop.create_future()
+                loop.add_reader(sock.fileno(), _set_once, ready)
+                try:
+                    await ready
+                finally:
+                    loop.remove_reader(sock.fileno())
+            arena = _take_preamble(sock, address)
+        except TimeoutError:
+            sock.close()
+            raise DeadlineExceededError(f"{address}: connect timed out") from None
+        except OSError as e:
+            sock.close()
+            raise TransportError(f"{address}: connect failed: {e}") from None
+        except BaseException:
+            sock.close()
+            raise
+        conn = ShmConnection(address, arena)
+        conn.attach(sock)
+        return conn
+
+    def open_blocking(self, address: str, timeout_s: float) -> BlockingConnection:
+        name = parse_shm_address(address)
+        sock = _unix_socket()
+        try:
+            sock.settimeout(max(0.001, timeout_s))
+            sock.connect("\0" + name)
+            arena = _take_preamble(sock, address)
+        except TimeoutError:
+            sock.close()
+            raise DeadlineExceededError(f"{address}: connect timed out") from None
+        except OSError as e:
+            sock.close()
+            raise TransportError(f"{address}: connect failed: {e}") from None
+        except BaseException:
+            sock.close()
+            raise
+        return ShmBlockingConnection(sock, address, arena, timeout_s)
+
+
+def _set_once(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_result(None)

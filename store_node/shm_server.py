@@ -1,0 +1,237 @@
+"""Shared memory for same-host clients: the CPU arena's fd over an abstract unix socket.
+
+The node listens on ``\\0kvpool-<pid>-<random>`` (advertised as ``shm://kvpool-…`` in HELLO).
+Each connection first receives a preamble (magic, arena size, arena token) with the arena's
+memfd (``SCM_RIGHTS``), then speaks frames: every op of the TCP data port, plus
+
+* ``SHM_GET`` — per (key, write id): status, the block's arena offset and a lease id. The copy
+  is leased exactly as a TCP GET leases it while sending: it cannot be evicted or reused until
+  ``SHM_RELEASE`` names the lease, the connection closes, or the lease has been held for
+  ``lease_timeout_s`` (the connection is then cut, which ends all its leases);
+* ``SHM_RESERVE`` — per (key, write id, size, checksum): the arena offset the client writes the
+  value to, reserved exactly as for a TCP PUT whose payload is arriving (invisible to reads,
+  never evicted); ``SHM_COMMIT`` then verifies the checksum and stages the block, as at the end
+  of a TCP PUT. A reservation never committed is aborted when the connection closes (or is cut
+  after ``lease_timeout_s``).
+
+Blocks only on a slower tier (SSD, GPU) are answered DEFERRED: the client reads them with a
+plain GET on the same socket (bytes inline).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import socket
+from typing import TYPE_CHECKING
+
+from kvpool.proto.wire import (
+    COUNT,
+    RESERVE_RECORD,
+    SHM_RECORD,
+    FrameError,
+    Header,
+    Op,
+    Status,
+    TierLevel,
+    decode_ids,
+    decode_key_table,
+    table_size,
+)
+from kvpool.store_node.blocks import Block, Copy
+from kvpool.store_node.data_server import _TIER_LIMITS, DataConnection, _decode_key
+from kvpool.store_node.tiers.cpu import CpuTier
+from kvpool.transports.shm import PREAMBLE, SHM_MAGIC
+from kvpool.transports.stream import StreamServer
+
+if TYPE_CHECKING:
+    from kvpool.store_node.data_server import DataServer
+
+
+def shm_supported(tier: CpuTier) -> bool:
+    """The arena has an fd to share and this platform can pass it."""
+    from kvpool.transports.shm import shm_supported as platform_ok
+
+    return tier.fd is not None and platform_ok()
+
+
+class ShmListener:
+    """The abstract unix socket same-host clients connect to."""
+
+    def __init__(self, server: DataServer) -> None:
+        self.server = server
+        self.name = f"kvpool-{os.getpid()}-{secrets.token_hex(8)}"
+        self.token = secrets.token_bytes(16)
+        self._server: StreamServer | None = None
+
+    def start(self) -> str:
+        """Listen; returns the ``shm://`` address."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind("\0" + self.name)
+            listener.listen(256)
+        except BaseException:
+            listener.close()
+            raise
+        self._server = StreamServer(listener, self._adopt)
+        return f"shm://{self.name}"
+
+    def _adopt(self, sock: socket.socket) -> None:
+        tier = self.server.store.tier
+        fd = tier.fd
+        if fd is None or tier.closed:
+            sock.close()
+            return
+        sock.setblocking(True)
+        sock.settimeout(1.0)  # a fresh socket: the preamble always fits in its buffer
+        socket.send_fds(sock, [PREAMBLE.pack(SHM_MAGIC, tier.capacity_bytes, self.token)], [fd])
+        ShmConnection(self.server).attach(sock)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+class ShmConnection(DataConnection):
+    """A client connection on the shared-memory socket: leases and reservations it holds."""
+
+    def __init__(self, server: DataServer) -> None:
+        super().__init__(server)
+        self._ids = itertools.count(1)
+        self._leases: dict[int, tuple[Copy, float]] = {}
+        self._reserved: dict[int, tuple[Block, float]] = {}
+
+    @property
+    def blocked_since(self) -> float | None:
+        since = [s for s in (super().blocked_since,) if s is not None]
+        if self._leases:
+            since.append(next(iter(self._leases.values()))[1])  # the oldest: dicts keep order
+        if self._reserved:
+            since.append(next(iter(self._reserved.values()))[1])
+        return min(since) if since else None
+
+    def stream_closed(self, error: Exception | None) -> None:
+        leases, self._leases = self._leases, {}
+        for copy, _ in leases.values():
+            self._store.release(copy)
+        reserved, self._reserved = self._reserved, {}
+        for block, _ in reserved.values():
+            self._store.abort_put(block)
+        super().stream_closed(error)
+
+    def _dispatch_table(self, header: Header, payload: memoryview | None) -> None:
+        op = header.op
+        if op == Op.MGET:
+            super()._dispatch_table(header, payload)
+            return
+        raw = payload if payload is not None else b""
+        try:
+            if op == Op.SHM_GET:
+                self._shm_get(header, raw)
+            elif op == Op.SHM_RELEASE:
+                self._release(decode_ids(raw))
+            elif op == Op.SHM_RESERVE:
+                self._reserve(header, raw)
+            elif op == Op.SHM_COMMIT:
+                self._commit(header, decode_ids(raw))
+            else:
+                self._answer(header, Status.BAD_REQUEST, f"unknown op {op}")
+        except FrameError as e:
+            if op == Op.SHM_RELEASE:  # no answer is expected: the stream is out of step
+                self.bad_frame(e)
+            else:
+                self._answer(header, Status.BAD_REQUEST, f"bad table: {e}")
+
+    def _shm_get(self, header: Header, raw: memoryview | bytes) -> None:
+        if header.flags not in _TIER_LIMITS:
+            self._answer(header, Status.BAD_REQUEST, f"unknown tier limit {header.flags}")
+            return
+        records = decode_key_table(raw)
+        limit = TierLevel(header.flags)
+        table = bytearray(table_size(SHM_RECORD, len(records)))
+        COUNT.pack_into(table, 0, len(records))
+        pos = COUNT.size
+        store, now = self._store, self._server.clock()
+        for rec in records:
+            name = _decode_key(rec.key)
+            if name is None or rec.write_id == 0:
+                SHM_RECORD.pack_into(table, pos, Status.BAD_REQUEST, 0, rec.write_id, 0, 0, 0, 0)
+            elif self._on_slow_tier(name, rec.write_id, limit):
+                SHM_RECORD.pack_into(table, pos, Status.DEFERRED, 0, rec.write_id, 0, 0, 0, 0)
+            else:
+                result = store.get(name, rec.write_id, limit)
+                block, copy = result.block, result.copy
+                if block is None or copy is None:
+                    SHM_RECORD.pack_into(
+                        table, pos, result.status, result.reason, rec.write_id, 0, 0, 0, 0
+                    )
+                else:
+                    lease = next(self._ids)
+                    self._leases[lease] = (copy, now)
+                    SHM_RECORD.pack_into(
+                        table,
+                        pos,
+                        Status.OK,
+                        int(TierLevel.CPU),
+                        block.write_id,
+                        block.size_bytes,
+                        block.checksum,
+                        copy.offset,
+                        lease,
+                    )
+            pos += SHM_RECORD.size
+        self._table_answer(header, table)
+
+    def _release(self, leases: list[int]) -> None:
+        for lease in leases:
+            held = self._leases.pop(lease, None)
+            if held is not None:
+                self._store.release(held[0])
+
+    def _reserve(self, header: Header, raw: memoryview | bytes) -> None:
+        records = decode_key_table(raw)
+        table = bytearray(table_size(RESERVE_RECORD, len(records)))
+        COUNT.pack_into(table, 0, len(records))
+        pos = COUNT.size
+        now = self._server.clock()
+        for rec in records:
+            name = _decode_key(rec.key)
+            if name is None:
+                RESERVE_RECORD.pack_into(table, pos, Status.BAD_REQUEST, 0, 0, 0)
+            else:
+                verdict = self._store.reserve(name, rec.write_id, rec.size_bytes, rec.checksum)
+                if verdict.block is not None:
+                    reservation = next(self._ids)
+                    self._reserved[reservation] = (verdict.block, now)
+                    RESERVE_RECORD.pack_into(
+                        table, pos, Status.OK, 0, verdict.block.offset, reservation
+                    )
+                else:  # OK without a block: this very write is already held
+                    RESERVE_RECORD.pack_into(table, pos, verdict.status, 0, 0, 0)
+            pos += RESERVE_RECORD.size
+        self._table_answer(header, table)
+
+    def _commit(self, header: Header, reservations: list[int]) -> None:
+        table = bytearray(table_size(RESERVE_RECORD, len(reservations)))
+        COUNT.pack_into(table, 0, len(reservations))
+        pos = COUNT.size
+        for reservation in reservations:
+            held = self._reserved.pop(reservation, None)
+            status = Status.BAD_REQUEST if held is None else self._store.finish_put(held[0])
+            RESERVE_RECORD.pack_into(table, pos, status, 0, 0, reservation)
+            pos += RESERVE_RECORD.size
+        self._table_answer(header, table)
+
+    def _table_answer(self, request: Header, table: bytearray) -> None:
+        self.send(
+            Header(
+                op=request.op,
+                status=Status.OK,
+                request_id=request.request_id,
+                payload_len=len(table),
+            ),
+            b"",
+            table,
+        )
