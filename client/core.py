@@ -18,13 +18,23 @@ import asyncio
 import inspect
 import os
 import random
+import threading
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvpool.checksum import block_checksum
 from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem, new_write_ids
-from kvpool.client.masters import MasterClient
+from kvpool.client.cache import LookupCache
+from kvpool.client.commits import (
+    AsyncCommitter,
+    CommitAnswer,
+    PutReceipt,
+    committed_entry,
+    judge_commit,
+    put_entries,
+)
+from kvpool.client.links import Links
+from kvpool.client.masters import MasterClient, MasterRouting
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.stats import ClientStats
 from kvpool.client.values import (
@@ -50,9 +60,11 @@ from kvpool.errors import (
     UnavailableError,
 )
 from kvpool.logs import get_logger
-from kvpool.proto.v1 import master_pb2
+from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import TierLevel
 from kvpool.transports.tcp import ConnectionPool
+
+__all__ = ["ClientCore", "PutReceipt", "RevisionFloor", "tier_limit"]
 
 T = TypeVar("T")
 
@@ -68,7 +80,9 @@ batch_put commits in several calls, concurrently."""
 DELETE_WAIT_S = 0.25
 """Longest wait for best-effort DELETE frames after a remove."""
 
-SinkFactory = Callable[[str, int], tuple[memoryview, bool]]
+SinkFactory = Callable[[int, str, int], tuple[memoryview | None, bool]]
+"""Where the bytes of the i-th key go (None: into fresh bytes), given its index, key and size,
+and whether that is the caller's buffer."""
 TIER_LIMITS: dict[str, int] = {"": 0, "any": 0, "gpu": 1, "cpu": 2, "ssd": 3}
 """``max_tier`` names: the slowest tier a get accepts (a block held only on a slower one is a
 miss, ``slow_tier``, without reading it)."""
@@ -84,20 +98,18 @@ def tier_limit(max_tier: str) -> int:
         ) from None
 
 
-@dataclass(frozen=True, slots=True)
-class PutReceipt:
-    """What the index answered for one committed put: the block's version, its identity on the
-    nodes, the index revision after the commit, and where its replicas are."""
+class RevisionFloor:
+    """The highest index revision a client has committed, removed or read at; its lookups ask
+    for at least this much (read-your-writes, monotonic reads). Shared by threads."""
 
-    key: str
-    version: int
-    write_id: int
-    revision: int
-    replicas: tuple[str, ...]
-    """Node ids of the replicas the index kept, in the index's order."""
-    member_ids: tuple[int, ...]
-    """The same replicas as member ids (one per node incarnation; a restarted node gets a new
-    one), in the same order."""
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def raise_to(self, revision: int) -> None:
+        if revision > self.value:
+            with self._lock:
+                self.value = max(self.value, revision)
 
 
 def _miss_reason(error: KVPoolError) -> str:
@@ -122,18 +134,37 @@ class ClientCore:
         self.strict = strict
         self._log = logger if logger is not None else get_logger("kvpool.client")
         attempt_s = min(1.0, config.timeout_s)
-        self._masters = masters or MasterClient(config.masters, attempt_timeout_s=attempt_s)
-        self._pool = pool or ConnectionPool(
-            size=config.connections_per_node, connect_timeout_s=attempt_s
+        self.attempt_timeout_s = attempt_s
+        self.routing = masters.routing if masters is not None else MasterRouting(config.masters)
+        self._masters = masters or MasterClient(
+            config.masters, attempt_timeout_s=attempt_s, routing=self.routing
         )
+        self.links = Links(config.transport)
         self._placement = Placement()
-        self._data = DataPlane(self._pool, self._node_failed)
+        self._data = DataPlane(
+            pool,
+            self._node_failed,
+            links=self.links,
+            pool_size=config.connections_per_node,
+            connect_timeout_s=attempt_s,
+        )
+        self.cache = LookupCache(config.lookup_cache_size, config.lookup_cache_ttl_s)
+        self.floor = RevisionFloor()
         self._stats = ClientStats()
+        self._committer = AsyncCommitter(self._commit_rpc, lambda: MAX_COMMIT_ENTRIES)
         self._members_lock = asyncio.Lock()
-        self._floor = 0
         self._closed = False
+        self._shut = False
 
     # --- state ----------------------------------------------------------------------------
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    @property
+    def counters(self) -> ClientStats:
+        return self._stats
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -144,18 +175,23 @@ class ClientCore:
     def read_floor(self) -> int:
         """The highest index revision this client committed or removed at; lookups ask the
         master to have applied at least this much (read-your-writes)."""
-        return self._floor
+        return self.floor.value
 
     @property
     def closed(self) -> bool:
         return self._closed
 
+    def mark_closed(self) -> None:
+        """Refuse further calls (the synchronous client closes its own parts first)."""
+        self._closed = True
+
     async def close(self) -> None:
         """Close connections and channels; idempotent. Later calls raise UnavailableError."""
-        if self._closed:
+        if self._shut:
             return
+        self._shut = True
         self._closed = True
-        await self._pool.close()
+        await self._data.close()
         await self._masters.close()
 
     # --- public operations -------------------------------------------------------------------
@@ -169,7 +205,7 @@ class ClientCore:
     ) -> PutReceipt | None:
         """Store one block, as :meth:`put`: its receipt once committed, None on failure
         (strict: the typed error, as put raises it)."""
-        item = self._put_item(key, value)
+        item = self.put_item(key, value)
         (receipt,) = await self._put_prepared([item], self._strict(strict), single=True)
         return receipt
 
@@ -183,7 +219,7 @@ class ClientCore:
         self, items: PutItems, *, strict: bool | None = None
     ) -> list[PutReceipt | None]:
         """As :meth:`batch_put`, with each committed item's receipt (None where it failed)."""
-        prepared = [self._put_item(k, v) for k, v in put_items(items)]
+        prepared = [self.put_item(k, v) for k, v in put_items(items)]
         if not prepared:
             return []
         return await self._put_prepared(prepared, self._strict(strict), single=False)
@@ -197,16 +233,12 @@ class ClientCore:
         pair = (key, validate_key(key))
         strict = self._strict(strict)
         limit = self._tier_limit(max_tier)
-
-        def fresh(_key: str, size: int) -> tuple[memoryview, bool]:
-            return memoryview(bytearray(size)), False
-
-        items = await self._read_or_fail([pair], fresh, strict, limit)
-        if items is None or not self._settle(items[0], pair[0], strict):
+        items = await self._read_or_fail([pair], fresh_bytes, strict, limit)
+        if items is None or not self.settle(items[0], pair[0], strict):
             return None
         item = items[0]
         assert item is not None
-        return bytes(item.sink)
+        return item.result()
 
     async def get_into(
         self,
@@ -222,13 +254,8 @@ class ClientCore:
         sink = as_sink(buffer)
         strict = self._strict(strict)
         limit = self._tier_limit(max_tier)
-
-        def caller(k: str, size: int) -> tuple[memoryview, bool]:
-            check_fits(sink, size, k)
-            return sink[:size], True
-
-        items = await self._read_or_fail([pair], caller, strict, limit)
-        if items is None or not self._settle(items[0], pair[0], strict):
+        items = await self._read_or_fail([pair], into(sink), strict, limit)
+        if items is None or not self.settle(items[0], pair[0], strict):
             return None
         item = items[0]
         assert item is not None
@@ -237,24 +264,44 @@ class ClientCore:
     async def batch_get(
         self, keys: Sequence[str], *, strict: bool | None = None, max_tier: str | None = None
     ) -> list[bytes | None]:
-        """Each key's bytes or None, in order: one Lookup, GETs pipelined per node. With strict,
-        a failure of the whole call raises; per-key misses stay None."""
+        """Each key's bytes or None, in order: one Lookup (none for cached keys), one MGET per
+        node. With strict, a failure of the whole call raises; per-key misses stay None."""
         pairs = validate_keys(keys)
         limit = self._tier_limit(max_tier)
         if not pairs:
             return []
-
-        def fresh(_key: str, size: int) -> tuple[memoryview, bool]:
-            return memoryview(bytearray(size)), False
-
-        items = await self._read_or_fail(pairs, fresh, self._strict(strict), limit)
+        items = await self._read_or_fail(pairs, fresh_bytes, self._strict(strict), limit)
         if items is None:
             return [None] * len(pairs)
-        out: list[bytes | None] = []
-        for item, (key, _) in zip(items, pairs, strict=True):
-            hit = self._settle(item, key, strict=False)
-            out.append(bytes(item.sink) if hit and item is not None else None)
-        return out
+        return [
+            item.result() if self.settle(item, key, strict=False) and item is not None else None
+            for item, (key, _) in zip(items, pairs, strict=True)
+        ]
+
+    async def batch_get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[WritableBuffer],
+        *,
+        strict: bool | None = None,
+        max_tier: str | None = None,
+    ) -> list[int | None]:
+        """Read each key into its buffer (one per key, in order): each block's size or None.
+        BufferTooSmallError when a block does not fit its buffer."""
+        pairs = validate_keys(keys)
+        sinks = batch_sinks(pairs, buffers)
+        limit = self._tier_limit(max_tier)
+        if not pairs:
+            return []
+        items = await self._read_or_fail(pairs, into_each(sinks), self._strict(strict), limit)
+        if items is None:
+            return [None] * len(pairs)
+        return [
+            int(item.entry.size_bytes)
+            if self.settle(item, key, strict=False) and item is not None
+            else None
+            for item, (key, _) in zip(items, pairs, strict=True)
+        ]
 
     async def exists(self, key: str, *, strict: bool | None = None) -> bool:
         """Whether the index has the key (the bytes are not checked)."""
@@ -281,10 +328,10 @@ class ClientCore:
 
         async def call(deadline: float) -> int:
             request = master_pb2.PrefixMatchRequest(
-                keys=[k for k, _ in pairs], min_revision=self._floor
+                keys=[k for k, _ in pairs], min_revision=self.floor.value
             )
             response = await self._masters.call("PrefixMatch", request, deadline=deadline)
-            self._floor = max(self._floor, response.revision)
+            self.floor.raise_to(response.revision)
             return min(int(response.matched), len(pairs))
 
         matched = await self._call_or_fail("prefix_match", call, self._strict(strict))
@@ -308,7 +355,7 @@ class ClientCore:
         """The second half of get_or_compute: count the fallback, put best effort, return the
         value as bytes. Bad keys and values raise; store failures do not."""
         self._strict(False)  # refuses a closed client
-        item = self._put_item(key, value)
+        item = self.put_item(key, value)
         self._stats.fallback()
         await self._put_prepared([item], strict=False, single=True)
         return value if type(value) is bytes else bytes(item.payload)
@@ -374,7 +421,7 @@ class ClientCore:
                 raise
             return None
 
-    def _settle(self, item: ReadItem | None, key: str, strict: bool) -> bool:
+    def settle(self, item: ReadItem | None, key: str, strict: bool) -> bool:
         """Count a read's outcome; True for a hit. Strict misses raise the typed error."""
         if item is None:
             self._stats.miss("absent")
@@ -395,10 +442,15 @@ class ClientCore:
     # --- reads --------------------------------------------------------------------------------
 
     async def _lookup(self, keys: list[str], deadline: float) -> master_pb2.LookupResponse:
-        request = master_pb2.LookupRequest(keys=keys, min_revision=self._floor)
+        request = master_pb2.LookupRequest(keys=keys, min_revision=self.floor.value)
         response: master_pb2.LookupResponse = await self._masters.call(
             "Lookup", request, deadline=deadline
         )
+        self.lookup_answered(keys, response)
+        return response
+
+    def lookup_answered(self, keys: list[str], response: master_pb2.LookupResponse) -> None:
+        """Check a Lookup answer and learn from it (ring version, revision floor, cache)."""
         if len(response.entries) != len(keys):
             raise InternalError(
                 f"Lookup answered {len(response.entries)} entries for {len(keys)} keys"
@@ -408,29 +460,47 @@ class ClientCore:
                 raise InternalError(f"Lookup answered {entry.key!r} in the place of {key!r}")
         self._placement.observe_ring_version(response.ring_version)
         # Monotonic reads: never ask a master that has applied less than what we have seen.
-        self._floor = max(self._floor, response.revision)
-        return response
+        self.floor.raise_to(response.revision)
+        if self.cache.enabled:
+            self.cache.learn_members([MemberInfo.from_proto(m) for m in response.members])
+            self.cache.store_many(keys, list(response.entries), response.revision)
 
-    async def _read(
-        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, deadline: float, limit: int
+    def read_items(
+        self,
+        pairs: list[tuple[str, bytes]],
+        entries: Sequence[common_pb2.BlockEntry | None],
+        from_cache: Sequence[bool],
+        sink_for: SinkFactory,
+        *,
+        limit: int,
+        now_s: float,
+        indexes: Sequence[int] | None = None,
     ) -> list[ReadItem | None]:
-        response = await self._lookup([k for k, _ in pairs], deadline)
-        live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
-
-        def member(member_id: int) -> MemberInfo | None:
-            return live.get(member_id) or self._placement.member(member_id)
-
-        now_s = asyncio.get_running_loop().time()
+        """One ReadItem per found entry (None for keys the index lacks)."""
         items: list[ReadItem | None] = []
-        for (key, key_bytes), entry in zip(pairs, response.entries, strict=True):
-            if not entry.found:
+        placement = self._placement
+        for n_item, ((key, key_bytes), entry, cached) in enumerate(
+            zip(pairs, entries, from_cache, strict=True)
+        ):
+            if entry is None or not entry.found:
                 items.append(None)
                 continue
-            sink, caller_buffer = sink_for(key, entry.size_bytes)
-            replicas = self._placement.read_order(
-                entry.replicas, now_s, random.randrange(max(1, len(entry.replicas)))
+            index = indexes[n_item] if indexes is not None else n_item
+            sink, caller_buffer = sink_for(index, key, entry.size_bytes)
+            n = len(entry.replicas)
+            replicas = placement.read_order(
+                entry.replicas, now_s, random.randrange(n) if n > 1 else 0
             )
-            item = ReadItem(key, key_bytes, entry, sink, caller_buffer, replicas, max_tier=limit)
+            item = ReadItem(
+                key,
+                key_bytes,
+                entry,
+                sink,
+                caller_buffer,
+                replicas,
+                max_tier=limit,
+                from_cache=cached,
+            )
             if limit and limit < entry.tier <= TierLevel.SSD:  # the index: on a slower tier
                 item.replicas = []
                 item.fail(
@@ -442,17 +512,69 @@ class ClientCore:
                     ),
                 )
             items.append(item)
+        return items
+
+    def member(self, member_id: int, live: dict[int, MemberInfo]) -> MemberInfo | None:
+        return (
+            live.get(member_id) or self.cache.member(member_id) or self._placement.member(member_id)
+        )
+
+    async def _read(
+        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, deadline: float, limit: int
+    ) -> list[ReadItem | None]:
+        loop = asyncio.get_running_loop()
+        cache = self.cache
+        entries: list[common_pb2.BlockEntry | None] = [cache.get(k) for k, _ in pairs]
+        from_cache = [e is not None for e in entries]
+        live: dict[int, MemberInfo] = {}
+        todo = [i for i, e in enumerate(entries) if e is None]
+        if todo:
+            response = await self._lookup([pairs[i][0] for i in todo], deadline)
+            live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
+            for i, entry in zip(todo, response.entries, strict=True):
+                entries[i] = entry
+        items = self.read_items(
+            pairs, entries, from_cache, sink_for, limit=limit, now_s=loop.time()
+        )
         await self._data.read(
             [it for it in items if it is not None and it.replicas],
-            member,
+            lambda mid: self.member(mid, live),
             deadline,
             on_retry=self._stats.replica_retries,
         )
+        stale = [i for i, it in enumerate(items) if it is not None and not it.ok and it.from_cache]
+        if stale and loop.time() < deadline:
+            # A cached entry missed: it may be stale. Look those keys up again, once.
+            for i in stale:
+                cache.drop(pairs[i][0])
+            sub = [pairs[i] for i in stale]
+            response = await self._lookup([k for k, _ in sub], deadline)
+            live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
+            fresh = self.read_items(
+                sub,
+                list(response.entries),
+                [False] * len(sub),
+                sink_for,
+                limit=limit,
+                now_s=loop.time(),
+                indexes=stale,
+            )
+            for i, item in zip(stale, fresh, strict=True):
+                items[i] = item
+            await self._data.read(
+                [it for it in fresh if it is not None and it.replicas],
+                lambda mid: self.member(mid, live),
+                deadline,
+                on_retry=self._stats.replica_retries,
+            )
+        for it in items:
+            if it is not None and not it.ok:
+                cache.drop(it.key, it.entry.write_id)
         return items
 
     # --- writes -------------------------------------------------------------------------------
 
-    def _put_item(self, key: str, value: object) -> PutItem:
+    def put_item(self, key: str, value: object) -> PutItem:
         key_bytes = validate_key(key)
         payload = as_payload(value, self.config.max_value_size)
         return PutItem(key, key_bytes, payload, block_checksum(payload))
@@ -471,6 +593,16 @@ class ClientCore:
             if strict:
                 raise
             return [None] * len(items)
+        return self.put_results(items, receipts, strict, single=single)
+
+    def put_results(
+        self,
+        items: list[PutItem],
+        receipts: dict[PutItem, PutReceipt],
+        strict: bool,
+        *,
+        single: bool,
+    ) -> list[PutReceipt | None]:
         results = [receipts.get(it) if it.committed else None for it in items]
         ok = sum(r is not None for r in results)
         self._stats.puts(ok, len(results) - ok)
@@ -522,6 +654,14 @@ class ClientCore:
                 return
             pending = [it for it in pending if not it.committed]
 
+    async def _commit_rpc(
+        self, request: master_pb2.CommitPutsRequest, deadline: float
+    ) -> master_pb2.CommitPutsResponse:
+        response: master_pb2.CommitPutsResponse = await self._masters.call(
+            "CommitPuts", request, deadline=deadline, leader_only=True
+        )
+        return response
+
     async def _commit(
         self,
         staged: list[PutItem],
@@ -529,74 +669,31 @@ class ClientCore:
         deadline: float,
         receipts: dict[PutItem, PutReceipt],
     ) -> list[BlockRef] | None:
-        """One CommitPuts for ``staged``: the blocks to publish, or None for a stale ring."""
-        request = master_pb2.CommitPutsRequest(
-            request_id=os.urandom(16),  # one per commit; MasterClient retries reuse it
-            ring_version=ring_version,
-            entries=[
-                master_pb2.PutEntry(
-                    key=it.key,
-                    write_id=it.write_id,
-                    size_bytes=it.payload.nbytes,
-                    checksum=it.checksum,
-                    replicas=it.acked,
-                )
-                for it in staged
-            ],
-        )
-        response: master_pb2.CommitPutsResponse = await self._masters.call(
-            "CommitPuts", request, deadline=deadline, leader_only=True
-        )
-        if response.stale_ring:
-            self._placement.mark_stale(response.ring_version)
+        """Commit ``staged`` (grouped with this client's other puts committing meanwhile): the
+        blocks to publish, or None for a stale ring."""
+        answer = await self._committer.commit(ring_version, put_entries(staged), deadline)
+        return self.commit_answered(staged, answer, receipts)
+
+    def commit_answered(
+        self, staged: list[PutItem], answer: CommitAnswer, receipts: dict[PutItem, PutReceipt]
+    ) -> list[BlockRef] | None:
+        """Learn from a commit's answer: receipts, errors, the floor, the cache; the blocks to
+        publish, or None when the index refused the ring (StaleRingError on every item)."""
+        if answer.stale_ring:
+            self._placement.mark_stale(answer.ring_version)
             for it in staged:
                 it.error = StaleRingError(
                     f"put {it.key!r}: the ring changed under the put",
-                    ring_version=response.ring_version,
+                    ring_version=answer.ring_version,
                 )
             return None
-        if len(response.results) != len(staged):
-            raise InternalError(
-                f"CommitPuts answered {len(response.results)} results for {len(staged)} entries"
-            )
-        self._placement.observe_ring_version(response.ring_version)
-        self._floor = max(self._floor, response.revision)
-        return self._committed(staged, response, receipts)
-
-    def _committed(
-        self,
-        staged: list[PutItem],
-        response: master_pb2.CommitPutsResponse,
-        receipts: dict[PutItem, PutReceipt],
-    ) -> list[BlockRef]:
-        """Mark each staged item by its result and write the receipt of each committed one; the
-        (block, replica) pairs to publish."""
-        refs: list[BlockRef] = []
-        for it, result in zip(staged, response.results, strict=True):
-            if result.status == master_pb2.PUT_STATUS_COMMITTED:
-                it.committed = True
-                kept = set(result.replicas)
-                node_of = {m.member_id: m.node_id for m in it.targets}
-                member_ids = tuple(int(m) for m in result.replicas)
-                receipts[it] = PutReceipt(
-                    key=it.key,
-                    version=int(result.version),
-                    write_id=it.write_id,
-                    revision=int(response.revision),
-                    replicas=tuple(node_of.get(m, "") for m in member_ids),
-                    member_ids=member_ids,
-                )
-                refs.extend(
-                    BlockRef(it.key_bytes, it.write_id, result.version, m)
-                    for m in it.targets
-                    if m.member_id in kept
-                )
-            elif result.status == master_pb2.PUT_STATUS_NO_LIVE_REPLICA:
-                it.error = UnavailableError(
-                    f"put {it.key!r}: the index knows every replica's node as down"
-                )
-            else:
-                it.error = InternalError(f"put {it.key!r}: commit status {result.status}")
+        self._placement.observe_ring_version(answer.ring_version)
+        self.floor.raise_to(answer.revision)
+        refs = judge_commit(staged, answer, receipts)
+        if self.cache.enabled:
+            for it, result in zip(staged, answer.results, strict=True):
+                if it.committed:
+                    self.cache.committed(it.key, committed_entry(it, result), answer.revision)
         return refs
 
     async def _ensure_members(self, deadline: float) -> None:
@@ -614,12 +711,13 @@ class ClientCore:
                 if self._placement.has_ring:
                     return  # place on the ring we have; the index refuses it if stale
                 raise
-            self._placement.update(
-                (MemberInfo.from_proto(m) for m in response.members),
-                response.ring_version,
-                asyncio.get_running_loop().time(),
-            )
-            self._stats.ring_refreshed()
+            self.members_answered(response, asyncio.get_running_loop().time())
+
+    def members_answered(self, response: master_pb2.GetMembersResponse, now_s: float) -> None:
+        self._placement.update(
+            (MemberInfo.from_proto(m) for m in response.members), response.ring_version, now_s
+        )
+        self._stats.ring_refreshed()
 
     def _node_failed(self, member_id: int) -> None:
         self._placement.node_failed(member_id, asyncio.get_running_loop().time())
@@ -635,7 +733,9 @@ class ClientCore:
             raise InternalError(
                 f"Remove answered {len(response.removed)} results for {len(keys)} keys"
             )
-        self._floor = max(self._floor, response.revision)
+        self.floor.raise_to(response.revision)
+        for key in keys:
+            self.cache.removed(key, response.revision)
         live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
         refs = []
         for block in response.blocks:
@@ -647,3 +747,42 @@ class ClientCore:
             loop = asyncio.get_running_loop()
             await self._data.delete(refs, min(deadline, loop.time() + DELETE_WAIT_S))
         return list(response.removed)
+
+
+# --- where read bytes go -------------------------------------------------------------------------
+
+
+def fresh_bytes(_index: int, _key: str, _size: int) -> tuple[memoryview | None, bool]:
+    """Into new bytes (get, batch_get)."""
+    return None, False
+
+
+def into(sink: memoryview) -> SinkFactory:
+    """Into the caller's buffer (get_into): BufferTooSmallError when the block does not fit."""
+
+    def caller(_index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+        check_fits(sink, size, key)
+        return sink[:size], True
+
+    return caller
+
+
+def batch_sinks(pairs: list[tuple[str, bytes]], buffers: Sequence[object]) -> list[memoryview]:
+    if isinstance(buffers, str | bytes) or not isinstance(buffers, Sequence):
+        raise InvalidArgumentError("batch_get_into takes a sequence of buffers, one per key")
+    if len(buffers) != len(pairs):
+        raise InvalidArgumentError(
+            f"batch_get_into: {len(pairs)} keys but {len(buffers)} buffers (one per key)"
+        )
+    return [as_sink(b) for b in buffers]
+
+
+def into_each(sinks: list[memoryview]) -> SinkFactory:
+    """Into each key's own buffer (batch_get_into)."""
+
+    def caller(index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+        sink = sinks[index]
+        check_fits(sink, size, key)
+        return sink[:size], True
+
+    return caller

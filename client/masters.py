@@ -1,19 +1,25 @@
 """Calling the master group: leader discovery, redirects, retries inside one deadline.
 
-Used by the client SDK and by store nodes. Writes go to the leader: a follower answers
-NOT_LEADER with the leader's address, which becomes the preferred master. Reads may go to any
-master (a stale answer can only cause a miss). Every retry stays inside the caller's deadline
-(``loop.time()`` based); one attempt never takes more than ``attempt_timeout_s`` so a paused
-master cannot eat the whole budget.
+Used by the client SDK and by store nodes. :class:`MasterClient` calls from an event loop
+(``grpc.aio``); :class:`SyncMasterClient` calls in the caller's thread (sync gRPC: the
+synchronous client's fast path, which has no loop to hop to). Both keep their leader knowledge
+in one :class:`MasterRouting`, which a client shares between them. Writes go to the leader: a
+follower answers NOT_LEADER with the leader's address, which becomes the preferred master.
+Reads may go to any master (a stale answer can only cause a miss). Every retry stays inside the
+caller's deadline (``loop.time()`` based); one attempt never takes more than
+``attempt_timeout_s`` so a paused master cannot eat the whole budget.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 import grpc.aio
 
 from kvpool.errors import (
@@ -23,7 +29,7 @@ from kvpool.errors import (
     NotLeaderError,
     UnavailableError,
 )
-from kvpool.grpcutil import create_channel, unary
+from kvpool.grpcutil import create_channel, create_sync_channel, unary, unary_sync
 from kvpool.proto.v1 import master_pb2_grpc
 
 
@@ -41,22 +47,82 @@ class Backoff:
         return random.uniform(0, delay)
 
 
-class MasterClient:
-    """Stubs for every master, a preferred (leader) address, and a retrying ``call``."""
+class MasterRouting:
+    """Which master to ask first: the known leader, then the others in rotation; redirects
+    learned from NOT_LEADER answers. Shared by the async and the sync caller of one client."""
 
-    def __init__(self, addresses: Sequence[str], *, attempt_timeout_s: float = 1.0) -> None:
+    def __init__(self, addresses: Sequence[str]) -> None:
         if not addresses:
             raise UnavailableError("no master addresses given")
         self._addresses: list[str] = list(dict.fromkeys(addresses))
-        self._attempt_timeout_s = attempt_timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, master_pb2_grpc.MasterStub] = {}
         self.leader: str | None = None
         self._rotation = 0
+        self._lock = threading.Lock()
 
     @property
     def addresses(self) -> list[str]:
         return list(self._addresses)
+
+    def order(self) -> list[str]:
+        """Addresses to try: the leader first when known, then the others, rotating."""
+        with self._lock:
+            n = len(self._addresses)
+            self._rotation = (self._rotation + 1) % n
+            rest = self._addresses[self._rotation :] + self._addresses[: self._rotation]
+            leader = self.leader
+        if leader in rest:
+            rest.remove(leader)
+            return [leader, *rest]
+        return rest
+
+    def not_leader(self, address: str, error: NotLeaderError) -> bool:
+        """``address`` said it is not the leader; True when it named another one (start over
+        with it first)."""
+        if error.leader and error.leader != address:
+            with self._lock:
+                if error.leader not in self._addresses:
+                    self._addresses.append(error.leader)
+            self.leader = error.leader
+            return True
+        if self.leader == address:
+            self.leader = None
+        return False
+
+    def failed(self, address: str) -> None:
+        if self.leader == address:
+            self.leader = None
+
+    def succeeded(self, address: str, leader_only: bool) -> None:
+        if leader_only:
+            self.leader = address
+
+
+class MasterClient:
+    """Stubs for every master, a preferred (leader) address, and a retrying ``call``."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        attempt_timeout_s: float = 1.0,
+        routing: MasterRouting | None = None,
+    ) -> None:
+        self.routing = routing or MasterRouting(addresses)
+        self._attempt_timeout_s = attempt_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, master_pb2_grpc.MasterStub] = {}
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.routing.addresses
+
+    @property
+    def leader(self) -> str | None:
+        return self.routing.leader
+
+    @leader.setter
+    def leader(self, address: str | None) -> None:
+        self.routing.leader = address
 
     def stub(self, address: str) -> master_pb2_grpc.MasterStub:
         stub = self._stubs.get(address)
@@ -66,16 +132,6 @@ class MasterClient:
             stub = master_pb2_grpc.MasterStub(channel)
             self._stubs[address] = stub
         return stub
-
-    def _order(self, prefer_leader: bool) -> list[str]:
-        """Addresses to try: the leader first when known, then the others, rotating."""
-        n = len(self._addresses)
-        self._rotation = (self._rotation + 1) % n
-        rest = self._addresses[self._rotation :] + self._addresses[: self._rotation]
-        if prefer_leader and self.leader in self._addresses:
-            rest.remove(self.leader)
-            return [self.leader, *rest]
-        return rest
 
     async def call(
         self,
@@ -88,13 +144,13 @@ class MasterClient:
         """Call ``Master.<method>`` until it succeeds, a non-retryable error is raised, or the
         deadline (``asyncio`` loop time) passes (DeadlineExceededError, with the last error)."""
         loop = asyncio.get_running_loop()
+        routing = self.routing
         backoff = Backoff()
         last: KVPoolError | None = None
         redirects = 0
         while True:
-            order = self._order(prefer_leader=True)
             redirected = False
-            for address in order:
+            for address in routing.order():
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
@@ -107,28 +163,21 @@ class MasterClient:
                     )
                 except NotLeaderError as e:
                     last = e
-                    if e.leader and e.leader != address:
-                        if e.leader not in self._addresses:
-                            self._addresses.append(e.leader)
-                        self.leader = e.leader
+                    if routing.not_leader(address, e):
                         redirected = True
                         redirects += 1
                         break  # start over with the leader first
-                    if self.leader == address:
-                        self.leader = None
                     continue
                 except (UnavailableError, DeadlineExceededError, NotCaughtUpError) as e:
                     last = e
-                    if self.leader == address:
-                        self.leader = None
+                    routing.failed(address)
                     continue
                 except KVPoolError as e:
                     if not e.retryable:
                         raise
                     last = e
                     continue
-                if leader_only:
-                    self.leader = address
+                routing.succeeded(address, leader_only)
                 return response
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -143,3 +192,89 @@ class MasterClient:
         channels, self._channels, self._stubs = self._channels, {}, {}
         for channel in channels.values():
             await channel.close()
+
+
+class SyncMasterClient:
+    """As :class:`MasterClient`, in the calling thread (sync gRPC channels; thread-safe).
+    ``deadline`` is ``time.monotonic()`` based."""
+
+    def __init__(self, routing: MasterRouting, *, attempt_timeout_s: float = 1.0) -> None:
+        self.routing = routing
+        self._attempt_timeout_s = attempt_timeout_s
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, master_pb2_grpc.MasterStub] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def stub(self, address: str) -> master_pb2_grpc.MasterStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            with self._lock:
+                if self._closed:
+                    raise UnavailableError("this kvpool client is closed")
+                stub = self._stubs.get(address)
+                if stub is None:
+                    channel = create_sync_channel(address)
+                    self._channels[address] = channel
+                    stub = master_pb2_grpc.MasterStub(channel)
+                    self._stubs[address] = stub
+        return stub
+
+    def call(
+        self,
+        method: str,
+        request: Any,
+        *,
+        deadline: float,
+        leader_only: bool = False,
+    ) -> Any:
+        routing = self.routing
+        backoff = Backoff()
+        last: KVPoolError | None = None
+        redirects = 0
+        while True:
+            redirected = False
+            for address in routing.order():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    response = unary_sync(
+                        getattr(self.stub(address), method),
+                        request,
+                        timeout_s=min(remaining, self._attempt_timeout_s),
+                        address=address,
+                    )
+                except NotLeaderError as e:
+                    last = e
+                    if routing.not_leader(address, e):
+                        redirected = True
+                        redirects += 1
+                        break
+                    continue
+                except (UnavailableError, DeadlineExceededError, NotCaughtUpError) as e:
+                    last = e
+                    routing.failed(address)
+                    continue
+                except KVPoolError as e:
+                    if not e.retryable:
+                        raise
+                    last = e
+                    continue
+                routing.succeeded(address, leader_only)
+                return response
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceededError(
+                    f"Master.{method}: no master answered in time"
+                    + (f" (last error: {last.message})" if last else "")
+                )
+            if not redirected or redirects % 4 == 0:
+                time.sleep(min(backoff.next_delay(), remaining))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels, self._channels, self._stubs = self._channels, {}, {}
+        for channel in channels.values():
+            channel.close()

@@ -1,6 +1,8 @@
 """Where a client puts blocks: a cached membership and its consistent-hash ring.
 
-Pure and deterministic (no sockets, no clock: the caller passes ``now_s``). The async core asks
+Pure and deterministic (no sockets, no clock: the caller passes ``now_s``); a lock makes it
+safe to share between the client's loop thread and the engine threads of the synchronous fast
+path. The async core asks
 :meth:`Placement.needs_refresh`, fetches ``GetMembers`` when told to, and feeds the answer back
 with :meth:`Placement.update`. Signals that the cache is out of date:
 
@@ -17,6 +19,7 @@ A node that failed is also *suspect* for ``suspect_s``: reads try its replicas l
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +71,7 @@ class Placement:
         self._stale = True
         self._newest_seen = 0
         self._last_refresh_s = -math.inf
+        self._lock = threading.Lock()
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -95,16 +99,18 @@ class Placement:
 
         NoNodesError when the ring is empty (or was never loaded).
         """
-        if self._ring is None or not len(self._ring):
+        with self._lock:
+            ring, members = self._ring, self._members
+        if ring is None or not len(ring):
             raise NoNodesError("no live store node is registered with the masters")
-        return [self._members[mid] for mid in self._ring.place(key, replicas)]
+        return [members[mid] for mid in ring.place(key, replicas)]
 
     def read_order(self, replicas: Sequence[int], now_s: float, start: int = 0) -> list[int]:
         """The order to try ``replicas`` in: rotated by ``start`` (callers pick it at random to
         spread reads of a hot block over its replicas), members that failed recently last."""
         n = len(replicas)
-        if n == 0:
-            return []
+        if n <= 1:
+            return list(replicas)
         start %= n
         rotated = [*replicas[start:], *replicas[:start]]
         return sorted(rotated, key=lambda m: self._suspect_until.get(m, -math.inf) > now_s)
@@ -114,19 +120,20 @@ class Placement:
     def update(self, members: Iterable[MemberInfo], ring_version: int, now_s: float) -> bool:
         """Install a GetMembers answer. An answer older than the cached ring is ignored (a
         concurrent refresh got a newer one). Returns True when the ring was replaced."""
-        self._last_refresh_s = now_s
-        current = self.ring_version
-        if current is not None and ring_version < current:
-            return False
-        self._newest_seen = max(self._newest_seen, ring_version)
-        # Still stale when someone already reported a newer version than this answer's.
-        self._stale = ring_version < self._newest_seen
         fresh = {m.member_id: m for m in members}
-        if current == ring_version and self._ring is not None and fresh == self._members:
-            return False
-        self._ring = HashRing((m.ring_member() for m in fresh.values()), ring_version)
-        self._members = fresh
-        return True
+        with self._lock:
+            self._last_refresh_s = now_s
+            current = self.ring_version
+            if current is not None and ring_version < current:
+                return False
+            self._newest_seen = max(self._newest_seen, ring_version)
+            # Still stale when someone already reported a newer version than this answer's.
+            self._stale = ring_version < self._newest_seen
+            if current == ring_version and self._ring is not None and fresh == self._members:
+                return False
+            ring = HashRing((m.ring_member() for m in fresh.values()), ring_version)
+            self._ring, self._members = ring, fresh
+            return True
 
     def observe_ring_version(self, ring_version: int) -> None:
         """A master response named this ring version; a newer one than ours makes us stale."""
@@ -142,9 +149,10 @@ class Placement:
 
     def node_failed(self, member_id: int, now_s: float) -> None:
         """A data-plane request to this member failed: it may have left the ring."""
-        self._suspect_until[member_id] = now_s + self._suspect_s
-        if len(self._suspect_until) > 4 * max(16, len(self._members)):
-            self._suspect_until = {m: t for m, t in self._suspect_until.items() if t > now_s}
+        with self._lock:
+            self._suspect_until[member_id] = now_s + self._suspect_s
+            if len(self._suspect_until) > 4 * max(16, len(self._members)):
+                self._suspect_until = {m: t for m, t in self._suspect_until.items() if t > now_s}
         if member_id not in self._members:
             return
         if now_s - self._last_refresh_s >= self._min_refresh_interval_s:

@@ -15,6 +15,9 @@ def make_config(
     replicas: int = 1,
     max_value_size: int = 64 << 20,
     connections_per_node: int = 2,
+    transport: str = "auto",
+    lookup_cache_size: int = 65536,
+    lookup_cache_ttl_s: float = 30.0,
 ) -> ClientConfig:
     """A validated ClientConfig from constructor arguments; ConfigError names every problem.
 
@@ -30,10 +33,15 @@ def make_config(
         errors.append("masters: expected a list of host:port strings or one comma-separated str")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
         errors.append(f"timeout_s: expected a number of seconds, got {timeout_s!r}")
+    if isinstance(lookup_cache_ttl_s, bool) or not isinstance(lookup_cache_ttl_s, int | float):
+        errors.append(
+            f"lookup_cache_ttl_s: expected a number of seconds, got {lookup_cache_ttl_s!r}"
+        )
     for name, value in (
         ("replicas", replicas),
         ("max_value_size", max_value_size),
         ("connections_per_node", connections_per_node),
+        ("lookup_cache_size", lookup_cache_size),
     ):
         if isinstance(value, bool) or not isinstance(value, int):
             errors.append(f"{name}: expected an integer, got {value!r}")
@@ -44,6 +52,9 @@ def make_config(
             replicas=replicas,
             max_value_size=max_value_size,
             connections_per_node=connections_per_node,
+            transport=transport,
+            lookup_cache_size=lookup_cache_size,
+            lookup_cache_ttl_s=float(lookup_cache_ttl_s),
         )
         errors = config.validate()
         if not errors:

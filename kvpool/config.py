@@ -341,9 +341,26 @@ class ClientConfig:
     max_tier: str = opt(
         "", "slowest tier a get accepts: gpu, cpu or ssd (empty: any); slower is a miss"
     )
+    transport: str = opt(
+        "auto",
+        "data path to the nodes: auto (shared memory for a node on this host, else tcp), "
+        "tcp, or shm (shared memory only)",
+    )
+    lookup_cache_size: int = opt(
+        65536, "index entries cached by the client (0: every get asks the masters)"
+    )
+    lookup_cache_ttl_s: float = opt(
+        30.0, "longest a cached index entry is used without asking the masters", "duration"
+    )
 
     def validate(self) -> list[str]:
         errors = _validate_masters(self.masters)
+        if self.transport not in ("auto", "tcp", "shm"):
+            errors.append(f"transport: expected auto, tcp or shm, got {self.transport!r}")
+        if self.lookup_cache_size < 0:
+            errors.append("lookup_cache_size: must not be negative")
+        if self.lookup_cache_ttl_s <= 0:
+            errors.append("lookup_cache_ttl_s: must be positive")
         if self.max_tier.lower() not in ("", "any", "gpu", "cpu", "ssd"):
             errors.append(f"max_tier: expected gpu, cpu, ssd or any, got {self.max_tier!r}")
         if self.timeout_s <= 0:

@@ -203,6 +203,12 @@ def create_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
 
 
+def create_sync_channel(address: str) -> grpc.Channel:
+    """A blocking ``grpc`` channel with the same options (for callers without an event loop:
+    the synchronous client's fast path)."""
+    return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+
 def translate_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError, address: str) -> KVPoolError:
     """Rebuild the typed kvpool error from a failed call."""
     trailing = dict(err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else {}
@@ -231,4 +237,16 @@ async def unary(
     try:
         return await method(request, timeout=timeout_s, metadata=PROTOCOL_METADATA)
     except grpc.aio.AioRpcError as err:
+        raise translate_rpc_error(err, address) from None
+
+
+def unary_sync(
+    method: Callable[..., Any], request: Req, *, timeout_s: float, address: str = ""
+) -> Any:
+    """:func:`unary` for a blocking stub, in the calling thread."""
+    if timeout_s <= 0:
+        raise DeadlineExceededError(f"{address}: no time left for the call")
+    try:
+        return method(request, timeout=timeout_s, metadata=PROTOCOL_METADATA)
+    except grpc.RpcError as err:
         raise translate_rpc_error(err, address) from None

@@ -42,72 +42,12 @@ from kvpool.proto.wire import (
     unpack_header,
     version_mismatch_message,
 )
+from kvpool.transports.calls import Call
 
 DROP_BYTES = 256 * 1024
 _TIMEVAL = struct.Struct("@ll")
-_SMALL_PAYLOAD = 64 * 1024
-"""Response payloads up to this size are taken into a fresh buffer when no sink was given."""
-
-
-class Call:
-    """One request and, once answered, its response (``header`` and ``data``)."""
-
-    __slots__ = (
-        "checksum",
-        "data",
-        "error",
-        "flags",
-        "header",
-        "key",
-        "op",
-        "payload",
-        "records",
-        "request_id",
-        "sink",
-        "sinks",
-        "table",
-        "version",
-        "write_id",
-    )
-
-    def __init__(
-        self,
-        op: int,
-        key: bytes = b"",
-        *,
-        write_id: int = 0,
-        version: int = 0,
-        checksum: int = 0,
-        flags: int = 0,
-        payload: bytes | bytearray | memoryview = b"",
-        sink: memoryview | None = None,
-        table: struct.Struct | None = None,
-        sinks: Sequence[memoryview | None] | None = None,
-    ) -> None:
-        self.op = op
-        self.key = key
-        self.write_id = write_id
-        self.version = version
-        self.checksum = checksum
-        self.flags = flags
-        self.payload = payload
-        self.sink = sink
-        self.table = table  # the response payload is a table of these records
-        self.sinks = sinks  # MGET: where each hit's bytes go (None: into a fresh buffer)
-        self.request_id = 0
-        self.header: Header | None = None
-        self.data: memoryview | None = None  # the response payload (sink, table or message)
-        self.records: list[tuple[int, ...]] = []  # table records, when ``table`` is set
-        self.error: Exception | None = None  # this call's response could not be taken
-
-    @property
-    def status(self) -> int:
-        return self.header.status if self.header is not None else -1
-
-    def message(self) -> str:
-        if self.header is None or self.data is None or self.status in (Status.OK, Status.MISS):
-            return ""
-        return bytes(self.data).decode("utf-8", "replace")
+MAX_ALLOC_BYTES = 1 << 30
+"""Largest response payload taken into a fresh buffer when no sink was given."""
 
 
 class BlockingConnection:
@@ -287,7 +227,7 @@ class BlockingConnection:
         if sink is not None and sink.nbytes == size:
             self._recv_into(sink, deadline)
             call.data = sink
-        elif sink is None and size <= _SMALL_PAYLOAD:
+        elif sink is None and size <= MAX_ALLOC_BYTES:
             call.data = self._recv_new(size, deadline)
         else:
             self._skip(size, deadline)

@@ -36,6 +36,10 @@ from kvpool.transports.frames import SCRATCH_BYTES, FrameHandler, FrameReader
 
 IOV_BATCH = 512
 """Most buffers handed to one sendmsg (Linux allows 1024)."""
+SEND_BATCH_BYTES = 1 << 20
+"""Most bytes handed to one sendmsg. Over loopback the sender's syscall does the receiver's
+TCP work too; many megabytes in one call leave the reader idle meanwhile (measured with 16
+pipelined 1 MiB GETs: 2.2 GB/s unbounded, 4.4-4.6 GB/s at 256 KiB-1 MiB per call)."""
 READS_PER_WAKEUP = 16
 """Most recv_into calls per readable event before yielding to other connections."""
 SOCKET_BUFFER_BYTES = 4 * 2**20
@@ -80,6 +84,7 @@ class FrameStream:
         handler: StreamHandler,
         *,
         backpressure: bool,
+        coalesce: bool = True,
         scratch_bytes: int = SCRATCH_BYTES,
         clock: Callable[[], float] = time.monotonic,
         loop: asyncio.AbstractEventLoop | None = None,
@@ -91,6 +96,7 @@ class FrameStream:
         self._handler = handler
         self.reader = FrameReader(handler, scratch_bytes)
         self._backpressure = backpressure
+        self._coalesce = coalesce
         self._clock = clock
         self._queue: deque[memoryview] = deque()
         self._callbacks: deque[tuple[int, Callable[[], None]]] = deque()
@@ -188,6 +194,9 @@ class FrameStream:
     def _kick(self) -> None:
         if self._in_read or self._writer_armed or self._flush_scheduled:
             return  # flushed at the end of the read, when writable, or soon
+        if not self._coalesce:
+            self._flush()
+            return
         self._flush_scheduled = True
         self._loop.call_soon(self._scheduled_flush)
 
@@ -203,8 +212,13 @@ class FrameStream:
     def _flush(self) -> None:
         queue = self._queue
         while queue and not self._closed:
-            views = list(queue) if len(queue) <= IOV_BATCH else [queue[i] for i in range(IOV_BATCH)]
-            total = sum(v.nbytes for v in views)
+            views = []
+            total = 0
+            for view in queue:
+                views.append(view)
+                total += view.nbytes
+                if total >= SEND_BATCH_BYTES or len(views) >= IOV_BATCH:
+                    break
             try:
                 sent = self._sock.sendmsg(views)
             except (BlockingIOError, InterruptedError):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.errors import (
@@ -38,6 +38,7 @@ from kvpool.proto.wire import (
     version_mismatch_message,
 )
 from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
+from kvpool.transports.calls import Call, parse_table
 from kvpool.transports.frames import FrameReader
 from kvpool.transports.stream import FrameStream
 from kvpool.transports.stream import tune_socket as stream_tune_socket
@@ -87,13 +88,15 @@ class FrameConnection:
         self._ids = itertools.count(1)
         self._closed_error: Exception | None = None
         self.closed = asyncio.Event()
+        self.features: frozenset[str] = frozenset()
+        """What the node offers on this connection (``mget``, ``shm``), once asked (HELLO)."""
 
     # --- opening and closing --------------------------------------------------------------
 
     def attach(self, sock: socket.socket) -> None:
         """Start speaking frames over ``sock`` (connected)."""
         tune_socket(sock)
-        self._stream = FrameStream(sock, self, backpressure=False)
+        self._stream = FrameStream(sock, self, backpressure=False, coalesce=False)
 
     @property
     def stream(self) -> FrameStream | None:
@@ -178,6 +181,72 @@ class FrameConnection:
             raise
         finally:
             self._pending.pop(request_id, None)
+
+    async def exchange(self, calls: Sequence[Call], timeout_s: float) -> None:
+        """Send every call's frame, then wait for all their responses (as
+        :meth:`BlockingConnection.exchange <kvpool.transports.blocking.BlockingConnection>`
+        does in a thread): ``call.header``/``data``/``records`` are filled, a call whose
+        response could not be taken gets ``call.error``. A failure of the whole connection
+        raises the typed error."""
+        stream = self._stream
+        if self._closed_error is not None or stream is None:
+            raise TransportError(f"{self.address}: connection closed")
+        if timeout_s <= 0:
+            raise DeadlineExceededError(f"{self.address}: no time left")
+        loop = asyncio.get_running_loop()
+        waits: list[tuple[Call, int, _Pending]] = []
+        for call in calls:
+            request_id = next(self._ids)
+            call.request_id = request_id
+            table = call.table is not None
+            pending = _Pending(
+                loop.create_future(), None if table else call.sink, alloc=table or call.sink is None
+            )
+            self._pending[request_id] = pending
+            waits.append((call, request_id, pending))
+            stream.send(_call_header(call, request_id), call.key, call.payload)
+        try:
+            async with asyncio.timeout(timeout_s):
+                for call, _, pending in waits:
+                    try:
+                        response = await pending.future
+                    except ProtocolVersionError:
+                        raise
+                    except TransportError as e:
+                        if not self.is_open:
+                            raise
+                        call.error = e  # this response only (a payload that did not fit)
+                        continue
+                    call.header = response.header
+                    call.data = response.payload
+                    if call.table is not None and response.status == Status.OK:
+                        try:
+                            parse_table(call, response.payload or memoryview(b""))
+                        except FrameError as e:
+                            call.error = TransportError(f"{self.address}: {e}")
+        except TimeoutError:
+            self.abort(f"no answer within {timeout_s:.3f}s; connection closed")
+            raise DeadlineExceededError(
+                f"{self.address}: no answer within {timeout_s:.3f}s"
+            ) from None
+        except asyncio.CancelledError:
+            for _, request_id, _ in waits:
+                self._abandon(request_id, "request cancelled while receiving; connection closed")
+            raise
+        finally:
+            for _, request_id, _ in waits:
+                self._pending.pop(request_id, None)
+
+    def notify(self, calls: Sequence[Call]) -> None:
+        """Send frames no response is awaited for (``SHM_RELEASE``; PUBLISH/DELETE whose
+        answers are dropped on arrival)."""
+        stream = self._stream
+        if self._closed_error is not None or stream is None:
+            return
+        for call in calls:
+            request_id = next(self._ids)
+            call.request_id = request_id
+            stream.send(_call_header(call, request_id), call.key, call.payload)
 
     def _abandon(self, request_id: int, why: str) -> None:
         """The caller gives up on a request. If its response payload is being written into the
@@ -271,6 +340,19 @@ class TcpConnection(FrameConnection):
         conn = cls(address)
         conn.attach(await connect_tcp(host, port, address=address, timeout_s=timeout_s))
         return conn
+
+
+def _call_header(call: Call, request_id: int) -> Header:
+    return Header(
+        op=call.op,
+        request_id=request_id,
+        write_id=call.write_id,
+        version=call.version,
+        payload_len=len(call.payload),
+        checksum=call.checksum,
+        key_len=len(call.key),
+        flags=call.flags,
+    )
 
 
 async def connect_tcp(host: str, port: int, *, address: str, timeout_s: float) -> socket.socket:

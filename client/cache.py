@@ -1,0 +1,153 @@
+"""The client's cache of index entries: a get whose key is cached skips the Lookup call.
+
+Safe because a read names the exact write id and the node serves exactly that write or a miss,
+and the client checks the checksum: a stale entry can only cause a miss. A miss read through a
+cached entry drops it and the get looks the key up again (so a stale entry costs one extra
+round trip, never a wrong answer or a needless miss).
+
+Monotonic per key: an entry replaces a cached one only with a version at least as high (a
+lookup answered before a newer put of this client cannot bring the older write back); the
+client's own commits update entries it holds; a remove leaves a tombstone at its revision so
+that a lookup answered before the remove cannot resurrect the key. Entries live ``ttl_s`` at
+most, which bounds how long a write by another client on another node can go unseen.
+
+Pure bookkeeping under a lock (engine threads and the client's loop thread share it); the
+clock is injected.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool.client.placement import MemberInfo
+from kvpool.proto.v1 import common_pb2
+
+TOMBSTONES = 4096
+"""Removed keys remembered (with the revision of their removal)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cached:
+    entry: common_pb2.BlockEntry
+    """As the index answered it (``found`` is True)."""
+    revision: int
+    """The index revision the answer was given at."""
+    stored_at: float
+
+
+class LookupCache:
+    """``key → index entry`` for up to ``capacity`` keys, each for at most ``ttl_s``; the
+    members the entries name, by member id."""
+
+    def __init__(
+        self, capacity: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, Cached] = {}
+        self._tombstones: OrderedDict[str, int] = OrderedDict()
+        self._members: dict[int, MemberInfo] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def get(self, key: str) -> common_pb2.BlockEntry | None:
+        """The cached entry for ``key``, or None (absent or expired)."""
+        if not self.capacity:
+            return None
+        cached = self._entries.get(key)
+        if cached is None or self._clock() - cached.stored_at > self.ttl_s:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return cached.entry
+
+    def member(self, member_id: int) -> MemberInfo | None:
+        return self._members.get(member_id)
+
+    # --- updates ------------------------------------------------------------------------------
+
+    def learn_members(self, members: list[MemberInfo]) -> None:
+        if not self.capacity or not members:
+            return
+        with self._lock:
+            for m in members:
+                self._members[m.member_id] = m
+
+    def store(self, key: str, entry: common_pb2.BlockEntry, revision: int) -> None:
+        """Cache a found entry answered at ``revision`` unless the cache holds a newer write of
+        the key or the key was removed after ``revision``."""
+        if not self.capacity or not entry.found:
+            return
+        now = self._clock()
+        with self._lock:
+            removed_at = self._tombstones.get(key)
+            if removed_at is not None:
+                if revision <= removed_at:
+                    return
+                del self._tombstones[key]
+            current = self._entries.get(key)
+            if current is not None and current.entry.version > entry.version:
+                return
+            if current is None and len(self._entries) >= self.capacity:
+                self._evict()
+            self._entries[key] = Cached(entry, revision, now)
+
+    def store_many(
+        self, keys: list[str], entries: list[common_pb2.BlockEntry], revision: int
+    ) -> None:
+        for key, entry in zip(keys, entries, strict=True):
+            if entry.found:
+                self.store(key, entry, revision)
+
+    def committed(self, key: str, entry: common_pb2.BlockEntry, revision: int) -> None:
+        """This client committed ``entry``: replace a cached older write (a key that is not
+        cached is left out: only keys this client reads are cached)."""
+        if not self.capacity or key not in self._entries:
+            return
+        self.store(key, entry, revision)
+
+    def drop(self, key: str, write_id: int = 0) -> None:
+        """Forget ``key`` (only if it still names ``write_id``, when given): a read of it
+        missed."""
+        if not self.capacity:
+            return
+        with self._lock:
+            cached = self._entries.get(key)
+            if cached is not None and (not write_id or cached.entry.write_id == write_id):
+                del self._entries[key]
+
+    def removed(self, key: str, revision: int) -> None:
+        """The key was removed at ``revision``: forget it, and refuse older answers for it."""
+        if not self.capacity:
+            return
+        with self._lock:
+            self._entries.pop(key, None)
+            self._tombstones[key] = max(revision, self._tombstones.get(key, 0))
+            self._tombstones.move_to_end(key)
+            while len(self._tombstones) > TOMBSTONES:
+                self._tombstones.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def _evict(self) -> None:
+        """Drop the oldest eighth (insertion order): cheaper than exact LRU per hit."""
+        n = max(1, len(self._entries) // 8)
+        for key in list(self._entries)[:n]:
+            del self._entries[key]

@@ -1,0 +1,113 @@
+"""How to reach a node: TCP, or its shared memory when it is on this host.
+
+A client's first connection to a node's ``tcp://`` address asks HELLO; the answer names what the
+node offers (MGET, a ``shm://`` address) and how it sees the connection. Shared memory is used
+only when the node runs on this host (same kernel boot id), the TCP connection is direct — the
+node's view of its two ends is exactly ours, so no proxy or NAT sits between (a proxy in front of
+a node is there to be obeyed: a slow or cut link must stay slow or cut) — and the client's
+``transport`` setting allows it: ``auto`` (shared memory where possible), ``shm`` (shared memory
+or nothing: a read or put that cannot use it fails) or ``tcp``.
+
+Pure: the shells (event loop, blocking) open connections and feed answers in. What each address
+offered is remembered per client (thread-safe), so later connections skip the HELLO.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+from kvpool.errors import ConfigError, TransportError
+from kvpool.proto.wire import Op, Status
+from kvpool.transports import host_id, schemes
+from kvpool.transports.calls import Call
+
+TRANSPORTS = ("auto", "tcp", "shm")
+
+
+def check_transport(transport: str) -> str:
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"transport: expected one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    return transport
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOffer:
+    """What a node's HELLO answer offers this client."""
+
+    mget: bool = False
+    shm_address: str = ""  # shared memory this client may use ("": none)
+    why_not_shm: str = "the node offers no shared memory"
+
+
+NO_OFFER = NodeOffer()
+
+
+def hello_call() -> Call:
+    return Call(Op.HELLO)
+
+
+def read_hello(call: Call, local: str, peer: str) -> NodeOffer:
+    """The offer in a HELLO answer on a connection whose ends are ``local`` (ours) and
+    ``peer`` (the node's), as this side sees them. A node that does not know HELLO offers
+    nothing (plain GETs, TCP)."""
+    if call.error is not None or call.status != Status.OK or call.data is None:
+        return NO_OFFER
+    try:
+        info = json.loads(bytes(call.data))
+        features = set(info.get("features", ()))
+    except (ValueError, TypeError, AttributeError):
+        return NO_OFFER
+    mget = "mget" in features
+    shm = str(info.get("shm", "")) if "shm" in features else ""
+    if not shm:
+        return NodeOffer(mget=mget)
+    if "shm" not in schemes():
+        return NodeOffer(mget=mget, why_not_shm="this platform cannot map shared memory")
+    if info.get("host") != host_id():
+        return NodeOffer(mget=mget, why_not_shm="the node runs on another host")
+    if info.get("peer") != local or info.get("local") != peer:
+        return NodeOffer(
+            mget=mget,
+            why_not_shm=f"the connection is not direct (we see {local} -> {peer}; the node "
+            f"sees {info.get('peer')} -> {info.get('local')}: a proxy or NAT between)",
+        )
+    return NodeOffer(mget=mget, shm_address=shm, why_not_shm="")
+
+
+class Links:
+    """Per address: what the node offered (None until asked), and the transport policy."""
+
+    def __init__(self, transport: str) -> None:
+        self.transport = check_transport(transport)
+        self._offers: dict[str, NodeOffer] = {}
+        self._lock = threading.Lock()
+
+    def offer(self, address: str) -> NodeOffer | None:
+        return self._offers.get(address)
+
+    def learn(self, address: str, offer: NodeOffer) -> None:
+        with self._lock:
+            self._offers[address] = offer
+
+    def forget(self, address: str) -> None:
+        """The shared memory named for ``address`` could not be reached: ask again."""
+        with self._lock:
+            self._offers.pop(address, None)
+
+    def wants_hello(self, address: str) -> bool:
+        return address.startswith("tcp://") and self.transport != "tcp"
+
+    def shm_for(self, address: str, offer: NodeOffer) -> str:
+        """The ``shm://`` address to use for ``address`` ("" for TCP); TransportError when
+        the client insists on shared memory and the node cannot give it."""
+        if self.transport == "tcp":
+            return ""
+        if offer.shm_address:
+            return offer.shm_address
+        if self.transport == "shm":
+            raise TransportError(
+                f"{address}: transport='shm' but shared memory is not possible: {offer.why_not_shm}"
+            )
+        return ""

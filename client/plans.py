@@ -1,0 +1,520 @@
+"""What the client sends to one node and how it judges the answers — no I/O.
+
+Reads and writes are cut per node into frames (:class:`~kvpool.transports.calls.Call`) that a
+shell sends over a connection and hands back answered: the event-loop data plane
+(:mod:`kvpool.client.blocks`) awaits ``FrameConnection.exchange``, the synchronous client's fast
+path (:mod:`kvpool.client.fastpath`) calls ``BlockingConnection.exchange`` in the caller's
+thread. The judging is here, once:
+
+* a block counts as read only when the node answered OK for exactly the write id the index
+  holds, with the size and checksum the index holds, and the bytes received hash to it;
+  anything else moves the key to its next replica, and past the last one the key is a miss
+  with the strongest reason seen;
+* a node that speaks MGET gets one frame for many keys (its answer: one table and the bytes of
+  the hits, scattered into their buffers); over shared memory one SHM_GET says where each block
+  lies in the arena, the bytes are copied out here and the leases given back after;
+* puts are PUT frames over TCP, or a reservation, a copy into the arena and a commit over
+  shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpool.checksum import block_checksum
+from kvpool.client.placement import MemberInfo
+from kvpool.client.stats import strongest_reason
+from kvpool.errors import (
+    BlockMissError,
+    ChecksumMismatchError,
+    DeadlineExceededError,
+    KVPoolError,
+    NoSpaceError,
+    TransportError,
+    UnavailableError,
+    ValueTooLargeError,
+)
+from kvpool.proto.v1 import common_pb2
+from kvpool.proto.wire import (
+    MAX_TABLE_KEYS,
+    MGET_RECORD,
+    RESERVE_RECORD,
+    SHM_RECORD,
+    KeyRecord,
+    MissReason,
+    Op,
+    Status,
+    encode_ids,
+    encode_key_table,
+)
+from kvpool.transports.calls import Call
+from kvpool.transports.shm import Arena, copy_bytes
+
+MISS_REASONS: dict[int, str] = {
+    MissReason.ABSENT: "absent",
+    MissReason.STAGED: "version_mismatch",
+    MissReason.WRONG_VERSION: "version_mismatch",
+    MissReason.EVICTED: "evicted",
+    MissReason.SLOW_TIER: "slow_tier",
+    MissReason.CORRUPT: "checksum_mismatch",  # the node found its copy bad and dropped it
+}
+MGET_MAX_KEYS = 1024
+"""Most keys in one MGET frame."""
+MGET_MAX_BYTES = 64 << 20
+"""Most block bytes asked for in one MGET frame (a larger batch takes several, pipelined)."""
+
+
+@dataclass(slots=True, eq=False)
+class ReadItem:
+    """One key being read: its index entry, where the bytes go, what went wrong so far."""
+
+    key: str
+    key_bytes: bytes
+    entry: common_pb2.BlockEntry
+    sink: memoryview | None  # exactly entry.size_bytes long; None: the caller wants bytes
+    caller_buffer: bool  # the sink is the caller's memory (get_into)
+    replicas: list[int]
+    next: int = 0
+    ok: bool = False
+    max_tier: int = 0  # the slowest tier accepted (TierLevel; 0: any)
+    tier: int = 0  # the tier that served it (TierLevel), once read
+    value: bytes | None = None  # the bytes, when read without a sink
+    from_cache: bool = False  # the entry came from the lookup cache
+    reasons: list[str] = field(default_factory=list)
+    errors: list[KVPoolError] = field(default_factory=list)
+
+    def fail(self, reason: str, error: KVPoolError) -> None:
+        self.reasons.append(reason)
+        self.errors.append(error)
+
+    @property
+    def reason(self) -> str:
+        return strongest_reason(self.reasons)
+
+    def error(self) -> KVPoolError:
+        """The typed error for strict callers, matching :attr:`reason`."""
+        reason = self.reason
+        if reason in self.reasons:
+            return self.errors[self.reasons.index(reason)]
+        return BlockMissError(f"block {self.key!r} has no replica to read", reason="node_down")
+
+    def result(self) -> bytes:
+        """The bytes read (a hit)."""
+        if self.value is not None:
+            return self.value
+        assert self.sink is not None
+        return bytes(self.sink)
+
+    def reset(self) -> None:
+        """Read again from scratch (a fresh entry after a cached one missed)."""
+        self.next = 0
+        self.ok = False
+        self.reasons.clear()
+        self.errors.clear()
+
+
+@dataclass(slots=True, eq=False)
+class PutItem:
+    """One block being put: its bytes, identity, targets, and the replicas that staged it."""
+
+    key: str
+    key_bytes: bytes
+    payload: memoryview
+    checksum: int
+    write_id: int = 0
+    targets: list[MemberInfo] = field(default_factory=list)
+    acked: list[int] = field(default_factory=list)
+    committed: bool = False
+    error: KVPoolError | None = None
+
+    def restart(self, write_id: int, targets: list[MemberInfo]) -> None:
+        """A new attempt: a fresh write id (never reused), new targets, nothing acked."""
+        self.write_id = write_id
+        self.targets = targets
+        self.acked = []
+        self.committed = False
+        self.error = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """A committed block on one member: enough to PUBLISH or DELETE it."""
+
+    key_bytes: bytes
+    write_id: int
+    version: int
+    member: MemberInfo
+
+
+def new_write_ids(n: int) -> list[int]:
+    """``n`` random non-zero 64-bit write ids (os.urandom: never derived from a seed)."""
+    raw = os.urandom(8 * n)
+    ids = [int.from_bytes(raw[i : i + 8], "little") for i in range(0, 8 * n, 8)]
+    return [w or new_write_ids(1)[0] for w in ids]
+
+
+def node_error(address: str, op: str, status: int, text: str) -> KVPoolError:
+    """The typed error for a node's error status."""
+    try:
+        name = Status(status).name
+    except ValueError:
+        name = f"status {status}"
+    text = text or "no message"
+    if status == Status.NO_SPACE:
+        return NoSpaceError(f"{address}: {op}: no space ({text})")
+    if status == Status.CHECKSUM_MISMATCH:
+        return ChecksumMismatchError(f"{address}: {op}: the node saw another checksum ({text})")
+    if status == Status.TOO_LARGE:
+        return ValueTooLargeError(f"{address}: {op}: block above the node's limit ({text})")
+    return TransportError(f"{address}: {op}: node answered {name}: {text}")
+
+
+def transport_failure(error: KVPoolError) -> tuple[str, KVPoolError]:
+    """How a failed exchange with a node counts for a read: timeout, or node_down."""
+    if isinstance(error, DeadlineExceededError):
+        return "timeout", error
+    return "node_down", UnavailableError(error.message)
+
+
+# --- judging one answer -------------------------------------------------------------------------
+
+
+def judge(
+    it: ReadItem,
+    address: str,
+    answer: tuple[int, ...],
+    data: memoryview | None,
+    message: str = "",
+) -> None:
+    """Judge one node's answer for ``it`` — ``answer`` is (status, flags, write id, size,
+    checksum), as an MGET record — : a hit sets ``it.ok``, anything else records why."""
+    status, flags, write_id, size, checksum = answer[:5]
+    entry = it.entry
+    if status == Status.MISS:
+        reason = MISS_REASONS.get(flags, "absent")
+        it.fail(reason, BlockMissError(f"{address}: {it.key!r}: {reason}", reason=reason))
+        return
+    if status != Status.OK:
+        it.fail("node_error", node_error(address, "GET", status, message))
+        return
+    if write_id not in (0, entry.write_id):
+        it.fail(
+            "version_mismatch",
+            BlockMissError(
+                f"{address}: {it.key!r}: node answered write id {write_id:#x} for "
+                f"{entry.write_id:#x}",
+                reason="version_mismatch",
+            ),
+        )
+        return
+    if size != entry.size_bytes or checksum != entry.checksum:
+        it.fail(
+            "checksum_mismatch",
+            ChecksumMismatchError(
+                f"{address}: {it.key!r}: node sent {size} bytes with checksum {checksum:#x}; "
+                f"the index holds {entry.size_bytes} bytes with checksum {entry.checksum:#x}"
+            ),
+        )
+        return
+    if data is None and size == 0:
+        data = memoryview(b"")
+    if data is None or data.nbytes != size:
+        it.fail("node_down", UnavailableError(f"{address}: {it.key!r}: payload not received"))
+        return
+    if block_checksum(data) != entry.checksum:
+        it.fail(
+            "checksum_mismatch",
+            ChecksumMismatchError(
+                f"{address}: {it.key!r}: the bytes received do not hash to {entry.checksum:#x}"
+            ),
+        )
+        return
+    if it.sink is None:
+        it.value = bytes(data)
+    elif data is not it.sink:
+        copy_bytes(it.sink, data)
+    it.ok = True
+    it.tier = flags
+
+
+# --- reads from one node ------------------------------------------------------------------------
+
+
+class NodeRead:
+    """The reads of a group of keys from one node: the frames to send, then the judging."""
+
+    def __init__(
+        self, address: str, items: list[ReadItem], *, mget: bool, arena: Arena | None
+    ) -> None:
+        self.address = address
+        self.items = items
+        self.arena = arena
+        self.calls: list[Call] = []
+        self._groups: list[list[ReadItem]] = []
+        self.followups: list[Call] = []  # single GETs for blocks the node deferred
+        self._deferred: list[ReadItem] = []
+        self.releases: list[int] = []  # shared-memory leases to give back
+        if arena is not None:
+            for chunk in _chunks(items, MAX_TABLE_KEYS, 0):
+                self._add(_table_call(Op.SHM_GET, chunk, SHM_RECORD, sinks=False), chunk)
+        elif mget and len(items) > 1:
+            for chunk in _chunks(items, MGET_MAX_KEYS, MGET_MAX_BYTES):
+                self._add(_table_call(Op.MGET, chunk, MGET_RECORD, sinks=True), chunk)
+        else:
+            for it in items:
+                self._add(_get_call(it), [it])
+
+    def _add(self, call: Call, group: list[ReadItem]) -> None:
+        self.calls.append(call)
+        self._groups.append(group)
+
+    def fail_all(self, error: KVPoolError) -> None:
+        reason, err = transport_failure(error)
+        for it in self.items:
+            if not it.ok:
+                it.fail(reason, err)
+
+    def judge(self) -> None:
+        """Judge the answers to :attr:`calls`; fills :attr:`followups` and :attr:`releases`."""
+        for call, group in zip(self.calls, self._groups, strict=True):
+            if call.error is not None or call.header is None:
+                error = call.error or TransportError(f"{self.address}: no answer")
+                for it in group:
+                    it.fail("node_error", UnavailableError(str(error)))
+                continue
+            if call.table is None:
+                it = group[0]
+                judge(it, self.address, _answer(call), call.data, call.message())
+                continue
+            if call.status != Status.OK or len(call.records) != len(group):
+                for it in group:
+                    it.fail(
+                        "node_error",
+                        node_error(self.address, Op(call.op).name, call.status, call.message()),
+                    )
+                continue
+            if call.op == Op.SHM_GET:
+                self._judge_shm(call, group)
+            else:
+                self._judge_mget(call, group)
+        for it in self._deferred:
+            self.followups.append(_get_call(it))
+
+    def _judge_mget(self, call: Call, group: list[ReadItem]) -> None:
+        datas = call.sinks or [None] * len(group)
+        for record, data, it in zip(call.records, datas, group, strict=True):
+            if record[0] == Status.DEFERRED:
+                self._deferred.append(it)
+            else:
+                judge(it, self.address, record, data)
+
+    def _judge_shm(self, call: Call, group: list[ReadItem]) -> None:
+        arena = self.arena
+        assert arena is not None
+        for record, it in zip(call.records, group, strict=True):
+            status, _flags, _write_id, size, _checksum, offset, lease = record
+            if status == Status.DEFERRED:
+                self._deferred.append(it)
+                continue
+            if status != Status.OK:
+                judge(it, self.address, record, None)
+                continue
+            self.releases.append(lease)
+            if size != it.entry.size_bytes:
+                judge(it, self.address, record, None)
+                continue
+            try:
+                extent = arena.extent(offset, size)
+            except KVPoolError as e:
+                it.fail("node_error", e)
+                continue
+            # Copy first, hash the copy: the caller gets exactly the bytes that were checked.
+            if it.sink is not None:
+                copy_bytes(it.sink, extent)
+                judge(it, self.address, record, it.sink)
+            else:
+                data = bytes(extent)
+                judge(it, self.address, record, memoryview(data))
+                if it.ok:
+                    it.value = data
+
+    def release_call(self) -> Call | None:
+        """The SHM_RELEASE for every lease handed out (sent without waiting for an answer)."""
+        if not self.releases:
+            return None
+        leases, self.releases = self.releases, []
+        return Call(Op.SHM_RELEASE, payload=encode_ids(leases))
+
+    def judge_followups(self) -> None:
+        for call, it in zip(self.followups, self._deferred, strict=True):
+            h = call.header
+            if isinstance(call.error, KVPoolError):
+                it.fail(*transport_failure(call.error))
+                continue
+            if call.error is not None or h is None:
+                it.fail("node_error", UnavailableError(str(call.error or "no answer")))
+                continue
+            judge(it, self.address, _answer(call), call.data, call.message())
+
+
+def _answer(call: Call) -> tuple[int, ...]:
+    h = call.header
+    assert h is not None
+    return (h.status, h.flags, h.write_id, h.payload_len, h.checksum)
+
+
+def _get_call(it: ReadItem) -> Call:
+    size = it.entry.size_bytes
+    return Call(
+        Op.GET,
+        it.key_bytes,
+        write_id=it.entry.write_id,
+        flags=it.max_tier,
+        sink=it.sink if size and it.sink is not None else None,
+    )
+
+
+def _table_call(op: Op, chunk: list[ReadItem], record: struct.Struct, *, sinks: bool) -> Call:
+    payload = encode_key_table([KeyRecord(it.key_bytes, it.entry.write_id) for it in chunk])
+    return Call(
+        op,
+        payload=payload,
+        flags=chunk[0].max_tier,
+        table=record,
+        sinks=[it.sink for it in chunk] if sinks else [None] * len(chunk),
+    )
+
+
+def _chunks(items: list[ReadItem], max_keys: int, max_bytes: int) -> list[list[ReadItem]]:
+    out: list[list[ReadItem]] = []
+    current: list[ReadItem] = []
+    size = 0
+    for it in items:
+        n = it.entry.size_bytes
+        if current and (len(current) >= max_keys or (max_bytes and size + n > max_bytes)):
+            out.append(current)
+            current, size = [], 0
+        current.append(it)
+        size += n
+    if current:
+        out.append(current)
+    return out
+
+
+# --- writes to one node -------------------------------------------------------------------------
+
+
+class NodeStage:
+    """The PUTs of a group of blocks to one node: PUT frames over TCP; over shared memory a
+    reservation, the copies into the arena, then the commit (two exchanges)."""
+
+    def __init__(self, address: str, group: list[tuple[PutItem, MemberInfo]], arena: Arena | None):
+        self.address = address
+        self.group = group
+        self.arena = arena
+        self.commit: Call | None = None  # shared memory: the second exchange
+        self._reserved: list[tuple[PutItem, MemberInfo]] = []
+        if arena is None:
+            self.calls = [
+                Call(
+                    Op.PUT,
+                    it.key_bytes,
+                    write_id=it.write_id,
+                    checksum=it.checksum,
+                    payload=it.payload,
+                )
+                for it, _ in group
+            ]
+        else:
+            records = [
+                KeyRecord(it.key_bytes, it.write_id, it.payload.nbytes, it.checksum)
+                for it, _ in group
+            ]
+            self.calls = [
+                Call(
+                    Op.SHM_RESERVE,
+                    payload=encode_key_table(records),
+                    table=RESERVE_RECORD,
+                    sinks=[None] * len(records),
+                )
+            ]
+
+    def fail_all(self, error: KVPoolError, on_node_failed: Callable[[int], None]) -> None:
+        failed = error if isinstance(error, DeadlineExceededError) else None
+        for it, _member in self.group:
+            it.error = failed or UnavailableError(f"put {it.key!r}: {error.message}")
+        if failed is None and self.group:
+            on_node_failed(self.group[0][1].member_id)
+
+    def judge(self) -> None:
+        """Judge the first exchange (PUT answers, or the reservations: the copies are made
+        here and :attr:`commit` is set)."""
+        if self.arena is None:
+            for call, (it, member) in zip(self.calls, self.group, strict=True):
+                self._ack(it, member, call, call.status, "PUT")
+            return
+        call = self.calls[0]
+        if call.error is not None or call.status != Status.OK:
+            error = call.error or node_error(
+                self.address, "SHM_RESERVE", call.status, call.message()
+            )
+            for it, _ in self.group:
+                it.error = error if isinstance(error, KVPoolError) else TransportError(str(error))
+            return
+        ids: list[int] = []
+        for (status, _flags, offset, reservation), (it, member) in zip(
+            call.records, self.group, strict=True
+        ):
+            if status != Status.OK:
+                it.error = node_error(self.address, "PUT", status, "")
+            elif reservation == 0:  # this very write is already held there
+                it.acked.append(member.member_id)
+            else:
+                try:
+                    copy_bytes(self.arena.extent(offset, it.payload.nbytes), it.payload)
+                except KVPoolError as e:
+                    it.error = e  # never committed: the reservation ends with the connection
+                    continue
+                ids.append(reservation)
+                self._reserved.append((it, member))
+        if ids:
+            self.commit = Call(
+                Op.SHM_COMMIT,
+                payload=encode_ids(ids),
+                table=RESERVE_RECORD,
+                sinks=[None] * len(ids),
+            )
+
+    def judge_commit(self) -> None:
+        call = self.commit
+        if call is None:
+            return
+        if call.error is not None or call.status != Status.OK:
+            for it, _ in self._reserved:
+                it.error = UnavailableError(
+                    f"{self.address}: SHM_COMMIT failed: {call.error or call.message()}"
+                )
+            return
+        for (status, _flags, _offset, _rid), (it, member) in zip(
+            call.records, self._reserved, strict=True
+        ):
+            self._ack(it, member, None, status, "SHM_COMMIT")
+
+    def _ack(
+        self, it: PutItem, member: MemberInfo, call: Call | None, status: int, op: str
+    ) -> None:
+        if call is not None and call.error is not None:
+            error = call.error
+            it.error = error if isinstance(error, KVPoolError) else TransportError(str(error))
+        elif status == Status.OK:
+            it.acked.append(member.member_id)
+        else:
+            it.error = node_error(self.address, op, status, call.message() if call else "")
+
+
+def ref_calls(op: Op, refs: list[BlockRef]) -> list[Call]:
+    """PUBLISH or DELETE frames for committed or removed blocks."""
+    return [Call(op, r.key_bytes, write_id=r.write_id, version=r.version) for r in refs]
