@@ -4,10 +4,13 @@
         kv.put("model-x/tp0/blk/3f2a…", block)       # True once committed
         data = kv.get("model-x/tp0/blk/3f2a…")        # bytes, or None on a miss
 
-There is one implementation, the async :class:`~kvpool.client.core.ClientCore`; this class runs
-it on a private event loop in a daemon thread and waits for each call. One ``Client`` may be
-shared by many engine threads. Misses and failures of the cache return None / False (or raise
-the typed error with ``strict=True``); bad keys and values raise in every mode.
+The hot calls (get, get_into, their batches, puts) run in the caller's thread through
+:class:`~kvpool.client.fastpath.SyncPath`: the core's own bookkeeping and per-node plans with
+blocking I/O, because handing a call to an event-loop thread and back costs more than a whole
+4 KiB read. The rest (exists, prefix_match) runs the async
+:class:`~kvpool.client.core.ClientCore` on a private event loop in a daemon thread. One
+``Client`` may be shared by many engine threads. Misses and failures of the cache return None /
+False (or raise the typed error with ``strict=True``); bad keys and values raise in every mode.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvpool.client.core import ClientCore, PutReceipt
+from kvpool.client.fastpath import SyncPath
 from kvpool.client.settings import make_config
 from kvpool.client.values import BytesLike, WritableBuffer, as_payload
 from kvpool.errors import DeadlineExceededError, UnavailableError
@@ -51,9 +55,14 @@ def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
         loop.close()
 
 
-def _shutdown(core: ClientCore, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-    """Close the core on its loop, stop the loop, join the thread. Runs once (weakref.finalize):
-    from close(), or when the Client is garbage-collected, or at interpreter exit."""
+def _shutdown(
+    core: ClientCore, path: SyncPath, loop: asyncio.AbstractEventLoop, thread: threading.Thread
+) -> None:
+    """Close the fast path, close the core on its loop, stop the loop, join the thread. Runs
+    once (weakref.finalize): from close(), or when the Client is garbage-collected, or at
+    interpreter exit."""
+    core.mark_closed()
+    path.close()
     if thread.is_alive() and not loop.is_closed():
         future = asyncio.run_coroutine_threadsafe(core.close(), loop)
         with contextlib.suppress(Exception):  # closing goes on whatever the close raised
@@ -83,15 +92,26 @@ class Client:
         strict: bool = False,
         max_value_size: int = 64 << 20,
         connections_per_node: int = 2,
+        transport: str = "auto",
+        lookup_cache_size: int = 65536,
+        lookup_cache_ttl_s: float = 30.0,
     ) -> None:
+        """``transport``: ``auto`` (a node on this host through its shared memory, others
+        over TCP), ``tcp`` or ``shm`` (shared memory only; a node it cannot reach that way
+        is a failure) — to measure both on one host. ``lookup_cache_size``: index entries
+        kept so that a repeated get skips the master (0: none)."""
         config = make_config(
             masters,
             timeout_s=timeout_s,
             replicas=replicas,
             max_value_size=max_value_size,
             connections_per_node=connections_per_node,
+            transport=transport,
+            lookup_cache_size=lookup_cache_size,
+            lookup_cache_ttl_s=lookup_cache_ttl_s,
         )
         self._core = ClientCore(config, strict=strict)
+        self._path = SyncPath(self._core)
         self._strict = strict
         self._timeout_s = config.timeout_s
         self._closed = False
@@ -100,7 +120,9 @@ class Client:
             target=_run_loop, args=(self._loop,), name="kvpool-client-loop", daemon=True
         )
         self._thread.start()
-        self._finalizer = weakref.finalize(self, _shutdown, self._core, self._loop, self._thread)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._core, self._path, self._loop, self._thread
+        )
 
     # --- plumbing -------------------------------------------------------------------------
 
@@ -146,14 +168,14 @@ class Client:
 
         ``value``: bytes, bytearray, C-contiguous memoryview or numpy array (sent as its raw
         bytes). Do not modify it until put returns."""
-        return self._call(self._core.put(key, value, strict=strict), _false, strict)
+        return self._path.put_receipt(key, value, strict=strict) is not None
 
     def put_receipt(
         self, key: str, value: BytesLike, *, strict: bool | None = None
     ) -> PutReceipt | None:
         """As :meth:`put`, answering the commit's receipt (version, write id, index revision,
         replica node ids) instead of True; None on failure (strict raises as put does)."""
-        return self._call(self._core.put_receipt(key, value, strict=strict), _none, strict)
+        return self._path.put_receipt(key, value, strict=strict)
 
     def get(
         self, key: str, *, strict: bool | None = None, max_tier: str | None = None
@@ -161,7 +183,8 @@ class Client:
         """The bytes stored under ``key``, or None on a miss or any failure (strict raises
         BlockMissError, ChecksumMismatchError, DeadlineExceededError, UnavailableError…).
         ``max_tier`` ("gpu", "cpu", "ssd"): a block held only on a slower tier is a miss."""
-        return self._call(self._core.get(key, strict=strict, max_tier=max_tier), _none, strict)
+        data: bytes | None = self._path.get(key, strict=strict, max_tier=max_tier)
+        return data
 
     def get_into(
         self,
@@ -173,10 +196,8 @@ class Client:
     ) -> int | None:
         """Read the block straight into ``buffer`` (writable, C-contiguous, large enough, else
         BufferTooSmallError / InvalidValueError): its size in bytes, or None (the buffer's
-        content is then undefined)."""
-        return self._call(
-            self._core.get_into(key, buffer, strict=strict, max_tier=max_tier), _none, strict
-        )
+        content is then undefined). The bytes are copied once, into ``buffer``."""
+        return self._path.get_into(key, buffer, strict=strict, max_tier=max_tier)
 
     def exists(self, key: str) -> bool:
         """Whether the index has ``key`` (False on failure unless the client is strict)."""
@@ -184,13 +205,13 @@ class Client:
 
     def remove(self, key: str) -> bool:
         """Remove ``key``; True if the index had it."""
-        return self._call(self._core.remove(key), _false, None)
+        return self._path.remove(key)
 
     def batch_put(
         self, items: Mapping[str, BytesLike] | Sequence[tuple[str, BytesLike]]
     ) -> list[bool]:
         """Store many blocks with one commit; one bool per item, in order."""
-        return self._call(self._core.batch_put(items), lambda: [False] * len(items), None)
+        return [r is not None for r in self._path.batch_put_receipts(items)]
 
     def batch_put_receipts(
         self,
@@ -199,17 +220,24 @@ class Client:
         strict: bool | None = None,
     ) -> list[PutReceipt | None]:
         """As :meth:`batch_put`, with each committed item's receipt (None where it failed)."""
-        return self._call(
-            self._core.batch_put_receipts(items, strict=strict),
-            lambda: [None] * len(items),
-            strict,
-        )
+        return self._path.batch_put_receipts(items, strict=strict)
 
     def batch_get(self, keys: Sequence[str], *, max_tier: str | None = None) -> list[bytes | None]:
-        """Each key's bytes or None, in order (one lookup, reads pipelined per node)."""
-        return self._call(
-            self._core.batch_get(keys, max_tier=max_tier), lambda: [None] * len(keys), None
-        )
+        """Each key's bytes or None, in order (one lookup for the keys not cached, one MGET
+        per node)."""
+        return self._path.batch_get(keys, max_tier=max_tier)
+
+    def batch_get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[WritableBuffer],
+        *,
+        strict: bool | None = None,
+        max_tier: str | None = None,
+    ) -> list[int | None]:
+        """Read each key into its own buffer (``buffers[i]`` for ``keys[i]``): each block's size
+        or None. The bytes are copied once, into the buffers."""
+        return self._path.batch_get_into(keys, buffers, strict=strict, max_tier=max_tier)
 
     def prefix_match(self, keys: Sequence[str]) -> int:
         """How many leading keys of a chain are cached (0 on failure)."""
@@ -225,7 +253,7 @@ class Client:
         value = fn()
         payload = as_payload(value, self._core.config.max_value_size)
         computed = value if type(value) is bytes else bytes(payload)
-        return self._call(self._core.store_computed(key, computed), lambda: computed, False)
+        return self._path.store_computed(key, computed)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -240,6 +268,7 @@ class Client:
     def close(self) -> None:
         """Close connections and stop the loop thread. Idempotent."""
         self._closed = True
+        self._core.mark_closed()
         self._finalizer()
 
     def __enter__(self) -> Client:

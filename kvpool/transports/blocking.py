@@ -66,6 +66,8 @@ class BlockingConnection:
         self._set_timeout(timeout_s)
         self.broken = False
         self.closed = False
+        self.features: frozenset[str] = frozenset()
+        """What the node offers on this connection (``mget``, ``shm``), once asked (HELLO)."""
         self.peername = ""
         self.sockname = ""
         with contextlib.suppress(OSError):
@@ -106,31 +108,24 @@ class BlockingConnection:
         """Write every call's frame (one vectored write for all of them when they fit)."""
         self._check(deadline)
         views: list[bytes | bytearray | memoryview] = []
-        pack = HEADER.pack
         for call in calls:
             rid = next(self._ids)
             call.request_id = rid
-            views.append(
-                pack(
-                    MAGIC,
-                    PROTOCOL_VERSION,
-                    call.op,
-                    0,
-                    rid,
-                    call.write_id,
-                    call.version,
-                    len(call.payload),
-                    call.checksum,
-                    len(call.key),
-                    call.flags,
-                    0,
-                )
-                + call.key
-            )
+            views.append(_frame_head(call) + call.key)
             if len(call.payload):
                 views.append(call.payload)
             if posted:
                 self._posted.add(rid)
+        self._sendall(views, deadline)
+
+    def notify(self, calls: Sequence[Call], deadline: float) -> None:
+        """Write frames no response comes back for (``SHM_RELEASE``)."""
+        views: list[bytes | bytearray | memoryview] = []
+        for call in calls:
+            call.request_id = next(self._ids)
+            views.append(_frame_head(call) + call.key)
+            if len(call.payload):
+                views.append(call.payload)
         self._sendall(views, deadline)
 
     def _sendall(self, views: list[bytes | bytearray | memoryview], deadline: float) -> None:
@@ -307,6 +302,23 @@ class BlockingConnection:
             got += n
             if got < want:
                 self._check(deadline)
+
+
+def _frame_head(call: Call) -> bytes:
+    return HEADER.pack(
+        MAGIC,
+        PROTOCOL_VERSION,
+        call.op,
+        0,
+        call.request_id,
+        call.write_id,
+        call.version,
+        len(call.payload),
+        call.checksum,
+        len(call.key),
+        call.flags,
+        0,
+    )
 
 
 def _format(addr: object) -> str:
