@@ -6,7 +6,7 @@
         kv.put("prefix/0", block_bytes)
         data = kv.get("prefix/0")      # bytes, or None on a miss
 
-``Client`` is imported lazily so that ``import kvpool.errors`` (used by every process) stays light.
+``Client`` (and ``AsyncClient``, for engines that run an event loop) is imported lazily so that ``import kvpool.errors`` (used by every process) stays light.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 from kvpool.errors import KVPoolError
 
 __version__ = "0.1.0"
-__all__ = ["Client", "KVPoolError", "__version__"]
+__all__ = ["AsyncClient", "Client", "KVPoolError", "__version__"]
 
 if TYPE_CHECKING:
+    from kvpool.client.aio import AsyncClient
     from kvpool.client.sync import Client
 
 
@@ -27,4 +28,8 @@ def __getattr__(name: str) -> Any:
         from kvpool.client.sync import Client
 
         return Client
+    if name == "AsyncClient":
+        from kvpool.client.aio import AsyncClient
+
+        return AsyncClient
     raise AttributeError(f"module 'kvpool' has no attribute {name!r}")

@@ -242,8 +242,14 @@ class NodeConfig(LogConfig):
     tier_threads: int = opt(4, "threads reading the SSD and GPU tiers")
     lease_timeout_s: float = opt(
         30.0,
-        "a connection whose responses have not left in this long is cut, ending its leases",
+        "a connection whose responses have not left (or whose shared-memory leases have not "
+        "been released) in this long is cut, ending its leases",
         "duration",
+    )
+    data_shm: bool = opt(
+        True,
+        "offer clients on this host the CPU tier through shared memory (shm://, an abstract "
+        "unix socket; clients behind a proxy or NAT keep using tcp)",
     )
     max_block_size: int = opt(64 << 20, "largest block accepted", "size")
     staged_ttl_s: float = opt(

@@ -146,7 +146,13 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
             worker.start()
             stack.push_async_callback(worker.stop)
 
-            data = DataServer(store, log=log, worker=worker, lease_timeout_s=cfg.lease_timeout_s)
+            data = DataServer(
+                store,
+                log=log,
+                worker=worker,
+                lease_timeout_s=cfg.lease_timeout_s,
+                shm=cfg.data_shm,
+            )
             try:
                 port = await data.start(data_host, data_port)
             except OSError as e:
@@ -176,6 +182,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
             log.info(
                 "node_started",
                 data=data_address,
+                shm=data.shm_address or None,
                 admin=admin_address,
                 capacity_bytes=tier.capacity_bytes,
                 tiers={t.name: t.capacity_bytes for t in store.tier_stats()},
