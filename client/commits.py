@@ -135,6 +135,8 @@ class CommitBatcher:
     def __init__(self, max_entries: Callable[[], int]) -> None:
         self._max_entries = max_entries
         self.queue: deque[CommitJob] = deque()
+        self.requests = 0  # CommitPuts requests made
+        self.jobs = 0  # commits they carried (puts and batch_puts)
 
     def take(self) -> list[CommitJob]:
         """The jobs of the next request: the oldest job, and after it every waiting job on the
@@ -152,6 +154,8 @@ class CommitBatcher:
             else:
                 rest.append(job)
         self.queue = rest
+        self.requests += 1
+        self.jobs += len(jobs)
         return jobs
 
     @staticmethod
@@ -193,6 +197,14 @@ SyncCall = Callable[[master_pb2.CommitPutsRequest, float], master_pb2.CommitPuts
 
 class AsyncCommitter:
     """Group commit on one event loop."""
+
+    @property
+    def requests(self) -> int:
+        return self._batcher.requests
+
+    @property
+    def jobs(self) -> int:
+        return self._batcher.jobs
 
     def __init__(self, call: Call, max_entries: Callable[[], int]) -> None:
         self._call = call
@@ -254,6 +266,14 @@ class AsyncCommitter:
 class SyncCommitter:
     """Group commit across threads: the first thread to arrive sends; others wait and ride in
     the next request, sent by one of them."""
+
+    @property
+    def requests(self) -> int:
+        return self._batcher.requests
+
+    @property
+    def jobs(self) -> int:
+        return self._batcher.jobs
 
     def __init__(self, call: SyncCall, max_entries: Callable[[], int]) -> None:
         self._call = call

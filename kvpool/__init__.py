@@ -6,7 +6,8 @@
         kv.put("prefix/0", block_bytes)
         data = kv.get("prefix/0")      # bytes, or None on a miss
 
-``Client`` (and ``AsyncClient``, for engines that run an event loop) is imported lazily so that ``import kvpool.errors`` (used by every process) stays light.
+``Client`` (and ``AsyncClient``, for engines that run an event loop) is imported lazily so that
+``import kvpool.errors`` (used by every process) stays light.
 """
 
 from __future__ import annotations

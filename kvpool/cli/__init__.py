@@ -6,7 +6,7 @@ run the demo.
     kvpool cluster up [--detach --dir DIR]      kvpool cluster down --dir DIR
     kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
     kvpool demo
-    kvpool bench cluster | index | data-plane | tiers
+    kvpool bench cluster | index | data-plane | tiers | client
     kvpool chaos list | run --scenario NAME [--seed S] [--duration D] [--json]
 
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
@@ -135,6 +135,13 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     b.set_defaults(forward_unknown=True)  # its own flags: --sizes, --depths, --budget-mib ...
+    b = bsub.add_parser(
+        "client",
+        help="the data path through kvpool.Client: get_into GB/s, 4 KiB get p50, batches, "
+        "puts, tcp against shared memory, two processes, machine limits",
+        add_help=False,
+    )
+    b.set_defaults(forward_unknown=True)  # its own flags: --rounds, --quick, --json, --dir
 
     p = sub.add_parser(
         "chaos",
@@ -271,6 +278,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvpool.store_node.bench import main as data_plane_main
 
         return data_plane_main(args.rest or [])
+    if args.bench_command == "client":
+        from kvpool.cli.bench_client import main as client_main
+
+        return client_main(args.rest or [])
     from kvpool.cli.bench import bench_cluster, bench_index, bench_tiers, print_result
 
     if args.bench_command == "cluster":
