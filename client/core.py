@@ -274,8 +274,8 @@ class ClientCore:
         if items is None:
             return [None] * len(pairs)
         return [
-            item.result() if self.settle(item, key, strict=False) and item is not None else None
-            for item, (key, _) in zip(items, pairs, strict=True)
+            item.result() if hit and item is not None else None
+            for item, hit in zip(items, self.settle_batch(items, pairs), strict=True)
         ]
 
     async def batch_get_into(
@@ -297,10 +297,8 @@ class ClientCore:
         if items is None:
             return [None] * len(pairs)
         return [
-            int(item.entry.size_bytes)
-            if self.settle(item, key, strict=False) and item is not None
-            else None
-            for item, (key, _) in zip(items, pairs, strict=True)
+            int(item.entry.size_bytes) if hit and item is not None else None
+            for item, hit in zip(items, self.settle_batch(items, pairs), strict=True)
         ]
 
     async def exists(self, key: str, *, strict: bool | None = None) -> bool:
@@ -439,6 +437,22 @@ class ClientCore:
             raise item.error()
         return False
 
+    def settle_batch(
+        self, items: Sequence[ReadItem | None], pairs: Sequence[tuple[str, bytes]]
+    ) -> list[bool]:
+        """:meth:`settle` for a batch (never strict), hits counted at once."""
+        out: list[bool] = []
+        hits = 0
+        for item, (key, _) in zip(items, pairs, strict=True):
+            if item is not None and item.ok:
+                hits += 1
+                out.append(True)
+            else:
+                out.append(self.settle(item, key, strict=False))
+        if hits:
+            self._stats.hit(hits)
+        return out
+
     # --- reads --------------------------------------------------------------------------------
 
     async def _lookup(self, keys: list[str], deadline: float) -> master_pb2.LookupResponse:
@@ -478,30 +492,32 @@ class ClientCore:
     ) -> list[ReadItem | None]:
         """One ReadItem per found entry (None for keys the index lacks)."""
         items: list[ReadItem | None] = []
-        placement = self._placement
+        append = items.append
+        read_order = self._placement.read_order
+        randrange = random.randrange
+        slowest = TierLevel.SSD
         for n_item, ((key, key_bytes), entry, cached) in enumerate(
             zip(pairs, entries, from_cache, strict=True)
         ):
             if entry is None or not entry.found:
-                items.append(None)
+                append(None)
                 continue
             index = indexes[n_item] if indexes is not None else n_item
             sink, caller_buffer = sink_for(index, key, entry.size_bytes)
-            n = len(entry.replicas)
-            replicas = placement.read_order(
-                entry.replicas, now_s, random.randrange(n) if n > 1 else 0
-            )
+            held = entry.replicas
+            n = len(held)
+            replicas = [held[0]] if n == 1 else read_order(held, now_s, randrange(max(1, n)))
             item = ReadItem(
                 key,
                 key_bytes,
                 entry,
-                sink,
-                caller_buffer,
-                replicas,
+                sink=sink,
+                caller_buffer=caller_buffer,
+                replicas=replicas,
                 max_tier=limit,
                 from_cache=cached,
             )
-            if limit and limit < entry.tier <= TierLevel.SSD:  # the index: on a slower tier
+            if limit and limit < entry.tier <= slowest:  # the index: on a slower tier
                 item.replicas = []
                 item.fail(
                     "slow_tier",
@@ -511,7 +527,7 @@ class ClientCore:
                         reason="slow_tier",
                     ),
                 )
-            items.append(item)
+            append(item)
         return items
 
     def member(self, member_id: int, live: dict[int, MemberInfo]) -> MemberInfo | None:

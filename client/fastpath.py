@@ -399,8 +399,8 @@ class SyncPath:
         if items is None:
             return [None] * len(pairs)
         return [
-            item.result() if core.settle(item, key, strict=False) and item is not None else None
-            for item, (key, _) in zip(items, pairs, strict=True)
+            item.result() if hit and item is not None else None
+            for item, hit in zip(items, core.settle_batch(items, pairs), strict=True)
         ]
 
     def batch_get_into(
@@ -421,10 +421,8 @@ class SyncPath:
         if items is None:
             return [None] * len(pairs)
         return [
-            int(item.entry.size_bytes)
-            if core.settle(item, key, strict=False) and item is not None
-            else None
-            for item, (key, _) in zip(items, pairs, strict=True)
+            int(item.entry.size_bytes) if hit and item is not None else None
+            for item, hit in zip(items, core.settle_batch(items, pairs), strict=True)
         ]
 
     def put_receipt(

@@ -43,7 +43,6 @@ from kvpool.proto.wire import (
     MGET_RECORD,
     RESERVE_RECORD,
     SHM_RECORD,
-    KeyRecord,
     MissReason,
     Op,
     Status,
@@ -67,28 +66,62 @@ MGET_MAX_BYTES = 64 << 20
 """Most block bytes asked for in one MGET frame (a larger batch takes several, pipelined)."""
 
 
-@dataclass(slots=True, eq=False)
 class ReadItem:
     """One key being read: its index entry, where the bytes go, what went wrong so far."""
 
-    key: str
-    key_bytes: bytes
-    entry: common_pb2.BlockEntry
-    sink: memoryview | None  # exactly entry.size_bytes long; None: the caller wants bytes
-    caller_buffer: bool  # the sink is the caller's memory (get_into)
-    replicas: list[int]
-    next: int = 0
-    ok: bool = False
-    max_tier: int = 0  # the slowest tier accepted (TierLevel; 0: any)
-    tier: int = 0  # the tier that served it (TierLevel), once read
-    value: bytes | None = None  # the bytes, when read without a sink
-    from_cache: bool = False  # the entry came from the lookup cache
-    reasons: list[str] = field(default_factory=list)
-    errors: list[KVPoolError] = field(default_factory=list)
+    __slots__ = (
+        "_errors",
+        "_reasons",
+        "caller_buffer",
+        "entry",
+        "from_cache",
+        "key",
+        "key_bytes",
+        "max_tier",
+        "next",
+        "ok",
+        "replicas",
+        "sink",
+        "tier",
+        "value",
+    )
+
+    def __init__(
+        self,
+        key: str,
+        key_bytes: bytes,
+        entry: common_pb2.BlockEntry,
+        *,
+        sink: memoryview | None,
+        caller_buffer: bool,
+        replicas: list[int],
+        max_tier: int = 0,
+        from_cache: bool = False,
+    ) -> None:
+        self.key = key
+        self.key_bytes = key_bytes
+        self.entry = entry
+        self.sink = sink  # exactly entry.size_bytes long; None: the caller wants bytes
+        self.caller_buffer = caller_buffer  # the sink is the caller's memory (get_into)
+        self.replicas = replicas
+        self.next = 0
+        self.ok = False
+        self.max_tier = max_tier  # the slowest tier accepted (TierLevel; 0: any)
+        self.tier = 0  # the tier that served it (TierLevel), once read
+        self.value: bytes | None = None  # the bytes, when read without a sink
+        self.from_cache = from_cache  # the entry came from the lookup cache
+        self._reasons: list[str] | None = None
+        self._errors: list[KVPoolError] | None = None
+
+    @property
+    def reasons(self) -> list[str]:
+        return self._reasons or []
 
     def fail(self, reason: str, error: KVPoolError) -> None:
-        self.reasons.append(reason)
-        self.errors.append(error)
+        if self._reasons is None or self._errors is None:
+            self._reasons, self._errors = [], []
+        self._reasons.append(reason)
+        self._errors.append(error)
 
     @property
     def reason(self) -> str:
@@ -97,8 +130,8 @@ class ReadItem:
     def error(self) -> KVPoolError:
         """The typed error for strict callers, matching :attr:`reason`."""
         reason = self.reason
-        if reason in self.reasons:
-            return self.errors[self.reasons.index(reason)]
+        if self._reasons and self._errors and reason in self._reasons:
+            return self._errors[self._reasons.index(reason)]
         return BlockMissError(f"block {self.key!r} has no replica to read", reason="node_down")
 
     def result(self) -> bytes:
@@ -107,13 +140,6 @@ class ReadItem:
             return self.value
         assert self.sink is not None
         return bytes(self.sink)
-
-    def reset(self) -> None:
-        """Read again from scratch (a fresh entry after a cached one missed)."""
-        self.next = 0
-        self.ok = False
-        self.reasons.clear()
-        self.errors.clear()
 
 
 @dataclass(slots=True, eq=False)
@@ -306,8 +332,26 @@ class NodeRead:
     def _judge_mget(self, call: Call, group: list[ReadItem]) -> None:
         datas = call.sinks or [None] * len(group)
         for record, data, it in zip(call.records, datas, group, strict=True):
-            if record[0] == Status.DEFERRED:
+            status = record[0]
+            if status == Status.DEFERRED:
                 self._deferred.append(it)
+                continue
+            entry = it.entry
+            # The common case inline (a hit, exactly as the index has it); the rest in judge().
+            if (
+                status == Status.OK
+                and data is not None
+                and record[2] == entry.write_id
+                and record[3] == entry.size_bytes
+                and record[4] == entry.checksum
+                and block_checksum(data) == record[4]
+            ):
+                if it.sink is None:
+                    it.value = bytes(data)
+                elif data is not it.sink:
+                    copy_bytes(it.sink, data)
+                it.ok = True
+                it.tier = record[1]
             else:
                 judge(it, self.address, record, data)
 
@@ -378,7 +422,7 @@ def _get_call(it: ReadItem) -> Call:
 
 
 def _table_call(op: Op, chunk: list[ReadItem], record: struct.Struct, *, sinks: bool) -> Call:
-    payload = encode_key_table([KeyRecord(it.key_bytes, it.entry.write_id) for it in chunk])
+    payload = encode_key_table([(it.key_bytes, it.entry.write_id, 0, 0) for it in chunk])
     return Call(
         op,
         payload=payload,
@@ -430,8 +474,7 @@ class NodeStage:
             ]
         else:
             records = [
-                KeyRecord(it.key_bytes, it.write_id, it.payload.nbytes, it.checksum)
-                for it, _ in group
+                (it.key_bytes, it.write_id, it.payload.nbytes, it.checksum) for it, _ in group
             ]
             self.calls = [
                 Call(

@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvpool.proto import PROTOCOL_VERSION
 
@@ -222,21 +224,23 @@ MAX_TABLE_KEYS = 4096
 MAX_TABLE_BYTES = MAX_TABLE_KEYS * (KEY_RECORD.size + MAX_KEY_BYTES) + COUNT.size
 
 
-@dataclass(frozen=True, slots=True)
-class KeyRecord:
+class KeyRecord(NamedTuple):
+    """One request record: the key's bytes, write id, and for SHM_RESERVE size and checksum."""
+
     key: bytes
     write_id: int
     size_bytes: int = 0
     checksum: int = 0
 
 
-def encode_key_table(records: list[KeyRecord]) -> bytes:
-    """A request table: count, then per key its record and its bytes."""
+def encode_key_table(records: Sequence[tuple[bytes, int, int, int]]) -> bytes:
+    """A request table: count, then per record (key, write id, size, checksum) its fixed part
+    and the key's bytes."""
     parts = [COUNT.pack(len(records))]
-    pack = KEY_RECORD.pack
-    for r in records:
-        parts.append(pack(r.write_id, r.size_bytes, r.checksum, len(r.key)))
-        parts.append(r.key)
+    append, pack = parts.append, KEY_RECORD.pack
+    for key, write_id, size, checksum in records:
+        append(pack(write_id, size, checksum, len(key)))
+        append(key)
     return b"".join(parts)
 
 
@@ -249,19 +253,22 @@ def decode_key_table(buf: bytes | bytearray | memoryview) -> list[KeyRecord]:
     if count > MAX_TABLE_KEYS:
         raise FrameError(f"{count} records in one table; at most {MAX_TABLE_KEYS}")
     out: list[KeyRecord] = []
+    append = out.append
+    raw = bytes(view)
     pos = COUNT.size
+    end = len(raw)
     unpack, rec = KEY_RECORD.unpack_from, KEY_RECORD.size
     for _ in range(count):
-        if pos + rec > len(view):
+        if pos + rec > end:
             raise FrameError("table truncated in a record")
-        write_id, size, checksum, key_len = unpack(view, pos)
+        write_id, size, checksum, key_len = unpack(raw, pos)
         pos += rec
-        if key_len > MAX_KEY_BYTES or pos + key_len > len(view):
+        if key_len > MAX_KEY_BYTES or pos + key_len > end:
             raise FrameError("table truncated in a key (or key too long)")
-        out.append(KeyRecord(bytes(view[pos : pos + key_len]), write_id, size, checksum))
+        append(KeyRecord(raw[pos : pos + key_len], write_id, size, checksum))
         pos += key_len
-    if pos != len(view):
-        raise FrameError(f"{len(view) - pos} bytes after the last record")
+    if pos != end:
+        raise FrameError(f"{end - pos} bytes after the last record")
     return out
 
 

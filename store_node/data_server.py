@@ -327,6 +327,9 @@ class DataConnection:
         block = self._store.block(key, write_id)
         if block is None or block.state is not BlockState.COMMITTED:
             return False
+        cpu = block.copies.get(TierLevel.CPU)
+        if cpu is not None and cpu.ready:
+            return False  # the common case: served from memory
         copy = block.fastest(limit)
         return copy is not None and copy.level is not TierLevel.CPU
 

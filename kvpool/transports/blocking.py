@@ -232,44 +232,103 @@ class BlockingConnection:
             )
 
     def _take_table(self, call: Call, header: Header, deadline: float) -> None:
-        """A table response: count, records, then (MGET) each hit's bytes into its sink."""
+        """A table response: count and records (one read), then (MGET) every hit's bytes,
+        scattered by one ``recvmsg_into`` into the callers' buffers, or into one fresh buffer
+        shared by the hits that have none."""
         record = call.table
         assert record is not None
-        expected = len(call.sinks) if call.sinks is not None else -1
-        count_view = self._recv_new(COUNT.size, deadline)
-        (count,) = COUNT.unpack_from(count_view)
-        table_bytes = record.size * count
-        left = header.payload_len - COUNT.size
-        if (expected >= 0 and count != expected) or table_bytes > left:
+        size = header.payload_len
+        if call.sinks is None:  # the count says how many
+            head = self._recv_new(COUNT.size, deadline)
+            (count,) = COUNT.unpack_from(head)
+            table = self._recv_new(min(size - COUNT.size, record.size * count), deadline)
+        else:
+            count = len(call.sinks)
+            if COUNT.size + record.size * count > size:
+                self.broken = True
+                raise TransportError(f"{self.address}: response table shorter than asked")
+            head = self._recv_new(COUNT.size + record.size * count, deadline)
+            table = head[COUNT.size :]
+            if COUNT.unpack_from(head)[0] != count:
+                self.broken = True
+                raise TransportError(f"{self.address}: response table of the wrong count")
+        if table.nbytes != record.size * count:
             self.broken = True
-            raise TransportError(f"{self.address}: response table of {count} records")
-        table = self._recv_new(table_bytes, deadline)
+            raise TransportError(f"{self.address}: response table truncated")
         call.records = list(record.iter_unpack(table))
-        left -= table_bytes
+        left = size - COUNT.size - table.nbytes
         if record is MGET_RECORD and call.sinks is not None:
-            datas: list[memoryview | None] = []
-            for (status, _flags, _wid, size, _checksum), sink in zip(
-                call.records, call.sinks, strict=True
-            ):
-                if status != Status.OK:
-                    datas.append(None)
-                    continue
-                if size > left:
-                    self.broken = True
-                    raise TransportError(f"{self.address}: MGET data shorter than its table")
-                if sink is not None and sink.nbytes == size:
-                    self._recv_into(sink, deadline)
-                    datas.append(sink)
-                elif sink is None:
-                    datas.append(self._recv_new(size, deadline) if size else memoryview(b""))
-                else:
-                    self._skip(size, deadline)
-                    datas.append(None)
-                left -= size
-            call.sinks = datas
+            left -= self._scatter_hits(call, left, deadline)
         if left:
             self.broken = True
             raise TransportError(f"{self.address}: {left} bytes after a response table")
+
+    def _scatter_hits(self, call: Call, left: int, deadline: float) -> int:
+        assert call.sinks is not None
+        sinks = call.sinks
+        datas: list[memoryview | None] = []
+        spill_bytes = 0
+        total = 0
+        for rec, sink in zip(call.records, sinks, strict=True):
+            if rec[0] != Status.OK:
+                continue
+            n = rec[3]
+            total += n
+            if sink is None or sink.nbytes != n:
+                spill_bytes += n
+        if total > left:
+            self.broken = True
+            raise TransportError(f"{self.address}: MGET data shorter than its table")
+        spill = memoryview(bytearray(spill_bytes)) if spill_bytes else None
+        views: list[memoryview] = []
+        pos = 0
+        for rec, sink in zip(call.records, sinks, strict=True):
+            if rec[0] != Status.OK:
+                datas.append(None)
+                continue
+            n = rec[3]
+            if sink is not None and sink.nbytes == n:
+                view = sink
+                datas.append(sink)
+            else:
+                assert spill is not None
+                view = spill[pos : pos + n]
+                pos += n
+                datas.append(view if sink is None else None)  # a wrong size is dropped
+            if n:
+                views.append(view)
+        self._recv_scatter(views, deadline)
+        call.sinks = datas
+        return total
+
+    def _recv_scatter(self, views: list[memoryview], deadline: float) -> None:
+        """Fill ``views`` in order from the stream, many per ``recvmsg_into``."""
+        sock = self._sock
+        i, offset = 0, 0
+        while i < len(views):
+            batch = [views[i][offset:] if offset else views[i], *views[i + 1 : i + 256]]
+            try:
+                n = sock.recvmsg_into(batch)[0]
+            except (BlockingIOError, TimeoutError):
+                self.broken = True
+                raise DeadlineExceededError(f"{self.address}: no answer in time") from None
+            except OSError as e:
+                self.broken = True
+                raise TransportError(f"{self.address}: receive failed: {e}") from None
+            if n == 0:
+                self.broken = True
+                raise TransportError(f"{self.address}: connection closed by the node")
+            while n:
+                rest = views[i].nbytes - offset
+                if n >= rest:
+                    n -= rest
+                    i += 1
+                    offset = 0
+                else:
+                    offset += n
+                    n = 0
+            if i < len(views):
+                self._check(deadline)
 
     def _recv_new(self, size: int, deadline: float) -> memoryview:
         view = memoryview(bytearray(size))
