@@ -82,7 +82,7 @@ class DataPlane:
     # --- connections ----------------------------------------------------------------------
 
     async def _open(self, address: str, timeout_s: float) -> FrameConnection:
-        """A connection to ``address``: shared memory where the node offers it and the
+        """A connection to ``address``: the node's shared memory where it offers it and the
         transport setting allows, else the address's own transport."""
         links = self._links
         if not address.startswith(("tcp://", "inproc://")):
@@ -90,23 +90,28 @@ class DataPlane:
         offer = links.offer(address)
         first: FrameConnection | None = None
         if offer is None:
-            first = await open_connection(address, timeout_s)
-            offer = await _hello(first, timeout_s)
-            links.learn(address, offer)
-        try:
-            shm = links.shm_for(address, offer) if address.startswith("tcp://") else ""
-        except KVPoolError:
-            if first is not None:
-                first.close()
-            raise
-        if shm:
+            first, offer = await self._ask(address, timeout_s)
+        for _attempt in range(2):
             try:
-                conn = await open_connection(shm, timeout_s)
+                shm = links.shm_for(address, offer) if address.startswith("tcp://") else ""
             except KVPoolError:
-                links.forget(address)  # the node restarted (new name) or went away: ask again
                 if first is not None:
                     first.close()
                 raise
+            if not shm:
+                break
+            try:
+                conn = await open_connection(shm, timeout_s)
+            except KVPoolError as e:
+                if first is None:  # a remembered offer: the node may have restarted; ask again
+                    links.forget(address)
+                    first, offer = await self._ask(address, timeout_s)
+                    continue
+                if links.transport == "shm":
+                    first.close()
+                    raise
+                offer = links.unreachable(address, offer, e)  # another namespace: TCP it is
+                break
             conn.features = frozenset({"mget", "shm"})
             if first is not None:
                 first.close()
@@ -115,6 +120,13 @@ class DataPlane:
             first = await open_connection(address, timeout_s)
         first.features = frozenset({"mget"}) if offer.mget else frozenset()
         return first
+
+    async def _ask(self, address: str, timeout_s: float) -> tuple[FrameConnection, NodeOffer]:
+        """A first connection to ``address`` and what the node offers on it (remembered)."""
+        conn = await open_connection(address, timeout_s)
+        offer = await _hello(conn, timeout_s)
+        self._links.learn(address, offer)
+        return conn, offer
 
     async def _connect(
         self, address: str, member: MemberInfo, timeout_s: float

@@ -2,7 +2,8 @@
 
 Group commit: puts of one client that want to commit while a CommitPuts of this client is in
 flight wait and then go together, in one request, instead of one request each behind each
-other (the masters group the requests of many clients into Raft entries the same way). A request
+other (the masters group the requests of many clients into Raft entries the same way). A job
+of at least half a request's entries goes at once, on its own. A request
 holds entries placed on one ring version only and at most ``max_entries`` of them (a larger job
 goes alone); it has a fresh request id, kept by the retries of one call (exactly-once).
 
@@ -138,6 +139,11 @@ class CommitBatcher:
         self.requests = 0  # CommitPuts requests made
         self.jobs = 0  # commits they carried (puts and batch_puts)
 
+    def alone(self) -> int:
+        """Jobs at least this large are sent at once, in a request of their own (grouping
+        could not make them any cheaper, and a batch_put's chunks then commit in parallel)."""
+        return max(1, self._max_entries() // 2)
+
     def take(self) -> list[CommitJob]:
         """The jobs of the next request: the oldest job, and after it every waiting job on the
         same ring version while the entries fit."""
@@ -215,8 +221,11 @@ class AsyncCommitter:
     async def commit(
         self, ring_version: int, entries: list[master_pb2.PutEntry], deadline: float
     ) -> CommitAnswer:
-        loop = asyncio.get_running_loop()
         job = CommitJob(ring_version, entries, deadline)
+        if len(entries) >= self._batcher.alone():  # a full request of its own: no waiting
+            await self._send([job], wake=False)
+            return _answer(job)
+        loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         self._futures[id(job)] = future
         self._batcher.queue.append(job)
@@ -243,18 +252,20 @@ class AsyncCommitter:
         finally:
             self._pump = None
 
-    async def _send(self, jobs: list[CommitJob]) -> None:
+    async def _send(self, jobs: list[CommitJob], *, wake: bool = True) -> None:
         try:
             response = await self._call(CommitBatcher.request(jobs), max(j.deadline for j in jobs))
         except BaseException as e:  # every waiter learns; nothing is lost silently
             for job in jobs:
                 job.error = e
             if isinstance(e, asyncio.CancelledError):
-                self._wake(jobs)
+                if wake:
+                    self._wake(jobs)
                 raise
         else:
             CommitBatcher.split(jobs, response)
-        self._wake(jobs)
+        if wake:
+            self._wake(jobs)
 
     def _wake(self, jobs: list[CommitJob]) -> None:
         for job in jobs:
@@ -285,6 +296,14 @@ class SyncCommitter:
         self, ring_version: int, entries: list[master_pb2.PutEntry], deadline: float
     ) -> CommitAnswer:
         job = CommitJob(ring_version, entries, deadline)
+        if len(entries) >= self._batcher.alone():  # a full request of its own: no waiting
+            try:
+                response = self._call(CommitBatcher.request([job]), deadline)
+            except BaseException as e:
+                job.error = e
+            else:
+                CommitBatcher.split([job], response)
+            return _answer(job)
         with self._lock:
             self._batcher.queue.append(job)
             lead = not self._busy

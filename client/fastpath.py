@@ -20,11 +20,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvpool.client import core as core_module
 from kvpool.client.blocks import next_round
-from kvpool.client.commits import PutReceipt, SyncCommitter, put_entries
+from kvpool.client.commits import CommitAnswer, PutReceipt, SyncCommitter, put_entries
 from kvpool.client.core import (
     COMMIT_SHARE,
     DELETE_WAIT_S,
@@ -138,29 +139,43 @@ class BlockingDataPlane:
         offer = links.offer(address)
         first: BlockingConnection | None = None
         if offer is None:
-            first = open_blocking(address, timeout_s)
-            offer = _hello(first, timeout_s)
-            links.learn(address, offer)
-        try:
-            shm = links.shm_for(address, offer) if address.startswith("tcp://") else ""
-        except KVPoolError:
-            if first is not None:
-                first.close()
-            raise
-        if shm:
-            if first is not None:
-                first.close()
+            first, offer = self._ask(address, timeout_s)
+        for _attempt in range(2):
+            try:
+                shm = links.shm_for(address, offer) if address.startswith("tcp://") else ""
+            except KVPoolError:
+                if first is not None:
+                    first.close()
+                raise
+            if not shm:
+                break
             try:
                 conn = open_blocking(shm, timeout_s)
-            except KVPoolError:
-                links.forget(address)  # the node restarted (new name) or went away: ask again
-                raise
+            except KVPoolError as e:
+                if first is None:  # a remembered offer: the node may have restarted; ask again
+                    links.forget(address)
+                    first, offer = self._ask(address, timeout_s)
+                    continue
+                if links.transport == "shm":
+                    first.close()
+                    raise
+                offer = links.unreachable(address, offer, e)  # another namespace: TCP it is
+                break
             conn.features = frozenset({"mget", "shm"})
+            if first is not None:
+                first.close()
             return conn
         if first is None:
             first = open_blocking(address, timeout_s)
         first.features = frozenset({"mget"}) if offer.mget else frozenset()
         return first
+
+    def _ask(self, address: str, timeout_s: float) -> tuple[BlockingConnection, NodeOffer]:
+        """A first connection to ``address`` and what the node offers on it (remembered)."""
+        conn = open_blocking(address, timeout_s)
+        offer = _hello(conn, timeout_s)
+        self._links.learn(address, offer)
+        return conn, offer
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -584,19 +599,19 @@ class SyncPath:
             refs: list[BlockRef] = []
             stale = False
             failures: list[KVPoolError] = []
-            for chunk in chunks:
-                try:
-                    answer = self._committer.commit(ring_version, put_entries(chunk), deadline)
-                except KVPoolError as e:
-                    failures.append(e)
+            for chunk, outcome in zip(
+                chunks, self._commit_chunks(chunks, ring_version, deadline), strict=True
+            ):
+                if isinstance(outcome, KVPoolError):
+                    failures.append(outcome)
                     for it in chunk:
-                        it.error = e
+                        it.error = outcome
                     continue
-                outcome = core.commit_answered(chunk, answer, receipts)
-                if outcome is None:
+                result = core.commit_answered(chunk, outcome, receipts)
+                if result is None:
                     stale = True
                 else:
-                    refs.extend(outcome)
+                    refs.extend(result)
             if len(failures) == len(chunks):
                 raise failures[0]  # the whole call failed (no leader, deadline, …)
             if refs:
@@ -604,6 +619,22 @@ class SyncPath:
             if not stale:
                 return
             pending = [it for it in pending if not it.committed]
+
+    def _commit_chunks(
+        self, chunks: list[list[PutItem]], ring_version: int, deadline: float
+    ) -> list[CommitAnswer | KVPoolError]:
+        """Commit each chunk (a huge batch_put's chunks in parallel threads)."""
+
+        def one(chunk: list[PutItem]) -> CommitAnswer | KVPoolError:
+            try:
+                return self._committer.commit(ring_version, put_entries(chunk), deadline)
+            except KVPoolError as e:
+                return e
+
+        if len(chunks) == 1:
+            return [one(chunks[0])]
+        with ThreadPoolExecutor(max_workers=min(8, len(chunks))) as pool:
+            return list(pool.map(one, chunks))
 
     def _commit_rpc(
         self, request: master_pb2.CommitPutsRequest, deadline: float

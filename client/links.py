@@ -96,6 +96,13 @@ class Links:
         with self._lock:
             self._offers.pop(address, None)
 
+    def unreachable(self, address: str, offer: NodeOffer, error: Exception) -> NodeOffer:
+        """A fresh offer's shared memory could not be reached (another network namespace,
+        say: abstract unix sockets belong to one): TCP from now on for ``address``."""
+        fallback = NodeOffer(mget=offer.mget, why_not_shm=f"shared memory unreachable: {error}")
+        self.learn(address, fallback)
+        return fallback
+
     def wants_hello(self, address: str) -> bool:
         return address.startswith("tcp://") and self.transport != "tcp"
 

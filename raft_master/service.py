@@ -9,7 +9,7 @@ Group commit: CommitPuts requests that arrive while a Raft entry is in flight ar
 next entry (a ``Batch`` whose sub-commands keep their own request ids and results), up to
 ``commit_batch_max_entries`` put entries per Raft entry.
 
-Raised :class:`~kvpool.errors.KVPoolError` s become a status plus metadata in the interceptor of
+Raised :class:`~kvpool.errors.KVPoolError` s become a status plus metadata in the handlers of
 :mod:`kvpool.grpcutil`; the server keeps serving after any bad request.
 """
 
