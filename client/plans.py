@@ -64,6 +64,9 @@ MGET_MAX_KEYS = 1024
 """Most keys in one MGET frame."""
 MGET_MAX_BYTES = 64 << 20
 """Most block bytes asked for in one MGET frame (a larger batch takes several, pipelined)."""
+SHM_PUT_MIN_BYTES = 64 << 10
+"""Over shared memory, smaller blocks are put with a PUT frame (one round trip, the kernel
+copies the bytes) rather than reserved, copied and committed (two round trips)."""
 
 
 class ReadItem:
@@ -452,8 +455,10 @@ def _chunks(items: list[ReadItem], max_keys: int, max_bytes: int) -> list[list[R
 
 
 class NodeStage:
-    """The PUTs of a group of blocks to one node: PUT frames over TCP; over shared memory a
-    reservation, the copies into the arena, then the commit (two exchanges)."""
+    """The PUTs of a group of blocks to one node: PUT frames over TCP; over shared memory, for
+    blocks of at least :data:`SHM_PUT_MIN_BYTES`, a reservation, the copies into the arena,
+    then the commit (two exchanges; a smaller block goes as a PUT frame on the same socket:
+    one round trip beats two for a few KiB)."""
 
     def __init__(self, address: str, group: list[tuple[PutItem, MemberInfo]], arena: Arena | None):
         self.address = address
@@ -461,29 +466,32 @@ class NodeStage:
         self.arena = arena
         self.commit: Call | None = None  # shared memory: the second exchange
         self._reserved: list[tuple[PutItem, MemberInfo]] = []
-        if arena is None:
-            self.calls = [
-                Call(
-                    Op.PUT,
-                    it.key_bytes,
-                    write_id=it.write_id,
-                    checksum=it.checksum,
-                    payload=it.payload,
-                )
-                for it, _ in group
-            ]
-        else:
+        large = arena is not None and (lambda it: it.payload.nbytes >= SHM_PUT_MIN_BYTES)
+        self._inline = [(it, m) for it, m in group if not (large and large(it))]
+        self._copied = [(it, m) for it, m in group if large and large(it)]
+        self.calls = [
+            Call(
+                Op.PUT,
+                it.key_bytes,
+                write_id=it.write_id,
+                checksum=it.checksum,
+                payload=it.payload,
+            )
+            for it, _ in self._inline
+        ]
+        if self._copied:
             records = [
-                (it.key_bytes, it.write_id, it.payload.nbytes, it.checksum) for it, _ in group
+                (it.key_bytes, it.write_id, it.payload.nbytes, it.checksum)
+                for it, _ in self._copied
             ]
-            self.calls = [
+            self.calls.append(
                 Call(
                     Op.SHM_RESERVE,
                     payload=encode_key_table(records),
                     table=RESERVE_RECORD,
                     sinks=[None] * len(records),
                 )
-            ]
+            )
 
     def fail_all(self, error: KVPoolError, on_node_failed: Callable[[int], None]) -> None:
         failed = error if isinstance(error, DeadlineExceededError) else None
@@ -493,23 +501,25 @@ class NodeStage:
             on_node_failed(self.group[0][1].member_id)
 
     def judge(self) -> None:
-        """Judge the first exchange (PUT answers, or the reservations: the copies are made
+        """Judge the first exchange (PUT answers, and the reservations: the copies are made
         here and :attr:`commit` is set)."""
-        if self.arena is None:
-            for call, (it, member) in zip(self.calls, self.group, strict=True):
-                self._ack(it, member, call, call.status, "PUT")
+        for call, (it, member) in zip(self.calls, self._inline, strict=False):
+            self._ack(it, member, call, call.status, "PUT")
+        if not self._copied:
             return
-        call = self.calls[0]
+        call = self.calls[-1]
         if call.error is not None or call.status != Status.OK:
             error = call.error or node_error(
                 self.address, "SHM_RESERVE", call.status, call.message()
             )
-            for it, _ in self.group:
+            for it, _ in self._copied:
                 it.error = error if isinstance(error, KVPoolError) else TransportError(str(error))
             return
+        arena = self.arena
+        assert arena is not None
         ids: list[int] = []
         for (status, _flags, offset, reservation), (it, member) in zip(
-            call.records, self.group, strict=True
+            call.records, self._copied, strict=True
         ):
             if status != Status.OK:
                 it.error = node_error(self.address, "PUT", status, "")
@@ -517,7 +527,7 @@ class NodeStage:
                 it.acked.append(member.member_id)
             else:
                 try:
-                    copy_bytes(self.arena.extent(offset, it.payload.nbytes), it.payload)
+                    copy_bytes(arena.extent(offset, it.payload.nbytes), it.payload)
                 except KVPoolError as e:
                     it.error = e  # never committed: the reservation ends with the connection
                     continue

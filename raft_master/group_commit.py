@@ -24,6 +24,8 @@ from kvpool.raft_master.commands import (
 )
 
 Propose = Callable[[SimpleCommand | Batch, float], Awaitable[Result]]
+_DRIVING = object()
+"""Stands for the flush task while a submitter proposes its own request directly."""
 
 
 @dataclass
@@ -45,14 +47,26 @@ class GroupCommitter:
         self._max_entries = max_entries
         self._timeout_s = timeout_s
         self._pending: deque[tuple[CommitPuts, asyncio.Future[CommitPutsResult]]] = deque()
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | object | None = None
         self.stats = GroupCommitStats()
 
     async def submit(self, command: CommitPuts) -> CommitPutsResult:
-        future: asyncio.Future[CommitPutsResult] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[CommitPutsResult] = loop.create_future()
         self._pending.append((command, future))
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._flush())
+            if len(self._pending) == 1:
+                # Idle: propose this request from here, without a task's start-up turn of the
+                # loop; requests arriving meanwhile are taken by a flush task started after.
+                self._task = _DRIVING
+                try:
+                    await self._commit(self._take())
+                finally:
+                    self._task = None
+                    if self._pending:
+                        self._task = loop.create_task(self._flush())
+                return await future
+            self._task = loop.create_task(self._flush())
         return await future
 
     def _take(self) -> list[tuple[CommitPuts, asyncio.Future[CommitPutsResult]]]:

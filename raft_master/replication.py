@@ -360,7 +360,8 @@ class Replicator:
 
         self.consumer.apply_command(encode(command), callback=on_done)
         try:
-            result, error = await asyncio.wait_for(future, timeout_s)
+            async with asyncio.timeout(timeout_s):  # cheaper than wait_for (no extra future)
+                result, error = await future
         except TimeoutError:
             raise UnavailableError(
                 f"Raft commit not confirmed within {timeout_s:.2f}s; it may still apply, "
