@@ -13,6 +13,7 @@ caller's deadline (``loop.time()`` based); one attempt never takes more than
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -28,9 +29,13 @@ from kvpool.errors import (
     NotCaughtUpError,
     NotLeaderError,
     UnavailableError,
+    error_from_code,
 )
 from kvpool.grpcutil import create_channel, create_sync_channel, unary, unary_sync
-from kvpool.proto.v1 import master_pb2_grpc
+from kvpool.proto.v1 import master_pb2, master_pb2_grpc
+from kvpool.proto.wire import Op, Status
+from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
+from kvpool.transports.calls import Call
 
 
 class Backoff:
@@ -58,10 +63,19 @@ class MasterRouting:
         self.leader: str | None = None
         self._rotation = 0
         self._lock = threading.Lock()
+        self._rpc: dict[str, str] = {}  # gRPC address -> its frame RPC port ("" = none)
 
     @property
     def addresses(self) -> list[str]:
         return list(self._addresses)
+
+    def rpc_of(self, address: str) -> str | None:
+        """The frame RPC port of the master at ``address``: "" when it has none, None when
+        not known yet."""
+        return self._rpc.get(address)
+
+    def learn_rpc(self, address: str, rpc_address: str) -> None:
+        self._rpc[address] = rpc_address
 
     def order(self) -> list[str]:
         """Addresses to try: the leader first when known, then the others, rotating."""
@@ -195,8 +209,14 @@ class MasterClient:
 
 
 class SyncMasterClient:
-    """As :class:`MasterClient`, in the calling thread (sync gRPC channels; thread-safe).
-    ``deadline`` is ``time.monotonic()`` based."""
+    """As :class:`MasterClient`, in the calling thread (thread-safe). ``deadline`` is
+    ``time.monotonic()`` based.
+
+    The calls a master serves on its frame RPC port (``rpc_address`` in its GetMembers answer:
+    Lookup, CommitPuts, GetMembers, PrefixMatch, Remove) go there, over a blocking connection
+    per thread — the same protobuf messages and typed errors as over gRPC, without gRPC's
+    per-call cost; everything else, and every master without such a port, over sync gRPC. A
+    master's port is learned by one gRPC GetMembers before the first such call to it."""
 
     def __init__(self, routing: MasterRouting, *, attempt_timeout_s: float = 1.0) -> None:
         self.routing = routing
@@ -205,6 +225,71 @@ class SyncMasterClient:
         self._stubs: dict[str, master_pb2_grpc.MasterStub] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._local = threading.local()  # .conns: rpc address -> BlockingConnection
+        self._rpc_conns: set[BlockingConnection] = set()
+
+    def _attempt(self, address: str, method: str, request: Any, timeout_s: float) -> Any:
+        """One call to one master: its frame RPC port when it has one, else gRPC."""
+        routing = self.routing
+        if method in RPC_RESPONSES:
+            rpc = routing.rpc_of(address)
+            if rpc is None:  # learn the port (and keep the answer when it is what was asked)
+                started = time.monotonic()
+                members = unary_sync(
+                    self.stub(address).GetMembers,
+                    master_pb2.GetMembersRequest(),
+                    timeout_s=timeout_s,
+                    address=address,
+                )
+                rpc = str(members.rpc_address)
+                routing.learn_rpc(address, rpc)
+                if method == "GetMembers":
+                    return members
+                timeout_s -= time.monotonic() - started
+            if rpc:
+                return self._rpc_call(address, rpc, method, request, timeout_s)
+        return unary_sync(
+            getattr(self.stub(address), method), request, timeout_s=timeout_s, address=address
+        )
+
+    def _rpc_call(self, address: str, rpc: str, method: str, request: Any, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        conns: dict[str, BlockingConnection] | None = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        conn = conns.get(rpc)
+        if conn is None or conn.broken or conn.closed:
+            host, _, port = rpc.rpartition(":")
+            try:
+                sock = connect_tcp_blocking(
+                    host.strip("[]"), int(port), address=rpc, timeout_s=timeout_s
+                )
+            except KVPoolError as e:
+                raise UnavailableError(f"{address}: its RPC port {rpc}: {e.message}") from None
+            conn = BlockingConnection(sock, f"tcp://{rpc}", timeout_s=timeout_s)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    raise UnavailableError("this kvpool client is closed")
+                self._rpc_conns.add(conn)
+            conns[rpc] = conn
+        call = Call(
+            Op.RPC,
+            method.encode(),
+            version=max(1, int(timeout_s * 1e6)),
+            payload=request.SerializeToString(),
+        )
+        try:
+            conn.exchange([call], deadline)
+        except KVPoolError as e:
+            conns.pop(rpc, None)
+            with self._lock:
+                self._rpc_conns.discard(conn)
+            conn.close()
+            if isinstance(e, DeadlineExceededError):
+                raise DeadlineExceededError(f"{address}: {method} timed out") from None
+            raise UnavailableError(f"{address}: {method} over its RPC port: {e.message}") from None
+        return rpc_answer(address, method, call, self.routing)
 
     def stub(self, address: str) -> master_pb2_grpc.MasterStub:
         stub = self._stubs.get(address)
@@ -239,11 +324,8 @@ class SyncMasterClient:
                 if remaining <= 0:
                     break
                 try:
-                    response = unary_sync(
-                        getattr(self.stub(address), method),
-                        request,
-                        timeout_s=min(remaining, self._attempt_timeout_s),
-                        address=address,
+                    response = self._attempt(
+                        address, method, request, min(remaining, self._attempt_timeout_s)
                     )
                 except NotLeaderError as e:
                     last = e
@@ -276,5 +358,40 @@ class SyncMasterClient:
         with self._lock:
             self._closed = True
             channels, self._channels, self._stubs = self._channels, {}, {}
+            conns, self._rpc_conns = self._rpc_conns, set()
         for channel in channels.values():
             channel.close()
+        for conn in conns:
+            conn.close()
+
+
+RPC_RESPONSES: dict[str, type[Any]] = {
+    "Lookup": master_pb2.LookupResponse,
+    "CommitPuts": master_pb2.CommitPutsResponse,
+    "GetMembers": master_pb2.GetMembersResponse,
+    "PrefixMatch": master_pb2.PrefixMatchResponse,
+    "Remove": master_pb2.RemoveResponse,
+}
+"""The calls masters serve on their frame RPC port, and the type of each answer."""
+
+
+def rpc_answer(address: str, method: str, call: Call, routing: MasterRouting) -> Any:
+    """The response of an answered RPC frame, or the typed error it carries."""
+    data = bytes(call.data) if call.data is not None else b""
+    if call.error is not None:
+        raise UnavailableError(f"{address}: {method}: {call.error}")
+    if call.status == Status.OK:
+        return RPC_RESPONSES[method].FromString(data)
+    if call.status == Status.RPC_ERROR:
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            doc = {}
+        raise error_from_code(
+            doc.get("code"),
+            f"{address}: {doc.get('message', 'no message')}",
+            leader=doc.get("leader"),
+        )
+    # A port that does not know the call (another release): gRPC from now on.
+    routing.learn_rpc(address, "")
+    raise UnavailableError(f"{address}: {method} over its RPC port: status {call.status}")

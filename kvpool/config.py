@@ -122,9 +122,17 @@ class MasterConfig(LogConfig):
         "(default: listen, with the port actually bound)",
     )
     ready_file: str = opt("", "write a JSON file with the bound addresses once serving", flag=True)
+    rpc_listen: str = opt(
+        "auto",
+        "frame RPC port for clients' hot calls (lookups, commits) without gRPC's per-call cost: "
+        "host:port, 'auto' (the gRPC host, any free port; offered only when this master is "
+        "dialled directly, not through a proxy or NAT: advertise_address unset) or 'off'",
+    )
 
     def validate(self) -> list[str]:
         errors = _validate_addresses(self, ("listen", "raft_listen"))
+        if self.rpc_listen not in ("auto", "off"):
+            errors += _validate_addresses(self, ("rpc_listen",))
         for peer in self.raft_peers:
             try:
                 split_hostport(peer)

@@ -33,6 +33,11 @@ not know ``HELLO`` answers BAD_REQUEST or an empty OK: no features). None of the
 older frame is read, so ``PROTOCOL_VERSION`` stays 1: a node that does not know an op answers
 BAD_REQUEST and the client uses the single-key ops.
 
+``RPC`` carries a call to a master (its frame RPC port, offered in GetMembers): the key is the
+method's name, the payload the serialized protobuf request, ``version`` the caller's time budget
+in microseconds; the answer's payload is the serialized response, or with status RPC_ERROR the
+typed error (:mod:`kvpool.errors` code, message, leader) as JSON.
+
 A response carries the request's op and request id. An error response (status other than OK and
 MISS) carries a UTF-8 message as its payload. ``flags`` of a GET request is the slowest
 :class:`TierLevel` the caller accepts (0: any); ``flags`` of a GET hit names the tier that served
@@ -72,6 +77,7 @@ class Op(enum.IntEnum):
     SHM_RELEASE = 9  # end leases handed out by SHM_GET (payload: lease ids); no response
     SHM_RESERVE = 10  # reserve arena extents for puts (table of write id, size, checksum, key)
     SHM_COMMIT = 11  # the reserved extents are written: verify and stage them (reservation ids)
+    RPC = 12  # a master call: key = method name, payload = protobuf request, version = budget us
 
 
 class Status(enum.IntEnum):
@@ -85,6 +91,7 @@ class Status(enum.IntEnum):
     INTERNAL = 7  # unexpected server error; payload says what
     UNAUTHORIZED = 8  # reserved for data-plane tokens
     DEFERRED = 9  # MGET/SHM_GET record only: not in memory here, read it with a single GET
+    RPC_ERROR = 10  # RPC: the call raised; payload = JSON {"code", "message", "leader"}
 
 
 class MissReason(enum.IntEnum):

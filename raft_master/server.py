@@ -34,6 +34,7 @@ from kvpool.logs import bind_process, configure_logging, get_logger
 from kvpool.proto.v1 import master_pb2_grpc
 from kvpool.raft_master.failure import FailureDetector, FailureLoop
 from kvpool.raft_master.replication import Replicator, StartupError, StuckFollowerWatch
+from kvpool.raft_master.rpc_port import RpcPort
 from kvpool.raft_master.service import MasterService
 
 MONITOR_PERIOD_S = 0.1
@@ -140,6 +141,7 @@ class MasterProcess:
         self._stop: asyncio.Event | None = None
         self._exit_code = EXIT_OK
         self._handle: ServerHandle | None = None
+        self._rpc: RpcPort | None = None
         self._lock_fd: int | None = None
 
     def request_stop(self, exit_code: int = EXIT_OK) -> None:
@@ -168,6 +170,7 @@ class MasterProcess:
             except (KVPoolError, RuntimeError) as e:
                 raise StartupError(f"cannot bind the gRPC address {cfg.listen}: {e}") from None
             self.service.grpc_address = advertised_grpc_address(cfg, self._handle.port)
+            self._start_rpc_port()
             self.replicator.start()  # on this (the main) thread: PySyncObj ties its thread to it
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
@@ -179,12 +182,14 @@ class MasterProcess:
                         "pid": os.getpid(),
                         "grpc": self.service.grpc_address,
                         "raft": cfg.raft_listen,
+                        "rpc": self.service.rpc_address,
                     },
                 )
             self.log.info(
                 "master_started",
                 grpc=self.service.grpc_address,
                 raft=cfg.raft_listen,
+                rpc=self.service.rpc_address or None,
                 peers=list(cfg.raft_peers),
                 data_dir=cfg.data_dir if not cfg.in_memory else None,
                 in_memory=cfg.in_memory,
@@ -211,7 +216,30 @@ class MasterProcess:
                 os.close(self._lock_fd)
                 self._lock_fd = None
 
+    def _start_rpc_port(self) -> None:
+        """The frame RPC port (rpc_port.py), offered only to clients that dial this master
+        directly (no advertise_address: nothing in front of it)."""
+        cfg = self.cfg
+        if cfg.rpc_listen == "off":
+            return
+        if cfg.rpc_listen == "auto":
+            if cfg.advertise_address:
+                return
+            host, port = split_hostport(cfg.listen)[0], 0
+        else:
+            host, port = split_hostport(cfg.rpc_listen)
+        self._rpc = RpcPort(self.service, self.log)
+        try:
+            bound = self._rpc.start(host, port)
+        except OSError as e:
+            raise StartupError(f"rpc_listen: cannot listen on {host}:{port}: {e}") from None
+        shown = f"[{host}]" if ":" in host else host
+        self.service.rpc_address = f"{shown}:{bound}"
+
     async def _cleanup_after_failed_start(self) -> None:
+        if self._rpc is not None:
+            self._rpc.close()
+            self._rpc = None
         if self._handle is not None:
             with contextlib.suppress(Exception):
                 await self._handle.stop(0)
@@ -219,6 +247,9 @@ class MasterProcess:
         await asyncio.to_thread(self.replicator.stop)
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
+        if self._rpc is not None:
+            self._rpc.close()
+            self._rpc = None
         handle, self._handle = self._handle, None
         if handle is not None:
             with contextlib.suppress(Exception):

@@ -155,6 +155,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             timeout_s=cfg.commit_timeout_s,
         )
         self._node_stats: dict[int, NodeStats] = {}
+        self.rpc_address = ""  # the frame RPC port, when offered (see rpc_port.py)
         self._established_term: int | None = None
         self._announce_in_flight = False
 
@@ -484,7 +485,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
             lambda ix: (ix.live_members(), ix.ring_version)
         )
         return master_pb2.GetMembersResponse(
-            ring_version=ring_version, members=map(member_pb, members)
+            ring_version=ring_version,
+            members=map(member_pb, members),
+            rpc_address=self.rpc_address,
         )
 
     def master_status(self) -> master_pb2.MasterStatus:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.proto.v1 import common_pb2 as kvpool_dot_proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvpool/proto/v1/master.proto\x12\tkvpool.v1\x1a\x1ckvpool/proto/v1/common.proto\"a\n\x08PutEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x06\x12\x10\n\x08replicas\x18\x05 \x03(\r\"c\n\x11\x43ommitPutsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x14\n\x0cring_version\x18\x02 \x01(\x04\x12$\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x13.kvpool.v1.PutEntry\"T\n\tPutResult\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.kvpool.v1.PutStatus\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08replicas\x18\x03 \x03(\r\"w\n\x12\x43ommitPutsResponse\x12%\n\x07results\x18\x01 \x03(\x0b\x32\x14.kvpool.v1.PutResult\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12\x12\n\nstale_ring\x18\x03 \x01(\x08\x12\x14\n\x0cring_version\x18\x04 \x01(\x04\"3\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x14\n\x0cmin_revision\x18\x02 \x01(\x04\"\x84\x01\n\x0eLookupResponse\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.kvpool.v1.BlockEntry\x12\"\n\x07members\x18\x02 \x03(\x0b\x32\x11.kvpool.v1.Member\x12\x10\n\x08revision\x18\x03 \x01(\x04\x12\x14\n\x0cring_version\x18\x04 \x01(\x04\"8\n\x12PrefixMatchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x14\n\x0cmin_revision\x18\x02 \x01(\x04\"8\n\x13PrefixMatchResponse\x12\x0f\n\x07matched\x18\x01 \x01(\r\x12\x10\n\x08revision\x18\x02 \x01(\x04\"1\n\rRemoveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\t\"?\n\x0cRemovedBlock\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\x12\x10\n\x08replicas\x18\x03 \x03(\r\"\x80\x01\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x03(\x08\x12\'\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x17.kvpool.v1.RemovedBlock\x12\"\n\x07members\x18\x03 \x03(\x0b\x32\x11.kvpool.v1.Member\x12\x10\n\x08revision\x18\x04 \x01(\x04\"\x13\n\x11GetMembersRequest\"N\n\x12GetMembersResponse\x12\x14\n\x0cring_version\x18\x01 \x01(\x04\x12\"\n\x07members\x18\x02 \x03(\x0b\x32\x11.kvpool.v1.Member\"\xa2\x01\n\x13RegisterNodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\x12\x14\n\x0c\x64\x61ta_address\x18\x04 \x01(\t\x12\x15\n\radmin_address\x18\x05 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x0c\n\x04zone\x18\x07 \x01(\t\"u\n\x14RegisterNodeResponse\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\x14\n\x0cring_version\x18\x02 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x16\n\x0enode_timeout_s\x18\x04 \x01(\x01\"\xbf\x01\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_count\x18\x04 \x01(\x04\x12\x14\n\x0cstaged_count\x18\x05 \x01(\x04\x12\x12\n\nhits_total\x18\x06 \x01(\x04\x12\x14\n\x0cmisses_total\x18\x07 \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\x08 \x01(\x04\"8\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x14\n\x0cring_version\x18\x02 \x01(\x04\"-\n\x0c\x45victedBlock\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\"h\n\x16ReportEvictionsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x11\n\tmember_id\x18\x02 \x01(\r\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.kvpool.v1.EvictedBlock\"<\n\x17ReportEvictionsResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r\x12\x10\n\x08revision\x18\x02 \x01(\x04\"\x83\x01\n\x0c\x43laimedBlock\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x06\x12\x1d\n\x04tier\x18\x06 \x01(\x0e\x32\x0f.kvpool.v1.Tier\"w\n\x14\x43laimReplicasRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x11\n\tmember_id\x18\x02 \x01(\r\x12\x0f\n\x07restore\x18\x03 \x01(\x08\x12\'\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x17.kvpool.v1.ClaimedBlock\";\n\x15\x43laimReplicasResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x08\x12\x10\n\x08revision\x18\x02 \x01(\x04\"9\n\x10LeaveNodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x11\n\tmember_id\x18\x02 \x01(\r\")\n\x11LeaveNodeResponse\x12\x14\n\x0cring_version\x18\x01 \x01(\x04\"\x16\n\x14\x43lusterStatusRequest\"\x8a\x03\n\x0cMasterStatus\x12\x14\n\x0cgrpc_address\x18\x01 \x01(\t\x12\x14\n\x0craft_address\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\x14\n\x0c\x63ommit_index\x18\x05 \x01(\x04\x12\x14\n\x0clast_applied\x18\x06 \x01(\x04\x12\x1b\n\x13leader_raft_address\x18\x07 \x01(\t\x12\x1b\n\x13leader_grpc_address\x18\x08 \x01(\t\x12\r\n\x05ready\x18\t \x01(\x08\x12\x10\n\x08log_size\x18\n \x01(\x04\x12\x10\n\x08revision\x18\x0b \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x0c \x01(\x04\x12M\n\x14\x66ollower_match_index\x18\r \x03(\x0b\x32/.kvpool.v1.MasterStatus.FollowerMatchIndexEntry\x1a\x39\n\x17\x46ollowerMatchIndexEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb9\x01\n\nNodeStatus\x12!\n\x06member\x18\x01 \x01(\x0b\x32\x11.kvpool.v1.Member\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_count\x18\x03 \x01(\x04\x12\x12\n\nhits_total\x18\x04 \x01(\x04\x12\x14\n\x0cmisses_total\x18\x05 \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\x06 \x01(\x04\x12\x1c\n\x14last_heartbeat_age_s\x18\x07 \x01(\x01\"\x96\x01\n\x15\x43lusterStatusResponse\x12\'\n\x06master\x18\x01 \x01(\x0b\x32\x17.kvpool.v1.MasterStatus\x12$\n\x05nodes\x18\x02 \x03(\x0b\x32\x15.kvpool.v1.NodeStatus\x12\x14\n\x0cring_version\x18\x03 \x01(\x04\x12\x18\n\x10protocol_version\x18\x04 \x01(\t*a\n\tPutStatus\x12\x1a\n\x16PUT_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14PUT_STATUS_COMMITTED\x10\x01\x12\x1e\n\x1aPUT_STATUS_NO_LIVE_REPLICA\x10\x02\x32\xcd\x06\n\x06Master\x12I\n\nCommitPuts\x12\x1c.kvpool.v1.CommitPutsRequest\x1a\x1d.kvpool.v1.CommitPutsResponse\x12=\n\x06Lookup\x12\x18.kvpool.v1.LookupRequest\x1a\x19.kvpool.v1.LookupResponse\x12L\n\x0bPrefixMatch\x12\x1d.kvpool.v1.PrefixMatchRequest\x1a\x1e.kvpool.v1.PrefixMatchResponse\x12=\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x19.kvpool.v1.RemoveResponse\x12I\n\nGetMembers\x12\x1c.kvpool.v1.GetMembersRequest\x1a\x1d.kvpool.v1.GetMembersResponse\x12O\n\x0cRegisterNode\x12\x1e.kvpool.v1.RegisterNodeRequest\x1a\x1f.kvpool.v1.RegisterNodeResponse\x12\x46\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x1c.kvpool.v1.HeartbeatResponse\x12X\n\x0fReportEvictions\x12!.kvpool.v1.ReportEvictionsRequest\x1a\".kvpool.v1.ReportEvictionsResponse\x12R\n\rClaimReplicas\x12\x1f.kvpool.v1.ClaimReplicasRequest\x1a .kvpool.v1.ClaimReplicasResponse\x12\x46\n\tLeaveNode\x12\x1b.kvpool.v1.LeaveNodeRequest\x1a\x1c.kvpool.v1.LeaveNodeResponse\x12R\n\rClusterStatus\x12\x1f.kvpool.v1.ClusterStatusRequest\x1a .kvpool.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvpool/proto/v1/master.proto\x12\tkvpool.v1\x1a\x1ckvpool/proto/v1/common.proto\"a\n\x08PutEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x06\x12\x10\n\x08replicas\x18\x05 \x03(\r\"c\n\x11\x43ommitPutsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x14\n\x0cring_version\x18\x02 \x01(\x04\x12$\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x13.kvpool.v1.PutEntry\"T\n\tPutResult\x12$\n\x06status\x18\x01 \x01(\x0e\x32\x14.kvpool.v1.PutStatus\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08replicas\x18\x03 \x03(\r\"w\n\x12\x43ommitPutsResponse\x12%\n\x07results\x18\x01 \x03(\x0b\x32\x14.kvpool.v1.PutResult\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12\x12\n\nstale_ring\x18\x03 \x01(\x08\x12\x14\n\x0cring_version\x18\x04 \x01(\x04\"3\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x14\n\x0cmin_revision\x18\x02 \x01(\x04\"\x84\x01\n\x0eLookupResponse\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.kvpool.v1.BlockEntry\x12\"\n\x07members\x18\x02 \x03(\x0b\x32\x11.kvpool.v1.Member\x12\x10\n\x08revision\x18\x03 \x01(\x04\x12\x14\n\x0cring_version\x18\x04 \x01(\x04\"8\n\x12PrefixMatchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x14\n\x0cmin_revision\x18\x02 \x01(\x04\"8\n\x13PrefixMatchResponse\x12\x0f\n\x07matched\x18\x01 \x01(\r\x12\x10\n\x08revision\x18\x02 \x01(\x04\"1\n\rRemoveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\t\"?\n\x0cRemovedBlock\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\x12\x10\n\x08replicas\x18\x03 \x03(\r\"\x80\x01\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x03(\x08\x12\'\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x17.kvpool.v1.RemovedBlock\x12\"\n\x07members\x18\x03 \x03(\x0b\x32\x11.kvpool.v1.Member\x12\x10\n\x08revision\x18\x04 \x01(\x04\"\x13\n\x11GetMembersRequest\"c\n\x12GetMembersResponse\x12\x14\n\x0cring_version\x18\x01 \x01(\x04\x12\"\n\x07members\x18\x02 \x03(\x0b\x32\x11.kvpool.v1.Member\x12\x13\n\x0brpc_address\x18\x03 \x01(\t\"\xa2\x01\n\x13RegisterNodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\x12\x14\n\x0c\x64\x61ta_address\x18\x04 \x01(\t\x12\x15\n\radmin_address\x18\x05 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12\x0c\n\x04zone\x18\x07 \x01(\t\"u\n\x14RegisterNodeResponse\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\x14\n\x0cring_version\x18\x02 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x16\n\x0enode_timeout_s\x18\x04 \x01(\x01\"\xbf\x01\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_count\x18\x04 \x01(\x04\x12\x14\n\x0cstaged_count\x18\x05 \x01(\x04\x12\x12\n\nhits_total\x18\x06 \x01(\x04\x12\x14\n\x0cmisses_total\x18\x07 \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\x08 \x01(\x04\"8\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x14\n\x0cring_version\x18\x02 \x01(\x04\"-\n\x0c\x45victedBlock\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\"h\n\x16ReportEvictionsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x11\n\tmember_id\x18\x02 \x01(\r\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.kvpool.v1.EvictedBlock\"<\n\x17ReportEvictionsResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r\x12\x10\n\x08revision\x18\x02 \x01(\x04\"\x83\x01\n\x0c\x43laimedBlock\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x06\x12\x1d\n\x04tier\x18\x06 \x01(\x0e\x32\x0f.kvpool.v1.Tier\"w\n\x14\x43laimReplicasRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x11\n\tmember_id\x18\x02 \x01(\r\x12\x0f\n\x07restore\x18\x03 \x01(\x08\x12\'\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x17.kvpool.v1.ClaimedBlock\";\n\x15\x43laimReplicasResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x08\x12\x10\n\x08revision\x18\x02 \x01(\x04\"9\n\x10LeaveNodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x0c\x12\x11\n\tmember_id\x18\x02 \x01(\r\")\n\x11LeaveNodeResponse\x12\x14\n\x0cring_version\x18\x01 \x01(\x04\"\x16\n\x14\x43lusterStatusRequest\"\x8a\x03\n\x0cMasterStatus\x12\x14\n\x0cgrpc_address\x18\x01 \x01(\t\x12\x14\n\x0craft_address\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0c\n\x04term\x18\x04 \x01(\x04\x12\x14\n\x0c\x63ommit_index\x18\x05 \x01(\x04\x12\x14\n\x0clast_applied\x18\x06 \x01(\x04\x12\x1b\n\x13leader_raft_address\x18\x07 \x01(\t\x12\x1b\n\x13leader_grpc_address\x18\x08 \x01(\t\x12\r\n\x05ready\x18\t \x01(\x08\x12\x10\n\x08log_size\x18\n \x01(\x04\x12\x10\n\x08revision\x18\x0b \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x0c \x01(\x04\x12M\n\x14\x66ollower_match_index\x18\r \x03(\x0b\x32/.kvpool.v1.MasterStatus.FollowerMatchIndexEntry\x1a\x39\n\x17\x46ollowerMatchIndexEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb9\x01\n\nNodeStatus\x12!\n\x06member\x18\x01 \x01(\x0b\x32\x11.kvpool.v1.Member\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_count\x18\x03 \x01(\x04\x12\x12\n\nhits_total\x18\x04 \x01(\x04\x12\x14\n\x0cmisses_total\x18\x05 \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\x06 \x01(\x04\x12\x1c\n\x14last_heartbeat_age_s\x18\x07 \x01(\x01\"\x96\x01\n\x15\x43lusterStatusResponse\x12\'\n\x06master\x18\x01 \x01(\x0b\x32\x17.kvpool.v1.MasterStatus\x12$\n\x05nodes\x18\x02 \x03(\x0b\x32\x15.kvpool.v1.NodeStatus\x12\x14\n\x0cring_version\x18\x03 \x01(\x04\x12\x18\n\x10protocol_version\x18\x04 \x01(\t*a\n\tPutStatus\x12\x1a\n\x16PUT_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14PUT_STATUS_COMMITTED\x10\x01\x12\x1e\n\x1aPUT_STATUS_NO_LIVE_REPLICA\x10\x02\x32\xcd\x06\n\x06Master\x12I\n\nCommitPuts\x12\x1c.kvpool.v1.CommitPutsRequest\x1a\x1d.kvpool.v1.CommitPutsResponse\x12=\n\x06Lookup\x12\x18.kvpool.v1.LookupRequest\x1a\x19.kvpool.v1.LookupResponse\x12L\n\x0bPrefixMatch\x12\x1d.kvpool.v1.PrefixMatchRequest\x1a\x1e.kvpool.v1.PrefixMatchResponse\x12=\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x19.kvpool.v1.RemoveResponse\x12I\n\nGetMembers\x12\x1c.kvpool.v1.GetMembersRequest\x1a\x1d.kvpool.v1.GetMembersResponse\x12O\n\x0cRegisterNode\x12\x1e.kvpool.v1.RegisterNodeRequest\x1a\x1f.kvpool.v1.RegisterNodeResponse\x12\x46\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x1c.kvpool.v1.HeartbeatResponse\x12X\n\x0fReportEvictions\x12!.kvpool.v1.ReportEvictionsRequest\x1a\".kvpool.v1.ReportEvictionsResponse\x12R\n\rClaimReplicas\x12\x1f.kvpool.v1.ClaimReplicasRequest\x1a .kvpool.v1.ClaimReplicasResponse\x12\x46\n\tLeaveNode\x12\x1b.kvpool.v1.LeaveNodeRequest\x1a\x1c.kvpool.v1.LeaveNodeResponse\x12R\n\rClusterStatus\x12\x1f.kvpool.v1.ClusterStatusRequest\x1a .kvpool.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MASTERSTATUS_FOLLOWERMATCHINDEXENTRY']._loaded_options = None
   _globals['_MASTERSTATUS_FOLLOWERMATCHINDEXENTRY']._serialized_options = b'8\001'
-  _globals['_PUTSTATUS']._serialized_start=3063
-  _globals['_PUTSTATUS']._serialized_end=3160
+  _globals['_PUTSTATUS']._serialized_start=3084
+  _globals['_PUTSTATUS']._serialized_end=3181
   _globals['_PUTENTRY']._serialized_start=73
   _globals['_PUTENTRY']._serialized_end=170
   _globals['_COMMITPUTSREQUEST']._serialized_start=172
@@ -61,41 +61,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMEMBERSREQUEST']._serialized_start=1031
   _globals['_GETMEMBERSREQUEST']._serialized_end=1050
   _globals['_GETMEMBERSRESPONSE']._serialized_start=1052
-  _globals['_GETMEMBERSRESPONSE']._serialized_end=1130
-  _globals['_REGISTERNODEREQUEST']._serialized_start=1133
-  _globals['_REGISTERNODEREQUEST']._serialized_end=1295
-  _globals['_REGISTERNODERESPONSE']._serialized_start=1297
-  _globals['_REGISTERNODERESPONSE']._serialized_end=1414
-  _globals['_HEARTBEATREQUEST']._serialized_start=1417
-  _globals['_HEARTBEATREQUEST']._serialized_end=1608
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1610
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1666
-  _globals['_EVICTEDBLOCK']._serialized_start=1668
-  _globals['_EVICTEDBLOCK']._serialized_end=1713
-  _globals['_REPORTEVICTIONSREQUEST']._serialized_start=1715
-  _globals['_REPORTEVICTIONSREQUEST']._serialized_end=1819
-  _globals['_REPORTEVICTIONSRESPONSE']._serialized_start=1821
-  _globals['_REPORTEVICTIONSRESPONSE']._serialized_end=1881
-  _globals['_CLAIMEDBLOCK']._serialized_start=1884
-  _globals['_CLAIMEDBLOCK']._serialized_end=2015
-  _globals['_CLAIMREPLICASREQUEST']._serialized_start=2017
-  _globals['_CLAIMREPLICASREQUEST']._serialized_end=2136
-  _globals['_CLAIMREPLICASRESPONSE']._serialized_start=2138
-  _globals['_CLAIMREPLICASRESPONSE']._serialized_end=2197
-  _globals['_LEAVENODEREQUEST']._serialized_start=2199
-  _globals['_LEAVENODEREQUEST']._serialized_end=2256
-  _globals['_LEAVENODERESPONSE']._serialized_start=2258
-  _globals['_LEAVENODERESPONSE']._serialized_end=2299
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2301
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2323
-  _globals['_MASTERSTATUS']._serialized_start=2326
-  _globals['_MASTERSTATUS']._serialized_end=2720
-  _globals['_MASTERSTATUS_FOLLOWERMATCHINDEXENTRY']._serialized_start=2663
-  _globals['_MASTERSTATUS_FOLLOWERMATCHINDEXENTRY']._serialized_end=2720
-  _globals['_NODESTATUS']._serialized_start=2723
-  _globals['_NODESTATUS']._serialized_end=2908
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2911
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=3061
-  _globals['_MASTER']._serialized_start=3163
-  _globals['_MASTER']._serialized_end=4008
+  _globals['_GETMEMBERSRESPONSE']._serialized_end=1151
+  _globals['_REGISTERNODEREQUEST']._serialized_start=1154
+  _globals['_REGISTERNODEREQUEST']._serialized_end=1316
+  _globals['_REGISTERNODERESPONSE']._serialized_start=1318
+  _globals['_REGISTERNODERESPONSE']._serialized_end=1435
+  _globals['_HEARTBEATREQUEST']._serialized_start=1438
+  _globals['_HEARTBEATREQUEST']._serialized_end=1629
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1631
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1687
+  _globals['_EVICTEDBLOCK']._serialized_start=1689
+  _globals['_EVICTEDBLOCK']._serialized_end=1734
+  _globals['_REPORTEVICTIONSREQUEST']._serialized_start=1736
+  _globals['_REPORTEVICTIONSREQUEST']._serialized_end=1840
+  _globals['_REPORTEVICTIONSRESPONSE']._serialized_start=1842
+  _globals['_REPORTEVICTIONSRESPONSE']._serialized_end=1902
+  _globals['_CLAIMEDBLOCK']._serialized_start=1905
+  _globals['_CLAIMEDBLOCK']._serialized_end=2036
+  _globals['_CLAIMREPLICASREQUEST']._serialized_start=2038
+  _globals['_CLAIMREPLICASREQUEST']._serialized_end=2157
+  _globals['_CLAIMREPLICASRESPONSE']._serialized_start=2159
+  _globals['_CLAIMREPLICASRESPONSE']._serialized_end=2218
+  _globals['_LEAVENODEREQUEST']._serialized_start=2220
+  _globals['_LEAVENODEREQUEST']._serialized_end=2277
+  _globals['_LEAVENODERESPONSE']._serialized_start=2279
+  _globals['_LEAVENODERESPONSE']._serialized_end=2320
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2322
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2344
+  _globals['_MASTERSTATUS']._serialized_start=2347
+  _globals['_MASTERSTATUS']._serialized_end=2741
+  _globals['_MASTERSTATUS_FOLLOWERMATCHINDEXENTRY']._serialized_start=2684
+  _globals['_MASTERSTATUS_FOLLOWERMATCHINDEXENTRY']._serialized_end=2741
+  _globals['_NODESTATUS']._serialized_start=2744
+  _globals['_NODESTATUS']._serialized_end=2929
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2932
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=3082
+  _globals['_MASTER']._serialized_start=3184
+  _globals['_MASTER']._serialized_end=4029
 # @@protoc_insertion_point(module_scope)
