@@ -11,8 +11,9 @@ thread. The judging is here, once:
   anything else moves the key to its next replica, and past the last one the key is a miss
   with the strongest reason seen;
 * a node that speaks MGET gets one frame for many keys (its answer: one table and the bytes of
-  the hits, scattered into their buffers); over shared memory one SHM_GET says where each block
-  lies in the arena, the bytes are copied out here and the leases given back after;
+  the hits, scattered into their buffers); over shared memory one SHM_GET says where each large
+  block lies in the arena, the bytes are copied out here and the leases given back after
+  (small blocks come inline on the node's unix socket);
 * puts are PUT frames over TCP, or a reservation, a copy into the arena and a commit over
   shared memory.
 """
@@ -64,6 +65,10 @@ MGET_MAX_KEYS = 1024
 """Most keys in one MGET frame."""
 MGET_MAX_BYTES = 64 << 20
 """Most block bytes asked for in one MGET frame (a larger batch takes several, pipelined)."""
+SHM_GET_MIN_BYTES = 64 << 10
+"""Over shared memory, smaller blocks are read with GET/MGET frames on the node's unix socket
+(one round trip, the kernel copies the bytes); larger ones are leased and copied out of the
+arena directly (the lease must be given back: one more message)."""
 SHM_PUT_MIN_BYTES = 64 << 10
 """Over shared memory, smaller blocks are put with a PUT frame (one round trip, the kernel
 copies the bytes) rather than reserved, copied and committed (two round trips)."""
@@ -286,14 +291,18 @@ class NodeRead:
         self.followups: list[Call] = []  # single GETs for blocks the node deferred
         self._deferred: list[ReadItem] = []
         self.releases: list[int] = []  # shared-memory leases to give back
+        inline = items
         if arena is not None:
-            for chunk in _chunks(items, MAX_TABLE_KEYS, 0):
-                self._add(_table_call(Op.SHM_GET, chunk, SHM_RECORD, sinks=False), chunk)
-        elif mget and len(items) > 1:
-            for chunk in _chunks(items, MGET_MAX_KEYS, MGET_MAX_BYTES):
+            mapped = [it for it in items if it.entry.size_bytes >= SHM_GET_MIN_BYTES]
+            if mapped:
+                inline = [it for it in items if it.entry.size_bytes < SHM_GET_MIN_BYTES]
+                for chunk in _chunks(mapped, MAX_TABLE_KEYS, 0):
+                    self._add(_table_call(Op.SHM_GET, chunk, SHM_RECORD, sinks=False), chunk)
+        if mget and len(inline) > 1:
+            for chunk in _chunks(inline, MGET_MAX_KEYS, MGET_MAX_BYTES):
                 self._add(_table_call(Op.MGET, chunk, MGET_RECORD, sinks=True), chunk)
         else:
-            for it in items:
+            for it in inline:
                 self._add(_get_call(it), [it])
 
     def _add(self, call: Call, group: list[ReadItem]) -> None:
