@@ -1,0 +1,367 @@
+"""The client's data path against real data servers in this process (a fake master holds the
+index): every transport, both clients, the lookup cache, group commit, the transport setting.
+Then the pure parts on their own: cache rules, commit batching, HELLO offers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import pytest
+
+from kvpool import AsyncClient, Client
+from kvpool.client.cache import LookupCache
+from kvpool.client.commits import CommitBatcher, CommitJob, SyncCommitter
+from kvpool.client.links import Links, read_hello
+from kvpool.errors import ConfigError, InvalidArgumentError, KVPoolError, TransportError
+from kvpool.proto.v1 import common_pb2, master_pb2
+from kvpool.proto.wire import Op, Status
+from kvpool.store_node.data_server import DataConnection
+from kvpool.store_node.shm_server import ShmConnection
+from kvpool.transports import host_id
+from kvpool.transports.calls import Call
+from kvpool.transports.shm import shm_supported
+from tests.unit.test_client_core import FakeCluster
+from tests.unit.test_transports import Node
+
+MIB = 1 << 20
+SIZES = [0, 1, 4096, 100_000, 3 * MIB]
+needs_shm = pytest.mark.skipif(not shm_supported(), reason="shared memory needs Linux")
+
+
+@dataclass
+class RealNode:
+    """A real data server standing in for a fake master's node."""
+
+    member_id: int
+    node_id: str
+    node: Node
+    scheme: str = "tcp"
+
+    @property
+    def address(self) -> str:
+        return self.node.address(self.scheme)
+
+    def member(self) -> common_pb2.Member:
+        return common_pb2.Member(
+            member_id=self.member_id,
+            node_id=self.node_id,
+            incarnation=self.member_id,
+            data_address=self.address,
+            capacity_bytes=1 << 30,
+            live=True,
+        )
+
+
+class Cluster:
+    """The fake master of test_client_core with two real data servers."""
+
+    def __init__(self, scheme: str = "tcp") -> None:
+        self.fake = FakeCluster(n_nodes=0).start()
+        self.master = self.fake.master
+        self.nodes = [Node(), Node()]
+        for i, node in enumerate(self.nodes):
+            self.master.nodes[i + 1] = cast(Any, RealNode(i + 1, f"node-{i + 1}", node, scheme))
+        self.address = self.fake.master_address
+
+    def close(self) -> None:
+        try:
+            for node in self.nodes:
+                node.close()
+        finally:
+            self.fake.stop()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def values(seed: int) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    return {f"v{seed}/{n}": rng.randbytes(n) for n in SIZES}
+
+
+def node_connections(cluster: Cluster) -> list[type]:
+    return [type(c) for n in cluster.nodes for c in list(n.server.connections)]
+
+
+# --- every transport, both clients ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "transport", ["tcp", pytest.param("shm", marks=needs_shm), "auto", "inproc"]
+)
+def test_the_sync_client_reads_back_every_byte_over_each_transport(transport: str) -> None:
+    cluster = Cluster("inproc" if transport == "inproc" else "tcp")
+    try:
+        setting = "auto" if transport == "inproc" else transport
+        with Client([cluster.address], timeout_s=5.0, transport=setting) as kv:
+            vals = values(1)
+            assert kv.batch_put(vals) == [True] * len(vals)
+            assert kv.batch_get([*vals, "absent"]) == [*vals.values(), None]
+            for key, value in vals.items():
+                assert kv.get(key) == value
+                buf = bytearray(len(value) + 3)
+                assert kv.get_into(key, buf) == len(value)
+                assert bytes(buf[: len(value)]) == value
+            bufs = [np.zeros(len(v) + 1, dtype=np.uint8) for v in vals.values()]
+            assert kv.batch_get_into(list(vals), bufs) == [len(v) for v in vals.values()]
+            assert [b[: len(v)].tobytes() for b, v in zip(bufs, vals.values(), strict=True)] == [
+                *vals.values()
+            ]
+            assert kv.put("single", b"x" * 5000)
+            assert kv.remove("single")
+            assert kv.get("single") is None
+            kinds = set(node_connections(cluster))
+            if transport in ("shm", "auto") and shm_supported():
+                assert ShmConnection in kinds  # the node really served shared memory
+            else:
+                assert kinds == {DataConnection}
+            assert kv.stats["misses_by_reason"]["checksum_mismatch"] == 0
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=needs_shm)])
+def test_the_async_client_reads_back_every_byte(cluster: Cluster, transport: str) -> None:
+    async def scenario() -> None:
+        async with AsyncClient([cluster.address], timeout_s=5.0, transport=transport) as kv:
+            vals = values(2)
+            assert await kv.batch_put(vals) == [True] * len(vals)
+            assert await kv.batch_get([*vals, "absent"]) == [*vals.values(), None]
+            bufs = [bytearray(len(v)) for v in vals.values()]
+            assert await kv.batch_get_into(list(vals), bufs) == [len(v) for v in vals.values()]
+            assert [bytes(b) for b in bufs] == list(vals.values())
+            puts = await asyncio.gather(*(kv.put(f"c{i}", b"y" * i) for i in range(40)))
+            assert all(puts)
+            assert await kv.get("c7") == b"y" * 7
+            buf = bytearray(64)
+            assert await kv.get_into("c39", buf) == 39
+            assert await kv.exists("c1")
+            assert await kv.get_or_compute("computed", _compute) == b"from a coroutine"
+            assert await kv.get("computed") == b"from a coroutine"
+        assert kv.closed
+
+    asyncio.run(scenario())
+
+
+async def _compute() -> bytes:
+    return b"from a coroutine"
+
+
+def test_batch_get_into_refuses_mismatched_buffers(cluster: Cluster) -> None:
+    with Client([cluster.address], timeout_s=5.0) as kv:
+        assert kv.put("k", b"v" * 10)
+        with pytest.raises(InvalidArgumentError):  # InvalidArgumentError
+            kv.batch_get_into(["k", "k"], [bytearray(10)])
+        with pytest.raises(InvalidArgumentError):
+            kv.batch_get_into(["k"], [bytearray(9)])  # too small for the block
+
+
+# --- the lookup cache ---------------------------------------------------------------------------
+
+
+def test_a_cached_key_is_read_without_asking_the_master(cluster: Cluster) -> None:
+    with Client([cluster.address], timeout_s=5.0) as kv:
+        assert kv.put("hot", b"1" * 100)
+        assert kv.get("hot") == b"1" * 100
+        lookups = cluster.master.calls["Lookup"]
+        for _ in range(5):
+            assert kv.get("hot") == b"1" * 100
+        assert kv.batch_get(["hot", "hot"]) == [b"1" * 100] * 2
+        assert cluster.master.calls["Lookup"] == lookups
+
+
+def test_a_stale_cached_entry_costs_a_lookup_never_a_wrong_or_missed_read(cluster: Cluster) -> None:
+    with Client([cluster.address], timeout_s=5.0) as reader, Client([cluster.address]) as writer:
+        assert writer.put("k", b"old" * 100)
+        assert reader.get("k") == b"old" * 100  # now cached
+        assert writer.put("k", b"new" * 100)  # the node drops the old write
+        lookups = cluster.master.calls["Lookup"]
+        assert reader.get("k") == b"new" * 100
+        assert cluster.master.calls["Lookup"] == lookups + 1
+        assert reader.stats["misses"] == 0
+        assert writer.remove("k")
+        assert reader.get("k") is None  # the cached entry missed, and the index has no key
+        assert reader.stats["misses_by_reason"]["absent"] == 1
+
+
+def test_own_puts_and_removes_update_cached_entries(cluster: Cluster) -> None:
+    with Client([cluster.address], timeout_s=5.0) as kv:
+        assert kv.put("k", b"a")
+        assert kv.get("k") == b"a"
+        assert kv.put("k", b"b")
+        lookups = cluster.master.calls["Lookup"]
+        assert kv.get("k") == b"b"  # from the entry the commit answered: no lookup
+        assert cluster.master.calls["Lookup"] == lookups
+        assert kv.remove("k")
+        assert kv.get("k") is None
+
+
+def test_the_cache_rules() -> None:
+    now = [0.0]
+    cache = LookupCache(capacity=8, ttl_s=10.0, clock=lambda: now[0])
+
+    def entry(version: int, write_id: int) -> common_pb2.BlockEntry:
+        return common_pb2.BlockEntry(found=True, version=version, write_id=write_id)
+
+    cache.store("k", entry(5, 50), revision=10)
+    cache.store("k", entry(4, 40), revision=9)  # an older answer cannot go back in time
+    got = cache.get("k")
+    assert got is not None
+    assert got.write_id == 50
+    cache.drop("k", write_id=40)  # names another write: kept
+    assert cache.get("k") is not None
+    cache.removed("k", revision=12)
+    assert cache.get("k") is None
+    cache.store("k", entry(6, 60), revision=11)  # answered before the remove: refused
+    assert cache.get("k") is None
+    cache.store("k", entry(7, 70), revision=13)
+    assert cache.get("k") is not None
+    now[0] = 11.0
+    assert cache.get("k") is None  # expired
+    cache.committed("never-read", entry(1, 1), revision=14)
+    assert cache.get("never-read") is None  # only keys this client reads are cached
+    for i in range(20):
+        cache.store(f"f{i}", entry(1, i + 1), revision=20)
+    assert len(cache) <= 8
+    assert LookupCache(capacity=0, ttl_s=1.0).get("k") is None
+
+
+# --- group commit -------------------------------------------------------------------------------
+
+
+def test_concurrent_puts_of_one_client_share_commit_requests(cluster: Cluster) -> None:
+    original = cluster.master.CommitPuts
+
+    async def slow_commit(request: Any, context: Any) -> master_pb2.CommitPutsResponse:
+        await asyncio.sleep(0.05)  # a Raft commit in flight: others arrive meanwhile
+        response: master_pb2.CommitPutsResponse = await original(request, context)
+        return response
+
+    cluster.master.CommitPuts = slow_commit  # type: ignore[method-assign]
+    with Client([cluster.address], timeout_s=10.0) as kv:
+        results: list[bool] = []
+
+        def writer(w: int) -> None:
+            for i in range(5):
+                results.append(kv.put(f"w{w}/{i}", bytes([w]) * 100))
+
+        threads = [threading.Thread(target=writer, args=(w,)) for w in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == [True] * 40
+        assert cluster.master.calls["CommitPuts"] < 30  # 40 puts, fewer requests
+        assert kv.get("w3/4") == bytes([3]) * 100
+
+
+def test_the_commit_batcher_groups_by_ring_version_and_size() -> None:
+    batcher = CommitBatcher(lambda: 10)
+
+    def job(ring: int, n: int) -> CommitJob:
+        return CommitJob(ring, [master_pb2.PutEntry(key=f"k{i}") for i in range(n)], 0.0)
+
+    a, b, c, d = job(1, 4), job(2, 3), job(1, 5), job(1, 2)
+    batcher.queue.extend([a, b, c, d])
+    assert batcher.take() == [a, c]  # same ring, 9 entries; d would make 11
+    assert batcher.take() == [b]
+    assert batcher.take() == [d]
+    assert batcher.take() == []
+    response = master_pb2.CommitPutsResponse(
+        revision=7, results=[master_pb2.PutResult(version=v) for v in range(9)]
+    )
+    CommitBatcher.split([a, c], response)
+    assert a.answer is not None
+    assert c.answer is not None
+    assert [r.version for r in a.answer.results] == [0, 1, 2, 3]
+    assert [r.version for r in c.answer.results] == [4, 5, 6, 7, 8]
+    assert batcher.requests == 3
+    assert batcher.jobs == 4
+
+
+def test_the_sync_committer_sends_one_request_at_a_time_and_wakes_everyone() -> None:
+    sent: list[int] = []
+    in_flight = [0]
+
+    def call(request: master_pb2.CommitPutsRequest, deadline: float) -> Any:
+        in_flight[0] += 1
+        assert in_flight[0] == 1
+        time.sleep(0.02)
+        sent.append(len(request.entries))
+        in_flight[0] -= 1
+        return master_pb2.CommitPutsResponse(
+            results=[master_pb2.PutResult(version=1) for _ in request.entries]
+        )
+
+    committer = SyncCommitter(call, lambda: 100)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            answer = committer.commit(1, [master_pb2.PutEntry(key="k")], time.monotonic() + 5)
+            assert len(answer.results) == 1
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors
+    assert sum(sent) == 12
+    assert len(sent) < 12
+
+
+# --- the transport setting and HELLO ------------------------------------------------------------
+
+
+def test_transport_shm_fails_where_a_node_offers_none() -> None:
+    fake = FakeCluster(n_nodes=2).start()  # fake nodes: no HELLO, no shared memory
+    try:
+        with Client([fake.master_address], timeout_s=2.0, transport="shm") as kv:
+            assert kv.put("k", b"v") is False
+            with pytest.raises(KVPoolError, match="shared memory"):
+                kv.put("k", b"v", strict=True)
+        with Client([fake.master_address], timeout_s=2.0, transport="auto") as kv:
+            assert kv.put("k", b"v")
+            assert kv.get("k") == b"v"
+    finally:
+        fake.stop()
+    with pytest.raises(ConfigError, match="transport"):
+        Client(["127.0.0.1:1"], transport="udp")
+
+
+def test_shared_memory_is_offered_only_on_this_host_over_a_direct_connection() -> None:
+    def hello(**info: Any) -> Call:
+        call = Call(Op.HELLO)
+        call.header = cast(Any, type("H", (), {"status": Status.OK})())
+        doc = {"features": ["mget", "shm"], "shm": "shm://x", "host": host_id(), **info}
+        call.data = memoryview(json.dumps(doc).encode())
+        return call
+
+    direct = read_hello(hello(peer="a:1", local="b:2"), local="a:1", peer="b:2")
+    assert direct.mget
+    assert direct.shm_address == ("shm://x" if shm_supported() else "")
+    proxied = read_hello(hello(peer="p:9", local="b:2"), local="a:1", peer="c:3")
+    assert proxied.shm_address == ""
+    assert "not direct" in proxied.why_not_shm
+    elsewhere = read_hello(hello(peer="a:1", local="b:2", host="other"), local="a:1", peer="b:2")
+    assert elsewhere.shm_address == ""
+    assert Links("tcp").shm_for("tcp://n:1", direct) == ""
+    with pytest.raises(TransportError, match="not possible"):
+        Links("shm").shm_for("tcp://n:1", proxied)

@@ -1,0 +1,357 @@
+"""The data-plane transports against a real data server in this process: tcp, inproc and shm
+(blocking and event-loop connections), MGET tables, shared-memory leases and reservations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
+
+import pytest
+
+from kvpool.checksum import block_checksum
+from kvpool.errors import DeadlineExceededError, TransportError
+from kvpool.proto.wire import (
+    COUNT,
+    KEY_RECORD,
+    MGET_RECORD,
+    RESERVE_RECORD,
+    SHM_RECORD,
+    FrameError,
+    KeyRecord,
+    MissReason,
+    Op,
+    Status,
+    TierLevel,
+    decode_ids,
+    decode_key_table,
+    encode_ids,
+    encode_key_table,
+)
+from kvpool.store_node.block_store import BlockStore
+from kvpool.store_node.cpu_tier import CpuTier
+from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.eviction import LruPolicy
+from kvpool.transports import host_id, open_blocking, open_connection, scheme_of, schemes
+from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.calls import Call
+from kvpool.transports.shm import ShmBlockingConnection, shm_supported
+
+MIB = 1 << 20
+T = TypeVar("T")
+needs_shm = pytest.mark.skipif(not shm_supported(), reason="shared memory needs Linux")
+
+
+class Node:
+    """A data server on a private event-loop thread (as in a node process)."""
+
+    def __init__(self, *, capacity: int = 32 * MIB, lease_timeout_s: float = 30.0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.tier = CpuTier(capacity)
+        self.store = BlockStore(
+            self.tier, LruPolicy(), max_block_size=8 * MIB, clock=time.monotonic
+        )
+        self.name = f"test-node-{random.getrandbits(32):08x}"
+        self.server = DataServer(
+            self.store, lease_timeout_s=lease_timeout_s, shm=True, inproc_name=self.name
+        )
+        self.port = self.run(self.server.start("127.0.0.1", 0))
+
+    def run(self, coro: Awaitable[T]) -> T:
+        async def bounded() -> T:
+            return await asyncio.wait_for(coro, 30)
+
+        return asyncio.run_coroutine_threadsafe(bounded(), self.loop).result(timeout=40)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the node's loop (the store is not thread-safe)."""
+
+        async def on_loop() -> T:
+            return fn()
+
+        return self.run(on_loop())
+
+    def address(self, scheme: str) -> str:
+        if scheme == "tcp":
+            return f"tcp://127.0.0.1:{self.port}"
+        if scheme == "inproc":
+            return self.server.inproc_address
+        return self.server.shm_address
+
+    def close(self) -> None:
+        try:
+            self.run(self.server.close())
+            self.call(self.store.check_invariants)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+            self.loop.close()
+            self.tier.close()
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    n = Node()
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def deadline(s: float = 10.0) -> float:
+    return time.monotonic() + s
+
+
+def put(conn: BlockingConnection, key: str, data: bytes, write_id: int = 1) -> None:
+    calls = [
+        Call(Op.PUT, key.encode(), write_id=write_id, checksum=block_checksum(data), payload=data),
+        Call(Op.PUBLISH, key.encode(), write_id=write_id, version=write_id),
+    ]
+    conn.exchange(calls, deadline())
+    assert [c.status for c in calls] == [Status.OK, Status.OK]
+
+
+# --- the wire tables -------------------------------------------------------------------------
+
+
+def test_key_tables_round_trip_and_malformed_tables_are_refused() -> None:
+    records = [KeyRecord(b"k" * n, n + 1, n * 7, n * 11) for n in (1, 5, 1024)]
+    raw = encode_key_table(records)
+    assert decode_key_table(raw) == records
+    assert decode_ids(encode_ids([1, 2**64 - 1])) == [1, 2**64 - 1]
+    for bad in (raw[:-1], raw + b"x", COUNT.pack(5) + raw[4:], b"\x01"):
+        with pytest.raises(FrameError):
+            decode_key_table(bad)
+    too_long = COUNT.pack(1) + KEY_RECORD.pack(1, 0, 0, 1025) + b"k" * 1025
+    with pytest.raises(FrameError):
+        decode_key_table(too_long)
+    with pytest.raises(FrameError):
+        decode_ids(encode_ids([1])[:-1])
+
+
+def test_the_registry_knows_its_schemes_and_refuses_others() -> None:
+    assert {"tcp", "inproc"} <= set(schemes())
+    assert ("shm" in schemes()) == shm_supported()
+    assert scheme_of("tcp://127.0.0.1:1") == "tcp"
+    for bad in ("127.0.0.1:1", "udp://x:1"):
+        with pytest.raises(TransportError):
+            scheme_of(bad)
+    assert host_id() == host_id()
+    assert host_id()
+
+
+# --- every transport, blocking and on a loop ---------------------------------------------------
+
+SCHEMES = ["tcp", "inproc", pytest.param("shm", marks=needs_shm)]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_put_get_and_mget_over_each_transport(node: Node, scheme: str) -> None:
+    conn = open_blocking(node.address(scheme), 5.0)
+    try:
+        blocks = {f"b{i}": random.Random(i).randbytes(n) for i, n in enumerate([1, 4096, MIB])}
+        for key, data in blocks.items():
+            put(conn, key, data)
+        sink = memoryview(bytearray(MIB))
+        single = Call(Op.GET, b"b2", write_id=1, sink=sink)
+        conn.exchange([single], deadline())
+        assert single.status == Status.OK
+        assert bytes(sink) == blocks["b2"]
+        # One MGET: hits scattered into their buffers (or fresh ones), misses with reasons.
+        keys = [*blocks, "absent"]
+        sinks: list[memoryview | None] = [None, memoryview(bytearray(4096)), None, None]
+        table = encode_key_table([(k.encode(), 1, 0, 0) for k in keys])
+        mget = Call(Op.MGET, payload=table, table=MGET_RECORD, sinks=sinks)
+        conn.exchange([mget], deadline())
+        assert mget.status == Status.OK
+        assert [r[0] for r in mget.records] == [Status.OK] * 3 + [Status.MISS]
+        assert mget.records[3][1] == MissReason.ABSENT
+        assert mget.sinks is not None
+        got = [bytes(d) if d is not None else None for d in mget.sinks]
+        assert got == [*blocks.values(), None]
+        assert mget.sinks[1] is sinks[1]  # the caller's buffer, filled in place
+        assert [r[4] for r in mget.records[:3]] == [block_checksum(v) for v in blocks.values()]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_event_loop_connections_exchange_the_same_frames(node: Node, scheme: str) -> None:
+    data = random.Random(3).randbytes(3 * MIB)
+
+    async def scenario() -> None:
+        conn = await open_connection(node.address(scheme), 5.0)
+        try:
+            calls = [
+                Call(Op.PUT, b"k", write_id=9, checksum=block_checksum(data), payload=data),
+                Call(Op.PUBLISH, b"k", write_id=9, version=1),
+            ]
+            await conn.exchange(calls, 10.0)
+            assert [c.status for c in calls] == [Status.OK, Status.OK]
+            table = encode_key_table([(b"k", 9, 0, 0), (b"k", 8, 0, 0)])
+            mget = Call(Op.MGET, payload=table, table=MGET_RECORD, sinks=[None, None])
+            await conn.exchange([mget], 10.0)
+            assert [r[0] for r in mget.records] == [Status.OK, Status.MISS]
+            assert mget.sinks is not None
+            assert mget.sinks[0] is not None
+            assert bytes(mget.sinks[0]) == data
+        finally:
+            conn.close()
+
+    asyncio.run(scenario())
+
+
+def test_hello_names_what_the_node_offers(node: Node) -> None:
+    conn = open_blocking(node.address("tcp"), 5.0)
+    try:
+        hello = Call(Op.HELLO)
+        conn.exchange([hello], deadline())
+        assert hello.status == Status.OK
+        info = json.loads(bytes(hello.data or b"{}"))
+        assert "mget" in info["features"]
+        assert info["host"] == host_id()
+        # The node's view of the connection is ours, mirrored: no proxy between.
+        assert (info["peer"], info["local"]) == (conn.sockname, conn.peername)
+        if shm_supported():
+            assert info["shm"] == node.server.shm_address
+    finally:
+        conn.close()
+
+
+def test_a_silent_peer_costs_one_deadline_and_breaks_the_connection() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        conn = open_blocking(f"tcp://127.0.0.1:{listener.getsockname()[1]}", 1.0)
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            conn.exchange([Call(Op.PING)], time.monotonic() + 0.3)
+        assert 0.25 < time.monotonic() - started < 1.0
+        assert conn.broken
+        conn.close()
+    finally:
+        listener.close()
+
+
+# --- shared memory ---------------------------------------------------------------------------
+
+
+def shm_conn(node: Node) -> ShmBlockingConnection:
+    conn = open_blocking(node.server.shm_address, 5.0)
+    assert isinstance(conn, ShmBlockingConnection)
+    return conn
+
+
+def shm_get(conn: ShmBlockingConnection, keys: list[str], write_id: int = 1) -> Call:
+    table = encode_key_table([(k.encode(), write_id, 0, 0) for k in keys])
+    call = Call(Op.SHM_GET, payload=table, table=SHM_RECORD, sinks=[None] * len(keys))
+    conn.exchange([call], deadline())
+    assert call.status == Status.OK
+    return call
+
+
+@needs_shm
+def test_a_leased_extent_is_never_reused_until_released(node: Node) -> None:
+    data = random.Random(5).randbytes(MIB)
+    conn = shm_conn(node)
+    try:
+        put(conn, "leased", data)
+        call = shm_get(conn, ["leased"])
+        ((status, tier, _wid, size, checksum, offset, lease),) = call.records
+        assert (status, tier, size, checksum) == (
+            Status.OK,
+            TierLevel.CPU,
+            MIB,
+            block_checksum(data),
+        )
+        assert conn.arena is not None
+        assert bytes(conn.arena.extent(offset, size)) == data
+        # Deleted while leased: gone from the table, but its memory is held for the reader.
+        delete = Call(Op.DELETE, b"leased")
+        conn.exchange([delete], deadline())
+        assert node.call(lambda: node.store.stats().leased_bytes_lingering) == MIB
+        for i in range(20):  # the arena fills with other blocks: none lands on the extent
+            put(conn, f"filler{i}", bytes([i]) * MIB)
+        assert bytes(conn.arena.extent(offset, size)) == data
+        conn.notify([Call(Op.SHM_RELEASE, payload=encode_ids([lease]))], deadline())
+        ping = Call(Op.PING)
+        conn.exchange([ping], deadline())  # the release was handled before this answer
+        assert node.call(lambda: node.store.stats().leased_bytes_lingering) == 0
+    finally:
+        conn.close()
+
+
+@needs_shm
+def test_a_client_that_keeps_a_lease_too_long_is_cut() -> None:
+    node = Node(lease_timeout_s=0.3)
+    try:
+        conn = shm_conn(node)
+        put(conn, "k", b"v" * 4096)
+        shm_get(conn, ["k"])
+        block = node.call(lambda: node.store.block("k", 1))
+        assert block is not None
+        copy = block.copies[TierLevel.CPU]
+        assert copy.leases == 1
+        for _ in range(100):
+            if not copy.leases:
+                break
+            time.sleep(0.05)
+        assert copy.leases == 0, "the lease outlived lease_timeout_s"
+        assert node.server.stalled_cut >= 1
+        with pytest.raises((TransportError, DeadlineExceededError)):
+            conn.exchange([Call(Op.PING)], deadline(2.0))
+        conn.close()
+    finally:
+        node.close()
+
+
+@needs_shm
+def test_a_put_through_shared_memory_is_checked_and_a_dropped_reservation_is_freed(
+    node: Node,
+) -> None:
+    data = random.Random(7).randbytes(MIB)
+    conn = shm_conn(node)
+    try:
+        table = encode_key_table([(b"p", 3, MIB, block_checksum(data)), (b"q", 4, MIB, 123)])
+        reserve = Call(Op.SHM_RESERVE, payload=table, table=RESERVE_RECORD, sinks=[None, None])
+        conn.exchange([reserve], deadline())
+        (s1, _, off1, r1), (s2, _, off2, r2) = reserve.records
+        assert (s1, s2) == (Status.OK, Status.OK)
+        assert r1
+        assert r2
+        assert conn.arena is not None
+        conn.arena.extent(off1, MIB)[:] = data
+        conn.arena.extent(off2, MIB)[:] = data  # not the bytes its checksum names
+        commit = Call(Op.SHM_COMMIT, payload=encode_ids([r1, r2]), table=RESERVE_RECORD,
+                      sinks=[None, None])  # fmt: skip
+        conn.exchange([commit], deadline())
+        assert [r[0] for r in commit.records] == [Status.OK, Status.CHECKSUM_MISMATCH]
+        publish = Call(Op.PUBLISH, b"p", write_id=3, version=1)
+        conn.exchange([publish], deadline())
+        got = shm_get(conn, ["p"], write_id=3)
+        assert got.records[0][0] == Status.OK
+        # A reservation never committed is freed when its connection goes.
+        used = node.call(lambda: node.tier.used_bytes)
+        again = Call(Op.SHM_RESERVE, payload=encode_key_table([(b"r", 5, MIB, 1)]),
+                     table=RESERVE_RECORD, sinks=[None])  # fmt: skip
+        conn.exchange([again], deadline())
+        assert node.call(lambda: node.tier.used_bytes) > used
+    finally:
+        conn.close()
+    for _ in range(100):
+        if node.call(lambda: node.store.block("r", 5)) is None:
+            break
+        time.sleep(0.02)
+    assert node.call(lambda: node.store.block("r", 5)) is None
+
+
+@needs_shm
+def test_an_unknown_shared_memory_name_is_refused(node: Node) -> None:
+    with pytest.raises(TransportError):
+        open_blocking("shm://kvpool-no-such-arena", 1.0)
