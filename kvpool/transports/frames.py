@@ -3,8 +3,9 @@
 Small frames are parsed out of one scratch buffer (one ``recv_into`` can carry many pipelined
 frames); a large payload is received straight into its destination (tier memory on a node, the
 caller's buffer on a client): the reader hands that memory to ``recv_into`` directly, so the bytes
-are copied once, by the kernel. Only the first scratch-full of a payload, which arrived together
-with its header, is copied from scratch.
+are copied once, by the kernel. Between frames, after a large payload and on a new connection, the
+reader asks for one header's worth only, so that at most a key's length (1 KiB) of the next
+payload is copied from scratch; a run of small frames switches back to full scratch reads.
 
 The reader knows nothing about sockets; feed it with :meth:`get_buffer` / :meth:`buffer_updated`
 (the BufferedProtocol calls) or with :meth:`feed` in tests.
@@ -17,6 +18,7 @@ from typing import Protocol
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.wire import (
     HEADER_SIZE,
+    MAX_KEY_BYTES,
     PREFIX_SIZE,
     FrameError,
     Header,
@@ -27,6 +29,8 @@ from kvpool.proto.wire import (
 SCRATCH_BYTES = 256 * 1024
 DIRECT_THRESHOLD = 64 * 1024
 """Payload remainders at least this large are received straight into their destination."""
+PEEK_BYTES = HEADER_SIZE + MAX_KEY_BYTES
+"""What is read between frames after a large payload: a header and the longest key."""
 
 
 class FrameHandler(Protocol):
@@ -57,6 +61,7 @@ class FrameReader:
         self._sink: memoryview | None = None
         self._filled = 0
         self._direct = False  # payload remainder goes straight into the sink
+        self._peek = True  # between frames, read only a header's worth (see get_buffer)
         self.stopped = False
         self.frames = 0
 
@@ -75,6 +80,11 @@ class FrameReader:
             return self._sink[self._filled :]
         if self._end == len(self._scratch):
             self._compact()
+        if self._peek and self._start == self._end:
+            # After a large payload (and on a new connection), read the next header alone: if
+            # a large payload follows it, that goes straight into its destination instead of
+            # through scratch. Small frames turn this off (one read then takes many of them).
+            return self._view[self._end : self._end + PEEK_BYTES]
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -174,6 +184,7 @@ class FrameReader:
     def _finish(self) -> None:
         header, key, sink = self._header, self._key, self._sink
         assert header is not None
+        self._peek = header.payload_len >= DIRECT_THRESHOLD
         self._header, self._key, self._sink, self._filled = None, b"", None, 0
         self.frames += 1
         self._handler.frame_received(header, key, sink)
