@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import mmap
 import socket
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +45,11 @@ PREAMBLE = struct.Struct("<4sQ16s")
 SHM_MAGIC = b"KVPS"
 NUMPY_COPY_BYTES = 256 * 1024
 """Copies at least this large go through numpy, which releases the GIL while copying."""
+MADV_POPULATE_WRITE = 23
+PREFAULT_CHUNK_BYTES = 16 << 20
+PREFAULT_MAX_BYTES = 64 << 30
+"""Arena bytes whose page tables a client fills ahead of use (page tables cost 2 MiB per GiB
+mapped: the rest faults in as it is touched)."""
 
 
 def shm_supported() -> bool:
@@ -64,7 +72,13 @@ def copy_bytes(dest: memoryview, src: memoryview) -> None:
 
 
 class Arena:
-    """A node's CPU arena mapped into this process, shared by every connection to it."""
+    """A node's CPU arena mapped into this process, shared by every connection to it.
+
+    The first touch of each 4 KiB page by this process is a page fault (the node has the memory
+    committed, but this process's page tables are empty): measured at ~300 µs per MiB here,
+    against ~40 µs for a copy into mapped pages. So a thread fills the page tables in the
+    background as soon as the arena is mapped (``MADV_POPULATE_WRITE``, chunk by chunk, without
+    the GIL), up to :data:`PREFAULT_MAX_BYTES`; copies meanwhile just fault as usual."""
 
     def __init__(self, fd: int, size: int, token: bytes) -> None:
         self.size = size
@@ -74,6 +88,32 @@ class Arena:
         )
         self.view: memoryview = memoryview(self._mmap)
         self.users = 0
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self.prefaulted_bytes = 0
+        self._prefault = threading.Thread(
+            target=self._fill_page_tables, name="kvpool-shm-prefault", daemon=True
+        )
+        self._prefault.start()
+
+    def _fill_page_tables(self) -> None:
+        madvise = _libc_madvise()
+        if madvise is None:
+            return
+        with self._lock:
+            if self._closing.is_set():
+                return
+            holder = (ctypes.c_char * self.size).from_buffer(self._mmap)
+            base = ctypes.addressof(holder)
+            del holder  # no export may outlive this block: close() must stay possible
+        done, limit = 0, min(self.size, PREFAULT_MAX_BYTES)
+        while done < limit and not self._closing.is_set():
+            length = min(PREFAULT_CHUNK_BYTES, limit - done)
+            with self._lock:
+                if self._closing.is_set() or madvise(base + done, length, MADV_POPULATE_WRITE):
+                    return  # closed, or a kernel without MADV_POPULATE_WRITE (before 5.14)
+            done += length
+            self.prefaulted_bytes = done
 
     def extent(self, offset: int, size: int) -> memoryview:
         if offset < 0 or size < 0 or offset + size > self.size:
@@ -81,9 +121,11 @@ class Arena:
         return self.view[offset : offset + size]
 
     def close(self) -> None:
-        self.view.release()
-        with contextlib.suppress(BufferError):
-            self._mmap.close()
+        self._closing.set()
+        with self._lock:  # waits for a populate call in progress
+            self.view.release()
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
 
 
 _ARENAS: dict[bytes, Arena] = {}
@@ -212,6 +254,19 @@ class ShmTransport:
             sock.close()
             raise
         return ShmBlockingConnection(sock, address, arena, timeout_s)
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise through ctypes (which drops the GIL during the call), or None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    madvise: Callable[[int, int, int], int] = fn
+    return madvise
 
 
 def _set_once(future: asyncio.Future[Any]) -> None:
