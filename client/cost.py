@@ -99,17 +99,15 @@ class CostModel:
         )
 
     def observe_read(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
-        """``blocks`` blocks of ``nbytes`` bytes in all were read from ``tier`` in ``seconds``
-        (request overhead included): the tier's bandwidth estimate moves toward it."""
+        """``blocks`` blocks (``nbytes`` bytes in all) were read from ``tier`` in one request
+        that took ``seconds``: what the per-block estimate does not explain is the request's
+        fixed cost (lookups, round trips), and the estimate of it moves toward that."""
         speed = self.tier_speeds.get(tier)
-        if speed is None or blocks <= 0 or nbytes <= 0:
+        if speed is None or blocks <= 0 or seconds <= 0:
             return
-        transfer_s = seconds - self.request_s - blocks * speed.per_block_s
-        if transfer_s <= 0:
-            return
-        sample = nbytes / transfer_s
-        bw = speed.bytes_per_s + self.smoothing * (sample - speed.bytes_per_s)
-        self.tier_speeds[tier] = TierSpeed(bytes_per_s=bw, per_block_s=speed.per_block_s)
+        transfer_s = blocks * speed.per_block_s + nbytes / speed.bytes_per_s
+        sample = max(0.0, seconds - transfer_s)
+        self.request_s += self.smoothing * (sample - self.request_s)
 
     def read_s(self, tier: str, blocks: int, block_bytes: int) -> float:
         """Estimated time to read ``blocks`` blocks from ``tier`` in one request."""

@@ -213,10 +213,18 @@ def block_count(length: int, block_len: int) -> int:
 
 
 def _encode(
-    arr: npt.NDArray[Any], dtype: str, *, axis: int, start: int, valid: int, block_len: int
+    arr: npt.NDArray[Any],
+    dtype: str,
+    *,
+    axis: int,
+    start: int,
+    valid: int,
+    block_len: int,
+    label: int | None = None,
 ) -> bytearray:
     """One block: the header and ``arr[start:start+valid]`` along ``axis``, padded to
-    ``block_len`` rows with zeros."""
+    ``block_len`` rows with zeros; the header says it starts at row ``label`` (default
+    ``start``)."""
     shape = list(arr.shape)
     if arr.ndim:
         shape[axis] = block_len
@@ -233,7 +241,7 @@ def _encode(
         0,
         dtype.encode("ascii"),
         valid,
-        start,
+        start if label is None else label,
         payload,
         *dims,
     )
@@ -256,8 +264,13 @@ def encode_tensor(tensor: object) -> bytearray:
     return _encode(arr, dtype, axis=0, start=0, valid=rows, block_len=rows)
 
 
-def split_tensor(tensor: object, *, axis: int, block_len: int) -> list[bytearray]:
-    """The blocks of ``tensor`` cut along ``axis`` every ``block_len`` rows; the last one padded."""
+def split_tensor(
+    tensor: object, *, axis: int, block_len: int, start_row: int = 0
+) -> list[bytearray]:
+    """The blocks of ``tensor`` cut along ``axis`` every ``block_len`` rows; the last one padded.
+
+    ``start_row``: where ``tensor`` starts in a larger tensor whose earlier blocks were stored
+    before (a multiple of ``block_len``): the blocks are labelled with their rows in that one."""
     arr, dtype = to_numpy(tensor)
     if arr.ndim == 0:
         raise InvalidArgumentError("a 0-d tensor cannot be split into blocks")
@@ -267,6 +280,10 @@ def split_tensor(tensor: object, *, axis: int, block_len: int) -> list[bytearray
         raise InvalidArgumentError(f"axis {axis} is out of range for {arr.ndim} dimensions")
     if isinstance(block_len, bool) or not isinstance(block_len, int) or block_len < 1:
         raise InvalidArgumentError(f"block_len: expected a positive int, got {block_len!r}")
+    if isinstance(start_row, bool) or not isinstance(start_row, int) or start_row < 0:
+        raise InvalidArgumentError(f"start_row: expected an int >= 0, got {start_row!r}")
+    if start_row % block_len:
+        raise InvalidArgumentError(f"start_row {start_row} is not a multiple of {block_len}")
     axis %= arr.ndim
     length = arr.shape[axis]
     return [
@@ -275,6 +292,7 @@ def split_tensor(tensor: object, *, axis: int, block_len: int) -> list[bytearray
             dtype,
             axis=axis,
             start=i * block_len,
+            label=start_row + i * block_len,
             valid=min(block_len, length - i * block_len),
             block_len=block_len,
         )
@@ -417,11 +435,19 @@ def get_tensor(
 
 
 def put_tensor_blocks(
-    client: BlockStore, keys: Sequence[str], tensor: object, *, axis: int, block_len: int
+    client: BlockStore,
+    keys: Sequence[str],
+    tensor: object,
+    *,
+    axis: int,
+    block_len: int,
+    start_row: int = 0,
 ) -> list[bool]:
     """Store ``tensor`` cut along ``axis`` into blocks of ``block_len`` rows, block ``i`` under
-    ``keys[i]`` (one batched commit); one bool per block. ``keys`` must name every block."""
-    blocks = split_tensor(tensor, axis=axis, block_len=block_len)
+    ``keys[i]`` (one batched commit); one bool per block. ``keys`` must name every block.
+    ``start_row``: ``tensor`` continues a larger one whose blocks before that row were stored
+    earlier (see :func:`split_tensor`)."""
+    blocks = split_tensor(tensor, axis=axis, block_len=block_len, start_row=start_row)
     if len(keys) != len(blocks):
         raise InvalidArgumentError(f"{len(blocks)} blocks need {len(blocks)} keys, got {len(keys)}")
     return client.batch_put(list(zip(keys, blocks, strict=True)))

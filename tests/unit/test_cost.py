@@ -62,11 +62,22 @@ def test_measurements_move_the_estimates() -> None:
     model.observe_recompute(1000, 2.0)
     assert 1e-3 < model.recompute_s_per_token < 2e-3  # type: ignore[operator]
     model.observe_recompute(0, 1.0)  # ignored
-    before = model.tier_speeds["cpu"].bytes_per_s
-    model.observe_read("cpu", blocks=4, nbytes=4_000_000, seconds=0.002)  # 2 GB/s
-    assert model.tier_speeds["cpu"].bytes_per_s > before
+    model.observe_read("cpu", blocks=4, nbytes=4_000_000, seconds=0.024)  # 4 ms of transfer
+    assert model.request_s == pytest.approx(0.3 * 0.020)
+    for _ in range(30):
+        model.observe_read("cpu", blocks=4, nbytes=4_000_000, seconds=0.024)
+    assert model.request_s == pytest.approx(0.020, rel=1e-3)
     model.observe_read("nvme", blocks=1, nbytes=1, seconds=1.0)  # unknown tier: ignored
     assert set(model.tier_speeds) == {"cpu", "ssd"}
+
+
+def test_a_slow_store_round_trip_makes_the_cache_not_worth_it() -> None:
+    model = _model(1e-5)  # recompute: 1 ms per block of 100 tokens
+    plan = model.plan(blocks=10, block_bytes=100_000, block_tokens=100)
+    assert plan.fetch  # 0.1 ms per block read, no overhead known yet
+    for _ in range(30):
+        model.observe_read("cpu", blocks=10, nbytes=1_000_000, seconds=0.051)  # 50 ms fixed
+    assert not model.plan(blocks=10, block_bytes=100_000, block_tokens=100).fetch
 
 
 def test_bad_settings_raise() -> None:

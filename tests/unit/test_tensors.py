@@ -224,3 +224,19 @@ def test_format_constants_are_the_documented_ones() -> None:
     assert tensors.MAGIC == b"KVPT"
     assert tensors.HEADER_BYTES == 128
     assert tensors._HEADER.size == 112
+
+
+def test_a_tensor_stored_in_two_parts_joins_as_one() -> None:
+    store = MemoryStore()
+    arr = _array((3, 20), "float32")
+    keys = [f"k{i}" for i in range(5)]
+    put_tensor_blocks(store, keys[:2], arr[:, :8], axis=1, block_len=4)
+    put_tensor_blocks(store, keys[2:], arr[:, 8:], axis=1, block_len=4, start_row=8)
+    read = get_tensor_blocks(store, keys)
+    assert read.blocks == 5
+    assert np.array_equal(read.tensor, arr)
+    # The second part alone labelled from row 0 would not follow the first: a miss from there.
+    put_tensor_blocks(store, keys[2:], arr[:, 8:], axis=1, block_len=4)
+    assert get_tensor_blocks(store, keys).blocks == 2
+    with pytest.raises(InvalidArgumentError, match="multiple of 4"):
+        split_tensor(arr, axis=1, block_len=4, start_row=6)
