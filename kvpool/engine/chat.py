@@ -56,7 +56,7 @@ class ChatSettings:
     ssd_cache_size: str = "512MiB"
     ssd_segment_size: str = "16MiB"
     flood_bytes: int = 384 << 20
-    slow_ssd_bytes_per_s: float = 20e6
+    slow_ssd_bytes_per_s: float = 2e6
     """The SSD as a slow network disk, for the cost-model run that skips it."""
 
 
