@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import struct
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -192,14 +191,12 @@ def from_numpy(arr: npt.NDArray[Any], dtype: str, like: str = "numpy", device: A
     if like != "numpy":
         raise InvalidArgumentError(f"like: expected one of {', '.join(LIKES)}, got {like!r}")
     if dtype in _STORAGE:
-        ml_dtypes = sys.modules.get("ml_dtypes")
-        if ml_dtypes is None:
-            try:
-                import ml_dtypes
-            except ImportError:
-                raise InvalidArgumentError(
-                    f"a {dtype} tensor needs like='torch' (numpy has no {dtype} without ml_dtypes)"
-                ) from None
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise InvalidArgumentError(
+                f"a {dtype} tensor needs like='torch' (numpy has no {dtype} without ml_dtypes)"
+            ) from None
         return arr.view(getattr(ml_dtypes, dtype))
     return arr
 
@@ -335,7 +332,7 @@ def decode_block(block: BytesLike) -> tuple[BlockHeader, npt.NDArray[Any]]:
     """The header and the block's real rows (padding dropped) as a numpy view of ``block``, in
     raw storage for bfloat16/float8 (see :func:`from_numpy`)."""
     header = read_header(block)
-    arr = np.frombuffer(block, dtype=_storage_dtype(header.dtype), offset=HEADER_BYTES)  # type: ignore[call-overload]
+    arr = np.frombuffer(block, dtype=_storage_dtype(header.dtype), offset=HEADER_BYTES)
     arr = arr.reshape(header.shape)
     if arr.ndim:
         index = [slice(None)] * arr.ndim

@@ -22,10 +22,11 @@ is salted per process. Pure: no I/O, no clocks, no global state.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from collections.abc import Iterable, Sequence
-import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 KEY_SCHEME_VERSION = 1
 """Bumped on any change to the encodings below; it is the ``kv1`` in every key."""
@@ -113,7 +114,9 @@ class KeyNamespace:
         tp_size = _count("tp_size", self.tp_size)
         tp_rank = _count("tp_rank", self.tp_rank)
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank/tp_size: need 0 <= tp_rank < tp_size, got {tp_rank}/{tp_size}")
+            raise ValueError(
+                f"tp_rank/tp_size: need 0 <= tp_rank < tp_size, got {tp_rank}/{tp_size}"
+            )
         digest = hashlib.blake2b(self.encode(), digest_size=HASH_BYTES).digest()
         object.__setattr__(self, "_fingerprint", digest)
 
@@ -147,10 +150,10 @@ def full_blocks(n_tokens: int, block_size: int) -> int:
     return n_tokens // block_size
 
 
-def _first_bad(token_ids: Sequence[object]) -> object:
+def _first_bad(token_ids: Sequence[Any]) -> object:
     for t in token_ids:
         try:
-            value = operator.index(t)  # type: ignore[call-overload]
+            value = operator.index(t)
         except TypeError:
             return t
         if not 0 <= value <= MAX_TOKEN_ID:
@@ -203,7 +206,10 @@ def key_for(namespace: KeyNamespace, hash_: bytes) -> str:
 
 
 def block_keys(
-    namespace: KeyNamespace, token_ids: Sequence[int] | Iterable[int], *, parent: bytes | None = None
+    namespace: KeyNamespace,
+    token_ids: Sequence[int] | Iterable[int],
+    *,
+    parent: bytes | None = None,
 ) -> list[str]:
     """The key of every full block of ``token_ids`` (see :func:`chain_hashes`)."""
     tokens = token_ids if isinstance(token_ids, Sequence) else list(token_ids)

@@ -79,6 +79,11 @@ def error_code(error: KVPoolError) -> int:
     return INTERNAL_ERROR
 
 
+def _is_int(value: object) -> bool:
+    """Callers pass addresses from ctypes, numpy or torch: refuse anything else early."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class ReplicateConfig:
     """Mooncake's per-put replication settings. kvpool honours ``replica_num``; the pins and
     segment preferences are accepted and ignored (see docs/mooncake.md)."""
@@ -265,9 +270,7 @@ class MooncakeDistributedStore:
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Allow ``put_from``/``get_into`` on ``[buffer_ptr, buffer_ptr + size)``: 0."""
-        if not isinstance(buffer_ptr, int) or not isinstance(size, int):
-            return INVALID_PARAMS
-        if buffer_ptr <= 0 or size <= 0:
+        if not _is_int(buffer_ptr) or not _is_int(size) or buffer_ptr <= 0 or size <= 0:
             return INVALID_PARAMS
         with self._lock:
             self._regions[buffer_ptr] = max(size, self._regions.get(buffer_ptr, 0))
@@ -279,7 +282,7 @@ class MooncakeDistributedStore:
 
     def _view(self, buffer_ptr: int, size: int) -> memoryview | None:
         """A writable view of registered memory, or None when the range is not registered."""
-        if not isinstance(buffer_ptr, int) or not isinstance(size, int) or size < 0:
+        if not _is_int(buffer_ptr) or not _is_int(size) or size < 0:
             return None
         with self._lock:
             inside = any(

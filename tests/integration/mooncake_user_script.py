@@ -14,7 +14,7 @@ import numpy as np
 
 IMPL, MASTER = sys.argv[1], sys.argv[2]
 if IMPL == "mooncake":
-    from mooncake.store import MooncakeDistributedStore  # type: ignore[import-not-found]
+    from mooncake.store import MooncakeDistributedStore
 else:
     from kvpool.compat.mooncake import MooncakeDistributedStore
 

@@ -71,10 +71,12 @@ def test_identical_outputs_with_the_cache_without_it_and_with_the_store_killed(
         plain = Engine.create(TEST_SPEC, model=model)
 
         first = cached.generate(prompt(), 8)
-        assert first.save is not None and first.save.stored == first.save.blocks > 0
+        assert first.save is not None
+        assert first.save.stored == first.save.blocks > 0
         p = prompt()
         warm = cached.generate(p, 8)
-        assert warm.load is not None and warm.load.loaded_blocks == 300 // BLOCK
+        assert warm.load is not None
+        assert warm.load.loaded_blocks == 300 // BLOCK
         assert warm.load.bytes == 300 // BLOCK * BLOCK * TEST_SPEC.kv_bytes_per_token
         assert _same(warm, plain.generate(p, 8))
 
@@ -91,7 +93,8 @@ def test_identical_outputs_with_the_cache_without_it_and_with_the_store_killed(
             cluster.kill(name)
         p = prompt()
         no_masters = cached.generate(p, 8)
-        assert no_masters.load is not None and no_masters.load.loaded_blocks == 0
+        assert no_masters.load is not None
+        assert no_masters.load.loaded_blocks == 0
         assert no_masters.ttft_s < 1.0 + 2.0  # one deadline, then recompute
         assert _same(no_masters, plain.generate(p, 8))
 

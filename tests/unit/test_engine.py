@@ -137,7 +137,8 @@ def test_the_store_failing_mid_run_falls_back_to_recompute(model: Any) -> None:
     prompt = system + _tokens(rng, 9)
     a = cached.generate(prompt, 6)
     assert a.load.loaded_blocks == 0
-    assert a.save is not None and a.save.stored == 0
+    assert a.save is not None
+    assert a.save.stored == 0
     _assert_same(a, plain.generate(prompt, 6))
 
 
@@ -175,17 +176,20 @@ def test_after_a_store_failure_the_connector_waits_before_trying_again(model: An
     prompt = _tokens(random.Random(6), 100)
     engine.generate(prompt, 2)
     store.down = True
-    first = engine.generate(prompt, 2)
-    assert "UnavailableError" in first.load.failure
+    first = engine.generate(prompt, 2).load
+    assert first is not None
+    assert "UnavailableError" in first.failure
     calls = len(store.calls)
-    second = engine.generate(prompt, 2)
-    assert "failed recently" in second.load.failure
+    second = engine.generate(prompt, 2).load
+    assert second is not None
+    assert "failed recently" in second.failure
     assert len(store.calls) == calls  # the store was left alone
     store.down = False
     now[0] += 5.0
-    third = engine.generate(prompt, 2)
-    assert third.load.loaded_blocks == 6
-    assert not third.load.failure
+    third = engine.generate(prompt, 2).load
+    assert third is not None
+    assert third.loaded_blocks == 6
+    assert not third.failure
 
 
 def test_the_cost_model_skips_blocks_on_a_slow_tier(model: Any) -> None:
@@ -201,7 +205,8 @@ def test_the_cost_model_skips_blocks_on_a_slow_tier(model: Any) -> None:
         store.tier[key] = "ssd"
     prompt = system + _tokens(rng, 5)
     a = cached.generate(prompt, 6)
-    assert a.load.plan is not None and a.load.plan.max_tier == "cpu"
+    assert a.load.plan is not None
+    assert a.load.plan.max_tier == "cpu"
     assert a.load.loaded_blocks == 4
     assert a.load.skipped_slow_tier == 4
     assert not a.load.failure  # a decision, not a failure
@@ -215,7 +220,8 @@ def test_the_cost_model_can_skip_the_cache_entirely(model: Any) -> None:
     prompt = _tokens(random.Random(8), 100)
     cached.generate(prompt, 2)
     again = cached.generate(prompt, 2)
-    assert again.load.plan is not None and not again.load.plan.fetch
+    assert again.load.plan is not None
+    assert not again.load.plan.fetch
     assert "prefix_match" not in store.calls
 
 
@@ -243,7 +249,7 @@ def test_the_demo_command_says_how_to_install_torch_when_missing(
     real_import = builtins.__import__
 
     def no_torch(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name.split(".")[0] in ("torch", "transformers"):
+        if name.split(".", maxsplit=1)[0] in ("torch", "transformers"):
             raise ImportError(f"No module named {name!r}")
         return real_import(name, *args, **kwargs)
 

@@ -62,7 +62,7 @@ def _ref_fingerprint(ns: dict[str, Any], dtype: str) -> bytes:
     data = b"kvpool/keys/v1/namespace\x00"
     data += _ref_str(ns["model"]) + _ref_str(ns.get("revision", ""))
     data += _ref_str(dtype) + _ref_str(ns["kv_layout"])
-    for name, default in (("block_size", None), ("tp_rank", 0), ("tp_size", 1)):
+    for name, default in (("block_size", 0), ("tp_rank", 0), ("tp_size", 1)):
         data += int(ns.get(name, default)).to_bytes(8, "little")
     data += _ref_str(ns.get("extra", ""))
     return hashlib.blake2b(data, digest_size=16).digest()
@@ -212,8 +212,7 @@ def test_a_continued_chain_equals_the_whole_chain() -> None:
 def test_dtype_spellings_are_one_dtype() -> None:
     spellings = ["float16", "fp16", "half", "torch.float16", "FP16", "numpy.float16"]
     prints = {
-        KeyNamespace(model="m", dtype=d, kv_layout="x", block_size=4).fingerprint
-        for d in spellings
+        KeyNamespace(model="m", dtype=d, kv_layout="x", block_size=4).fingerprint for d in spellings
     }
     assert len(prints) == 1
 

@@ -28,7 +28,9 @@ from kvpool.errors import InvalidArgumentError, InvalidValueError
 from tests.unit.memstore import MemoryStore
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (pip install kvpool[llm])")
+needs_torch = pytest.mark.skipif(
+    not HAS_TORCH, reason="torch is not installed (pip install kvpool[llm])"
+)
 
 DTYPES = ["bool", "int8", "uint8", "int16", "int32", "int64", "uint64", "float16", "float32",
           "float64", "complex64"]  # fmt: skip
@@ -132,7 +134,7 @@ def test_bad_arguments_raise() -> None:
     with pytest.raises(InvalidArgumentError, match="block_len"):
         split_tensor(arr, axis=0, block_len=0)
     with pytest.raises(InvalidArgumentError, match="0-d"):
-        split_tensor(np.float32(1.0), axis=0, block_len=1)  # type: ignore[arg-type]
+        split_tensor(np.float32(1.0), axis=0, block_len=1)
     with pytest.raises(InvalidValueError, match="object"):
         encode_tensor(np.array([object()]))
     with pytest.raises(InvalidValueError, match="numpy array"):
