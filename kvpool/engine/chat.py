@@ -281,7 +281,8 @@ def _row(r: Request) -> str:
     if load is not None and load.skipped_slow_tier:
         notes.append(f"skipped {load.skipped_slow_tier} blocks held only on a slower tier")
     if load is not None and load.failure:
-        notes.append(f"fell back to recompute: {load.failure}")
+        reason = load.failure if len(load.failure) <= 110 else load.failure[:107] + "..."
+        notes.append(f"fell back to recompute: {reason}")
     if r.note:
         notes.append(r.note)
     return line + "".join(f"\n      {n}" for n in notes)
