@@ -289,8 +289,10 @@ def _demo_chat(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from kvpool.engine.chat import QUICK, ChatSettings, run_chat
+    from kvpool.engine.model import require_llm
     from kvpool.logs import configure_logging
 
+    require_llm()  # before anything else: says how to install torch and transformers
     configure_logging("warning", "console")
     settings = QUICK if args.quick else ChatSettings()
     changes = {

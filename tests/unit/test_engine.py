@@ -237,23 +237,3 @@ def test_keys_fingerprint_the_model() -> None:
 
     assert not set(block_keys(a, tokens)) & set(block_keys(b, tokens))
     assert a.kv_layout == "hf-llama:L2,2,H2,T,D16"
-
-
-def test_the_demo_command_says_how_to_install_torch_when_missing(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import builtins
-
-    from kvpool.cli import main
-
-    real_import = builtins.__import__
-
-    def no_torch(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name.split(".", maxsplit=1)[0] in ("torch", "transformers"):
-            raise ImportError(f"No module named {name!r}")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_torch)
-    assert main(["demo", "chat", "--quick"]) == 2
-    err = capsys.readouterr().err
-    assert "pip install 'kvpool[llm]'" in err
