@@ -76,6 +76,7 @@ QUICK = ChatSettings(
     ssd_cache_size="128MiB",
     ssd_segment_size="8MiB",
     flood_bytes=64 << 20,
+    timeout_s=1.0,
 )
 """A small model and short prompts: the whole demo in seconds (tests, smoke runs). Its numbers
 are not the point: a model this small recomputes a prompt in milliseconds."""
