@@ -148,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="write every number as JSON to PATH (no PATH: print JSON instead of the table)",
     )
+    b.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
     b.add_argument("--sizes", help="block sizes [4KiB,64KiB,1MiB,4MiB,16MiB; quick 4KiB,1MiB]")
     b.add_argument("--rounds", type=int, help="interleaved rounds, medians over them [5; quick 1]")
     b.add_argument("--clients", help="client process counts [1,2]")

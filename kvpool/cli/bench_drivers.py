@@ -368,25 +368,28 @@ def make_kvpool_driver(
     ``kvpool.AsyncClient``)."""
     import kvpool
 
+    name = "kvpool" if transport is None else f"kvpool-{transport}"
+    suffix = f"(transport={transport!r})" if transport else ""
     async_cls = getattr(kvpool, "AsyncClient", None)
+    note = ""
     if api == "async" or (api == "auto" and async_cls is not None):
         if async_cls is None:
             raise RuntimeError("this kvpool has no AsyncClient (use --kvpool-api sync)")
         kwargs = _client_kwargs(async_cls, timeout_s, transport)
-        label = "kvpool.AsyncClient" + (f"(transport={transport!r})" if transport else "")
-        return KvpoolAsyncDriver(
-            lambda: async_cls(list(masters), **kwargs),
-            name="kvpool" if transport is None else f"kvpool-{transport}",
-            client_label=label,
-        )
+        try:
+            return KvpoolAsyncDriver(
+                lambda: async_cls(list(masters), **kwargs),
+                name=name,
+                client_label="kvpool.AsyncClient" + suffix,
+            )
+        except Exception as e:
+            if api == "async":
+                raise
+            note = f"AsyncClient could not be used ({type(e).__name__}: {e}); "
     from kvpool.client.sync import Client
 
     client = Client(list(masters), **_client_kwargs(Client, timeout_s, transport))
-    return KvpoolDriver(
-        client,
-        name="kvpool" if transport is None else f"kvpool-{transport}",
-        label="kvpool.Client" + (f"(transport={transport!r})" if transport else ""),
-    )
+    return KvpoolDriver(client, name=name, label=note + "kvpool.Client" + suffix)
 
 
 # --- Redis -----------------------------------------------------------------------------------

@@ -568,6 +568,8 @@ def main_peers(args: Any) -> int:
         print(bench_report.render_table(doc))
         if args.json:
             print(f"\nall numbers: {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text(bench_report.render_markdown(doc))
     kvpool_ok = any(
         s["status"] == "measured" for n, s in doc["systems"].items() if bench_report.is_kvpool(n)
     )

@@ -345,3 +345,61 @@ def render_table(doc: dict[str, Any]) -> str:
     for problem in doc.get("problems", []):
         lines.append(f"problem: {problem}")
     return "\n".join(lines)
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    """The same numbers as Markdown tables (one per op and mode and client count), for
+    docs/benchmarks.md and closing notes."""
+    measured = [n for n, i in doc["systems"].items() if i["status"] == "measured"]
+    kv = [n for n in measured if is_kvpool(n)]
+    peers = [n for n in measured if not is_kvpool(n)]
+    lim = doc["limits"]
+    out = [
+        f"Medians of {doc['options']['rounds']} interleaved rounds; GB = 10^9 bytes; "
+        f"{doc['host']['cpus']} CPUs. Machine limits: numpy memcpy "
+        f"**{_num(lim['memcpy_GBps'])} GB/s**, loopback TCP between two Python processes "
+        f"**{_num(lim['loopback_tcp_GBps'])} GB/s**.",
+    ]
+    index = {
+        (c["system"], c["op"], c["mode"], c["size_bytes"], c["clients"]): c for c in doc["cells"]
+    }
+    sizes = sorted({c["size_bytes"] for c in doc["cells"]})
+    clients = sorted({c["clients"] for c in doc["cells"]})
+    for n_clients in clients:
+        for (op, mode), title in SECTION.items():
+            rows = [s for s in sizes if any((m, op, mode, s, n_clients) in index for m in measured)]
+            if not rows:
+                continue
+            who = "one client process" if n_clients == 1 else f"{n_clients} client processes"
+            out += ["", f"**{title}, {who}**", ""]
+            head = ["size", "keys/call"] + [f"{m} GB/s (keys/s)" for m in measured]
+            head += [f"{k} ÷ {p}" for k in kv for p in peers]
+            head += [f"{m} p50 µs" for m in measured] + [f"{k} of TCP" for k in kv]
+            out.append("| " + " | ".join(head) + " |")
+            out.append("|" + "---|" * len(head))
+            for size in rows:
+                cells = {m: index.get((m, op, mode, size, n_clients)) for m in measured}
+                first = next(c for c in cells.values() if c is not None)
+                row = [first["size"], str(first["keys_per_call"])]
+                row += [
+                    f"{_num(c['GBps'], 3)} ({_num(c['keys_per_s'], 0)})" if c else "-"
+                    for c in cells.values()
+                ]
+                for k in kv:
+                    for p in peers:
+                        c = cells[k]
+                        row.append(_times(c["vs"][p]["GBps_ratio"]) if c and p in c["vs"] else "-")
+                row += [_num(c["p50_us"], 0) if c else "-" for c in cells.values()]
+                row += [_pct(cells[k]["of_limit"]["loopback_tcp"]) if cells[k] else "-" for k in kv]
+                out.append("| " + " | ".join(row) + " |")
+    v = doc["verification"]
+    out += [
+        "",
+        f"Verified: {v['bytes_read']:,} bytes read, every one compared with what was put: "
+        f"{v['wrong']} wrong blocks, {v['misses']} misses, {v['put_failures']} failed puts.",
+    ]
+    if doc.get("targets"):
+        out += ["", "| issue 5 target | status | measured |", "|---|---|---|"]
+        for t in doc["targets"]:
+            out.append(f"| {t['target']} | {t['status']} | {t['detail'] or '-'} |")
+    return "\n".join(out) + "\n"

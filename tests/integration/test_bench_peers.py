@@ -6,6 +6,7 @@ with the line saying how to install them."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -66,7 +67,7 @@ def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -
         assert state["status"] in ("measured", "skipped"), state
         if state["status"] == "skipped":
             assert "pip install" in state["install"] or "apt-get install" in state["install"]
-            assert f"{name}       skipped" in proc.stdout or f"{name}    skipped" in proc.stdout
+            assert re.search(rf"^\s+{name}\s+skipped: .*\(install: ", proc.stdout, re.M)
 
     sizes = doc["options"]["sizes"]
     for name in measured:
@@ -209,3 +210,39 @@ def test_a_transport_is_passed_only_to_a_client_that_takes_it() -> None:
     assert _client_kwargs(WithoutTransport, 2.0, None) == {"timeout_s": 2.0}
     with pytest.raises(RuntimeError, match="no transport"):
         _client_kwargs(WithoutTransport, 2.0, "shm")
+
+
+def test_missing_peers_are_skipped_with_how_to_install_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvpool.cli import bench_peers, bench_report
+    from kvpool.cli.bench_peer_servers import INSTALL_MOONCAKE, INSTALL_REDIS, Availability
+
+    monkeypatch.setattr(
+        bench_peers,
+        "redis_availability",
+        lambda: Availability(False, "redis-server is not installed", INSTALL_REDIS),
+    )
+    monkeypatch.setattr(
+        bench_peers,
+        "mooncake_availability",
+        lambda: Availability(False, "mooncake is not installed", INSTALL_MOONCAKE),
+    )
+    lines: list[str] = []
+    opts = bench_peers.PeersOptions.quick_run(
+        sizes=(4096,), clients=(1,), modes=("single",), kvpool_masters=1, kvpool_in_memory=True
+    )
+    doc = bench_peers.run_peers(opts, lines.append)
+    for name, install in (("redis", INSTALL_REDIS), ("mooncake", INSTALL_MOONCAKE)):
+        assert doc["systems"][name]["status"] == "skipped"
+        assert doc["systems"][name]["install"] == install
+        assert any(line.startswith(f"{name}: skipped") and install in line for line in lines)
+    assert {c["system"] for c in doc["cells"]} == {"kvpool"}
+    assert all("vs" in c and not c["vs"] for c in doc["cells"])
+    assert doc["verification"]["all_bytes_verified"]
+    text = bench_report.render_table(doc)
+    assert re.search(r"^\s+redis\s+skipped: redis-server is not installed", text, re.M)
+    assert f"(install: {INSTALL_MOONCAKE})" in text
+    targets = {t["target"]: t["status"] for t in doc["targets"]}
+    assert targets["one put at 4 KiB: p50 <= 1 ms"] in ("met", "missed")
+    assert targets["one 4 KiB get: p50 <= Mooncake's"] == "not measured"

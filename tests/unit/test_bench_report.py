@@ -193,3 +193,17 @@ def test_bad_options_are_refused_by_name() -> None:
 
     with pytest.raises(ConfigError):
         run_peers(bad)
+
+
+def test_markdown_has_one_table_per_op_mode_and_client_count() -> None:
+    records = [_record("kvpool", 0, 3.0), _record("mooncake", 0, 1.5)]
+    records += [_record("kvpool", 0, 1.0, clients=2), _record("mooncake", 0, 1.0, clients=2)]
+    cells = bench_report.summarize_cells(records, {})
+    bench_report.add_ratios(cells, [{"round": 0, "memcpy_GBps": 20.0, "loopback_tcp_GBps": 4.0}])
+    text = bench_report.render_markdown(_doc(cells))
+    assert "**GET, one key per call, one client process**" in text
+    assert "**PUT, one key per call, 2 client processes**" in text
+    assert "| kvpool ÷ mooncake |" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| 1.0 MiB") and "2.00x" in ln)
+    assert "3.000 (2,861)" in row  # GB/s (keys/s) of kvpool
+    assert "75.0%" in row  # of loopback TCP
