@@ -32,8 +32,10 @@ import os
 import platform
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -183,17 +185,20 @@ class SystemState:
 class WorkerPool:
     """The benchmark client processes (spawned, so no lock or thread is inherited)."""
 
-    def __init__(self, count: int, directory: Path) -> None:
-        from kvpool.cli.bench_worker import worker_main
-
-        ctx = multiprocessing.get_context("spawn")
-        self.barrier = ctx.Barrier(2)
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.ctx = multiprocessing.get_context("spawn")
+        self.barrier = self.ctx.Barrier(2)
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
+
+    def start(self, count: int) -> None:
+        from kvpool.cli.bench_worker import worker_main
+
         for i in range(count):
-            parent, child = ctx.Pipe()
-            log = str(directory / f"worker-{i}.log")
-            proc = ctx.Process(
+            parent, child = self.ctx.Pipe()
+            log = str(self.dir / f"worker-{i}.log")
+            proc = self.ctx.Process(
                 target=worker_main, args=(i, child, self.barrier, log), name=f"bench-worker-{i}"
             )
             proc.start()
@@ -236,6 +241,24 @@ class WorkerPool:
 
 class WorkerError(RuntimeError):
     """A worker's command raised; the message is its traceback."""
+
+
+class _InterruptShield:
+    """While everything is being stopped, Ctrl-C is ignored (each stop is bounded by its own
+    timeouts), so that a second Ctrl-C cannot leave processes behind; then the previous
+    handler comes back. Only the main thread can change signal handlers."""
+
+    def __init__(self) -> None:
+        self.main = threading.current_thread() is threading.main_thread()
+        self.previous = signal.getsignal(signal.SIGINT) if self.main else None
+
+    def raise_shield(self) -> None:
+        if self.main:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def lower_shield(self) -> None:
+        if self.main and self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def _quiet(_line: str) -> None:
@@ -394,8 +417,18 @@ class PeersBench:
         )
         redis = RedisServer(root / "redis")
         mooncake = MooncakeServers(root / "mooncake", segment_bytes=opts.mooncake_segment_bytes)
-        pool: WorkerPool | None = None
-        try:
+        pool = WorkerPool(root)
+        shield = _InterruptShield()
+        with contextlib.ExitStack() as stack:
+            # Unwound in reverse, each step even if one before it raised or was interrupted.
+            stack.callback(shield.lower_shield)
+            if opts.directory is None:
+                stack.callback(shutil.rmtree, root, ignore_errors=True)
+            stack.callback(kv.stop)
+            stack.callback(redis.stop)
+            stack.callback(mooncake.stop)
+            stack.callback(pool.stop)
+            stack.callback(shield.raise_shield)
             kv.start()
             self.progress(f"kvpool: {opts.kvpool_masters} masters + {opts.kvpool_nodes} node(s) up")
             self._kvpool_systems(kv.masters, features)
@@ -420,18 +453,10 @@ class PeersBench:
                     return {"kind": "mooncake", "master": mooncake.address}
 
                 self._start_peer("mooncake", mooncake_availability(), start_mooncake)
-            pool = WorkerPool(2, root)
+            pool.start(2)
             self._setup_workers(pool, max(opts.clients), features, kv)
             for rnd in range(opts.rounds):
                 self._round(pool, rnd)
-        finally:
-            if pool is not None:
-                pool.stop()
-            mooncake.stop()
-            redis.stop()
-            kv.stop()
-            if opts.directory is None:
-                shutil.rmtree(root, ignore_errors=True)
         return self._document(started, features)
 
     def _setup_workers(
