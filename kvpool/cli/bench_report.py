@@ -390,7 +390,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
                         c = cells[k]
                         row.append(_times(c["vs"][p]["GBps_ratio"]) if c and p in c["vs"] else "-")
                 row += [_num(c["p50_us"], 0) if c else "-" for c in cells.values()]
-                row += [_pct(cells[k]["of_limit"]["loopback_tcp"]) if cells[k] else "-" for k in kv]
+                for k in kv:
+                    c = cells[k]
+                    row.append(_pct(c["of_limit"]["loopback_tcp"]) if c else "-")
                 out.append("| " + " | ".join(row) + " |")
     v = doc["verification"]
     out += [
