@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import multiprocessing
 import os
 import platform
 import secrets
@@ -39,7 +38,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +51,7 @@ from kvpool.cli.bench_peer_servers import (
     mooncake_availability,
     redis_availability,
 )
+from kvpool.cli.bench_worker import WorkerError, WorkerPool
 from kvpool.errors import ConfigError
 from kvpool.units import format_size, parse_size
 
@@ -63,7 +62,6 @@ PEERS = ("redis", "mooncake")
 BATCH_BYTES = 32 * MiB
 """A batched call carries at most this much (and at most MAX_BATCH_KEYS keys)."""
 MAX_BATCH_KEYS = 256
-CELL_TIMEOUT_S = 600.0
 SCHEMA = "kvpool-bench-peers/1"
 
 Progress = Callable[[str], None]
@@ -180,67 +178,6 @@ class SystemState:
         if self.setup:
             out["setup"] = self.setup
         return out
-
-
-class WorkerPool:
-    """The benchmark client processes (spawned, so no lock or thread is inherited)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.ctx = multiprocessing.get_context("spawn")
-        self.barrier = self.ctx.Barrier(2)
-        self.conns: list[Connection] = []
-        self.procs: list[Any] = []
-
-    def start(self, count: int) -> None:
-        from kvpool.cli.bench_worker import worker_main
-
-        for i in range(count):
-            parent, child = self.ctx.Pipe()
-            log = str(self.dir / f"worker-{i}.log")
-            proc = self.ctx.Process(
-                target=worker_main, args=(i, child, self.barrier, log), name=f"bench-worker-{i}"
-            )
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
-
-    def send(self, i: int, msg: dict[str, Any]) -> None:
-        self.conns[i].send(msg)
-
-    def recv(self, i: int, timeout_s: float = CELL_TIMEOUT_S) -> Any:
-        if not self.conns[i].poll(timeout_s):
-            raise RuntimeError(f"bench worker {i} did not answer within {timeout_s:.0f}s")
-        try:
-            reply = self.conns[i].recv()
-        except EOFError:
-            raise RuntimeError(
-                f"bench worker {i} died (exit code {self.procs[i].exitcode})"
-            ) from None
-        if not reply["ok"]:
-            raise WorkerError(reply["error"])
-        return reply["result"]
-
-    def call(self, i: int, msg: dict[str, Any], timeout_s: float = CELL_TIMEOUT_S) -> Any:
-        self.send(i, msg)
-        return self.recv(i, timeout_s)
-
-    def stop(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(OSError, BrokenPipeError):
-                conn.send({"cmd": "stop"})
-        for proc in self.procs:
-            proc.join(15)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5)
-        for conn in self.conns:
-            conn.close()
-
-
-class WorkerError(RuntimeError):
-    """A worker's command raised; the message is its traceback."""
 
 
 class _InterruptShield:

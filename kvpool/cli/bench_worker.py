@@ -1,6 +1,7 @@
-"""A benchmark client process of ``kvpool bench peers``.
+"""The benchmark client processes of ``kvpool bench peers``: :func:`worker_main` runs in each,
+:class:`WorkerPool` starts and drives them from the orchestrator.
 
-The orchestrator starts one or two of these (``multiprocessing``, spawned) and sends them
+The orchestrator starts two of these (``multiprocessing``, spawned) and sends them
 commands over a pipe; each holds one client of every measured system, a source arena and a
 destination arena (numpy, registered with Mooncake once), and answers with raw samples. All
 deciding — what to run, medians, ratios — happens in the orchestrator.
@@ -22,12 +23,14 @@ loops overlap and the orchestrator can time them as one.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import struct
 import sys
 import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,6 +48,7 @@ from kvpool.cli.bench_machine import TcpSink, memcpy_gbps, tcp_send_gbps
 POISON = 0x5A
 STAMP = struct.Struct("<IIII")
 BARRIER_TIMEOUT_S = 300.0
+CELL_TIMEOUT_S = 600.0
 
 
 def _redirect_output(log_path: str) -> None:
@@ -235,3 +239,62 @@ def worker_main(index: int, conn: Connection, barrier: Any, log_path: str) -> No
         sys.stderr.flush()
         # Peer libraries may leave non-daemon threads behind; nothing here needs them.
         os._exit(0)
+
+
+class WorkerPool:
+    """The benchmark client processes (spawned, so no lock or thread is inherited)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.ctx = multiprocessing.get_context("spawn")
+        self.barrier = self.ctx.Barrier(2)
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+
+    def start(self, count: int) -> None:
+        for i in range(count):
+            parent, child = self.ctx.Pipe()
+            log = str(self.dir / f"worker-{i}.log")
+            proc = self.ctx.Process(
+                target=worker_main, args=(i, child, self.barrier, log), name=f"bench-worker-{i}"
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def send(self, i: int, msg: dict[str, Any]) -> None:
+        self.conns[i].send(msg)
+
+    def recv(self, i: int, timeout_s: float = CELL_TIMEOUT_S) -> Any:
+        if not self.conns[i].poll(timeout_s):
+            raise RuntimeError(f"bench worker {i} did not answer within {timeout_s:.0f}s")
+        try:
+            reply = self.conns[i].recv()
+        except EOFError:
+            raise RuntimeError(
+                f"bench worker {i} died (exit code {self.procs[i].exitcode})"
+            ) from None
+        if not reply["ok"]:
+            raise WorkerError(reply["error"])
+        return reply["result"]
+
+    def call(self, i: int, msg: dict[str, Any], timeout_s: float = CELL_TIMEOUT_S) -> Any:
+        self.send(i, msg)
+        return self.recv(i, timeout_s)
+
+    def stop(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send({"cmd": "stop"})
+        for proc in self.procs:
+            proc.join(15)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+        for conn in self.conns:
+            conn.close()
+
+
+class WorkerError(RuntimeError):
+    """A worker's command raised; the message is its traceback."""

@@ -5,6 +5,7 @@ with the line saying how to install them."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -20,8 +21,7 @@ from kvpool.cli.bench_worker import Worker
 from kvpool.client.core import ClientCore
 from kvpool.client.settings import make_config
 from kvpool.client.sync import Client
-
-from .conftest import ClusterFactory
+from kvpool.launcher.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 
@@ -106,6 +106,9 @@ def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -
     assert "verified:" in proc.stdout
 
 
+_RUNS = itertools.count()
+
+
 def _run_cell(driver: Any, batch: int) -> dict[str, Any]:
     worker = Worker(0, barrier=None)
     worker.setup({"arena_bytes": 1 << 20, "seed": 3, "systems": []})
@@ -118,7 +121,7 @@ def _run_cell(driver: Any, batch: int) -> dict[str, Any]:
             "batch": batch,
             "passes": 2,
             "uid": 1,
-            "run": "it",
+            "run": f"it{next(_RUNS)}",  # keys of their own on the shared cluster
             "together": False,
         }
     )
@@ -134,10 +137,9 @@ def _assert_all_verified(result: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("batch", [0, 8])
 def test_sync_and_async_kvpool_drivers_against_a_cluster(
-    cluster_factory: ClusterFactory, batch: int
+    shared_cluster: LocalCluster, batch: int
 ) -> None:
-    cluster = cluster_factory(masters=1, nodes=1, in_memory=True)
-    masters = cluster.master_addresses
+    masters = shared_cluster.master_addresses
     sync = KvpoolDriver(Client(masters, timeout_s=10.0))
     try:
         _assert_all_verified(_run_cell(sync, batch))
@@ -184,9 +186,8 @@ class NewerClient:
         self.inner.close()
 
 
-def test_newer_client_calls_are_picked_up(cluster_factory: ClusterFactory) -> None:
-    cluster = cluster_factory(masters=1, nodes=1, in_memory=True)
-    client = NewerClient(Client(cluster.master_addresses, timeout_s=10.0))
+def test_newer_client_calls_are_picked_up(shared_cluster: LocalCluster) -> None:
+    client = NewerClient(Client(shared_cluster.master_addresses, timeout_s=10.0))
     driver = KvpoolDriver(client)
     try:
         assert driver.api["batch_get"] == "batch_get_into"
