@@ -163,9 +163,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--kvpool-api",
-        choices=("auto", "sync", "async"),
+        choices=("auto", "sync", "async", "both"),
         default="auto",
-        help="kvpool.Client or kvpool.AsyncClient [auto: AsyncClient when there is one]",
+        help="which client: kvpool.Client (sync), kvpool.AsyncClient (async, measured as "
+        "kvpool-...-async) or both on every transport [auto: Client on every transport and "
+        "AsyncClient on the first, when there is one]",
     )
     b.add_argument(
         "--kvpool-in-memory", action="store_true", help="masters keep the index in memory only"

@@ -364,32 +364,26 @@ class KvpoolAsyncDriver:
 def make_kvpool_driver(
     masters: Sequence[str], *, transport: str | None, timeout_s: float, api: str
 ) -> Driver:
-    """The kvpool driver for ``api`` ("sync", "async", or "auto": async when the client offers
-    ``kvpool.AsyncClient``)."""
+    """The kvpool driver: ``api`` "sync" drives ``kvpool.Client``, "async" drives
+    ``kvpool.AsyncClient`` (an error where this kvpool has none)."""
     import kvpool
 
     name = "kvpool" if transport is None else f"kvpool-{transport}"
     suffix = f"(transport={transport!r})" if transport else ""
-    async_cls = getattr(kvpool, "AsyncClient", None)
-    note = ""
-    if api == "async" or (api == "auto" and async_cls is not None):
+    if api == "async":
+        async_cls = getattr(kvpool, "AsyncClient", None)
         if async_cls is None:
-            raise RuntimeError("this kvpool has no AsyncClient (use --kvpool-api sync)")
+            raise RuntimeError("this kvpool has no AsyncClient")
         kwargs = _client_kwargs(async_cls, timeout_s, transport)
-        try:
-            return KvpoolAsyncDriver(
-                lambda: async_cls(list(masters), **kwargs),
-                name=name,
-                client_label="kvpool.AsyncClient" + suffix,
-            )
-        except Exception as e:
-            if api == "async":
-                raise
-            note = f"AsyncClient could not be used ({type(e).__name__}: {e}); "
+        return KvpoolAsyncDriver(
+            lambda: async_cls(list(masters), **kwargs),
+            name=f"{name}-async",
+            client_label="kvpool.AsyncClient" + suffix,
+        )
     from kvpool.client.sync import Client
 
     client = Client(list(masters), **_client_kwargs(Client, timeout_s, transport))
-    return KvpoolDriver(client, name=name, label=note + "kvpool.Client" + suffix)
+    return KvpoolDriver(client, name=name, label="kvpool.Client" + suffix)
 
 
 # --- Redis -----------------------------------------------------------------------------------

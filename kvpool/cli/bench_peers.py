@@ -59,6 +59,7 @@ KiB, MiB = 1 << 10, 1 << 20
 FULL_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
 QUICK_SIZES = (4 * KiB, 1 * MiB)
 PEERS = ("redis", "mooncake")
+KVPOOL_APIS = ("auto", "sync", "async", "both")
 BATCH_BYTES = 32 * MiB
 """A batched call carries at most this much (and at most MAX_BATCH_KEYS keys)."""
 MAX_BATCH_KEYS = 256
@@ -82,6 +83,8 @@ class PeersOptions:
     kvpool_transports: tuple[str, ...] | None = None
     """None: tcp and shm when the client takes ``transport=``, else the client's default."""
     kvpool_api: str = "auto"
+    """auto: kvpool.Client on every transport, and kvpool.AsyncClient on the first one when
+    there is one; sync, async: only that client; both: both on every transport."""
     mooncake_segment_bytes: int = 1 << 30
     arena_bytes: int = 64 * MiB
     timeout_s: float = 10.0
@@ -126,8 +129,8 @@ class PeersOptions:
             errors.append("modes: single, batch or single,batch")
         if any(p not in PEERS for p in self.peers):
             errors.append(f"peers: a subset of {','.join(PEERS)}")
-        if self.kvpool_api not in ("auto", "sync", "async"):
-            errors.append("kvpool api: auto, sync or async")
+        if self.kvpool_api not in KVPOOL_APIS:
+            errors.append(f"kvpool api: one of {', '.join(KVPOOL_APIS)}")
         return errors
 
 
@@ -221,6 +224,7 @@ class PeersBench:
     # --- start ---------------------------------------------------------------------------
 
     def _kvpool_systems(self, masters: list[str], features: dict[str, Any]) -> None:
+        """One system per (transport, client API) measured: see ``PeersOptions.kvpool_api``."""
         transports: tuple[str | None, ...]
         if self.opts.kvpool_transports is not None:
             transports = self.opts.kvpool_transports
@@ -228,9 +232,18 @@ class PeersBench:
             transports = ("tcp", "shm")
         else:
             transports = (None,)
-        for t in transports:
-            name = "kvpool" if t is None else f"kvpool-{t}"
-            self.systems[name] = SystemState(
+        api = self.opts.kvpool_api
+        pairs: list[tuple[str | None, str]] = []
+        for i, t in enumerate(transports):
+            if api in ("sync", "both", "auto"):
+                pairs.append((t, "sync"))
+            if api in ("async", "both") or (api == "auto" and i == 0 and features["async_client"]):
+                pairs.append((t, "async"))
+        for t, kind in pairs:
+            name = ("kvpool" if t is None else f"kvpool-{t}") + (
+                "-async" if kind == "async" else ""
+            )
+            state = SystemState(
                 name,
                 "kvpool",
                 spec={
@@ -238,9 +251,12 @@ class PeersBench:
                     "masters": masters,
                     "transport": t,
                     "timeout_s": self.opts.timeout_s,
-                    "api": self.opts.kvpool_api,
+                    "api": kind,
                 },
             )
+            if kind == "async" and not features["async_client"]:
+                state.fail("this kvpool has no AsyncClient")
+            self.systems[name] = state
 
     def _start_peer(
         self, name: str, avail: Availability, start: Callable[[], dict[str, Any]]

@@ -298,15 +298,15 @@ def render_table(doc: dict[str, Any]) -> str:
                 f"{k}={api[k]}" for k in ("put", "get", "batch_put", "batch_get") if k in api
             )
             setup = "; ".join(f"{k} {v}" for k, v in info.get("setup", {}).items())
-            lines.append(f"  {name:12s} {api.get('client', '')}")
-            lines.append(f"  {'':12s} calls: {calls}")
+            lines.append(f"  {name:16s} {api.get('client', '')}")
+            lines.append(f"  {'':16s} calls: {calls}")
             if setup:
-                lines.append(f"  {'':12s} {setup}")
+                lines.append(f"  {'':16s} {setup}")
         else:
             hint = f" (install: {info['install']})" if info.get("install") else ""
-            lines.append(f"  {name:12s} {info['status']}: {info.get('reason', '')}{hint}")
+            lines.append(f"  {name:16s} {info['status']}: {info.get('reason', '')}{hint}")
     peers = [n for n, i in doc["systems"].items() if i["status"] == "measured" and not is_kvpool(n)]
-    header = f"{'size':>9} {'cl':>2} {'keys/call':>9}  {'system':12s} {'GB/s':>7} {'keys/s':>10}"
+    header = f"{'size':>9} {'cl':>2} {'keys/call':>9}  {'system':16s} {'GB/s':>7} {'keys/s':>10}"
     header += f" {'p50 us':>9} {'p99 us':>9}"
     header += "".join(f" {'vs ' + p:>12}" for p in peers) + f" {'memcpy':>7} {'tcp':>7}"
     cells = doc["cells"]
@@ -318,7 +318,7 @@ def render_table(doc: dict[str, Any]) -> str:
         lines.append(title)
         lines.append(header)
         for c in section:
-            row = f"{c['size']:>9} {c['clients']:>2} {c['keys_per_call']:>9}  {c['system']:12s}"
+            row = f"{c['size']:>9} {c['clients']:>2} {c['keys_per_call']:>9}  {c['system']:16s}"
             row += f" {_num(c['GBps'], 3):>7} {_num(c['keys_per_s'], 0):>10}"
             row += f" {_num(c['p50_us'], 0):>9} {_num(c['p99_us'], 0):>9}"
             for p in peers:

@@ -139,7 +139,7 @@ class Worker:
                 spec["masters"],
                 transport=spec.get("transport"),
                 timeout_s=float(spec["timeout_s"]),
-                api=spec.get("api", "auto"),
+                api=spec.get("api", "sync"),
             )
         if kind == "redis":
             return RedisDriver(spec["host"], int(spec["port"]), timeout_s=float(spec["timeout_s"]))

@@ -4,6 +4,7 @@ table, and how cells are planned. Pure: no process, no socket."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -158,7 +159,7 @@ def test_the_table_shows_rows_ratios_and_skipped_peers() -> None:
     cells = bench_report.summarize_cells(records, {})
     bench_report.add_ratios(cells, [{"round": 0, "memcpy_GBps": 20.0, "loopback_tcp_GBps": 4.0}])
     text = bench_report.render_table(_doc(cells))
-    assert "redis        skipped: redis-server is not installed" in text
+    assert re.search(r"^\s+redis\s+skipped: redis-server is not installed", text, re.M)
     assert "install: apt-get install redis-server" in text
     row = next(ln for ln in text.splitlines() if "kvpool" in ln and "3.000" in ln)
     assert "2.00x" in row  # vs mooncake
@@ -205,3 +206,32 @@ def test_markdown_has_one_table_per_op_mode_and_client_count() -> None:
     row = next(ln for ln in text.splitlines() if ln.startswith("| 1.0 MiB") and "2.00x" in ln)
     assert "3.000 (2,861)" in row  # GB/s (keys/s) of kvpool
     assert "75.0%" in row  # of loopback TCP
+
+
+@pytest.mark.parametrize(
+    ("transport_arg", "async_client", "api", "expected"),
+    [
+        (False, False, "auto", ["kvpool"]),
+        (True, False, "auto", ["kvpool-tcp", "kvpool-shm"]),
+        (True, True, "auto", ["kvpool-tcp", "kvpool-tcp-async", "kvpool-shm"]),
+        (True, True, "sync", ["kvpool-tcp", "kvpool-shm"]),
+        (True, True, "async", ["kvpool-tcp-async", "kvpool-shm-async"]),
+        (False, True, "both", ["kvpool", "kvpool-async"]),
+    ],
+)
+def test_kvpool_is_measured_with_whatever_the_client_offers(
+    transport_arg: bool, async_client: bool, api: str, expected: list[str]
+) -> None:
+    from kvpool.cli.bench_peers import PeersBench
+
+    bench = PeersBench(PeersOptions(kvpool_api=api))
+    bench._kvpool_systems(
+        ["127.0.0.1:1"], {"transport_arg": transport_arg, "async_client": async_client}
+    )
+    assert list(bench.systems) == expected
+    for state in bench.systems.values():
+        assert state.status == "measured"
+        assert state.spec["api"] == ("async" if state.name.endswith("-async") else "sync")
+    bench = PeersBench(PeersOptions(kvpool_api="async"))
+    bench._kvpool_systems(["127.0.0.1:1"], {"transport_arg": False, "async_client": False})
+    assert bench.systems["kvpool-async"].status == "failed"
