@@ -6,7 +6,7 @@ run the demo.
     kvpool cluster up [--detach --dir DIR]      kvpool cluster down --dir DIR
     kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
     kvpool demo [chat]
-    kvpool bench cluster | index | data-plane | tiers
+    kvpool bench cluster | index | data-plane | tiers | peers
     kvpool chaos list | run --scenario NAME [--seed S] [--duration D] [--json]
 
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
@@ -146,6 +146,51 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke runs)")
     b.add_argument("--dir", help="where the SSD tier's files go [a temp dir]")
     b.add_argument("--json", action="store_true", help="print JSON")
+    b = bsub.add_parser(
+        "peers",
+        help="kvpool vs Redis vs Mooncake Store vs the machine's limits (memcpy, loopback "
+        "TCP): GB/s, keys/s, p50, p99, ratios",
+        description="Start a local kvpool cluster, Redis (redis-server, persistence off) and "
+        "Mooncake Store (mooncake_master + one store process) on 127.0.0.1; run puts and gets "
+        "of 4 KiB to 16 MiB, one key per call and batched, from 1 and 2 client processes, "
+        "every system in turn at every size, for several rounds; compare every byte read with "
+        "what was put; print medians and ratios. Peers that are not installed are skipped: "
+        "pip install -e '.[bench]' and apt-get install redis-server libibverbs1.",
+    )
+    b.add_argument("--quick", action="store_true", help="a smoke run of seconds (CI)")
+    b.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write every number as JSON to PATH (no PATH: print JSON instead of the table)",
+    )
+    b.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
+    b.add_argument("--sizes", help="block sizes [4KiB,64KiB,1MiB,4MiB,16MiB; quick 4KiB,1MiB]")
+    b.add_argument("--rounds", type=int, help="interleaved rounds, medians over them [5; quick 1]")
+    b.add_argument("--clients", help="client process counts [1,2]")
+    b.add_argument("--modes", help="single,batch [both]")
+    b.add_argument("--peers", help="redis,mooncake [both]; none: kvpool and the limits only")
+    b.add_argument("--kvpool-masters", type=int, default=3, help="masters (Raft group) [3]")
+    b.add_argument("--kvpool-nodes", type=int, default=1, help="store nodes [1]")
+    b.add_argument(
+        "--kvpool-transports",
+        help="Client(transport=...) values, each measured as kvpool-NAME "
+        "[tcp,shm when the client takes transport=]",
+    )
+    b.add_argument(
+        "--kvpool-api",
+        choices=("auto", "sync", "async", "both"),
+        default="auto",
+        help="which client: kvpool.Client (sync), kvpool.AsyncClient (async, measured as "
+        "kvpool-...-async) or both on every transport [auto: Client on every transport and "
+        "AsyncClient on the first, when there is one]",
+    )
+    b.add_argument(
+        "--kvpool-in-memory", action="store_true", help="masters keep the index in memory only"
+    )
+    b.add_argument("--dir", help="keep logs and data here [a temp dir, removed]")
+    b.add_argument("--seed", type=int, default=0, help="seed of the block contents [0]")
     b = bsub.add_parser(
         "data-plane",
         help="one store node's data server over loopback TCP (PUT/GET p50 and MB/s)",
@@ -320,6 +365,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvpool.store_node.bench import main as data_plane_main
 
         return data_plane_main(args.rest or [])
+    if args.bench_command == "peers":
+        from kvpool.cli.bench_peers import main_peers
+
+        return main_peers(args)
     from kvpool.cli.bench import bench_cluster, bench_index, bench_tiers, print_result
 
     if args.bench_command == "cluster":
