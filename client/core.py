@@ -309,6 +309,20 @@ class ClientCore:
         )
         return response is not None and bool(response.entries[0].found)
 
+    async def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
+        """Each key's block size in bytes as the index has it, or None where it has no such key
+        (or on failure, unless strict): one Lookup, no bytes read."""
+        pairs = validate_keys(keys)
+        if not pairs:
+            return []
+        names = [k for k, _ in pairs]
+        response = await self._call_or_fail(
+            "sizes", lambda d: self._lookup(names, d), self._strict(strict)
+        )
+        if response is None:
+            return [None] * len(pairs)
+        return [int(e.size_bytes) if e.found else None for e in response.entries]
+
     async def remove(self, key: str, *, strict: bool | None = None) -> bool:
         """Remove the key from the index; True if it was there. Replicas are told to drop the
         bytes, best effort."""

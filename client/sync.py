@@ -27,7 +27,7 @@ from kvpool.client.core import ClientCore, PutReceipt
 from kvpool.client.fastpath import SyncPath
 from kvpool.client.settings import make_config
 from kvpool.client.values import BytesLike, WritableBuffer, as_payload
-from kvpool.errors import DeadlineExceededError, UnavailableError
+from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
 
 T = TypeVar("T")
 
@@ -150,6 +150,8 @@ class Client:
             raise UnavailableError("this kvpool client is closed") from None
         try:
             return future.result(timeout=self._timeout_s + LOOP_GRACE_S)
+        except KVPoolError:  # the call's own error (a DeadlineExceededError is a TimeoutError too)
+            raise
         except concurrent.futures.CancelledError:
             raise UnavailableError("this kvpool client was closed during the call") from None
         except concurrent.futures.TimeoutError:
@@ -202,6 +204,11 @@ class Client:
     def exists(self, key: str) -> bool:
         """Whether the index has ``key`` (False on failure unless the client is strict)."""
         return self._call(self._core.exists(key), _false, None)
+
+    def sizes(self, keys: Sequence[str]) -> list[int | None]:
+        """Each key's block size in bytes, or None where the index has no such key (one lookup;
+        no bytes are read; None for all on failure unless the client is strict)."""
+        return self._call(self._core.sizes(keys), lambda: [None] * len(keys), None)
 
     def remove(self, key: str) -> bool:
         """Remove ``key``; True if the index had it."""

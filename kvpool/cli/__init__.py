@@ -5,8 +5,8 @@ run the demo.
     kvpool node --masters 10.0.0.1:7300,10.0.0.2:7300,10.0.0.3:7300 --cpu-cache-size 16GiB
     kvpool cluster up [--detach --dir DIR]      kvpool cluster down --dir DIR
     kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
-    kvpool demo
-    kvpool bench cluster | index | data-plane | tiers | client
+    kvpool demo [chat]
+    kvpool bench cluster | index | data-plane | tiers | peers | client
     kvpool chaos list | run --scenario NAME [--seed S] [--duration D] [--json]
 
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
@@ -100,6 +100,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=400, help="blocks to put and read [400]")
     p.add_argument("--dir", help="keep the cluster's data and logs here [a temp dir]")
     p.add_argument("--seed", type=int, default=7, help="seed of the workload [7]")
+    dsub = p.add_subparsers(dest="demo_command", metavar="DEMO", required=False)
+    d = dsub.add_parser(
+        "chat",
+        help="a real (small, random-weight) model: TTFT with and without kvpool, hit rate, "
+        "bytes moved, identical outputs, the store killed mid-run (needs kvpool[llm])",
+        description="Run a small Llama-style model (built from a config with seeded random "
+        "weights: no download) against a local cluster, with and without kvpool, and report "
+        "time to first token, hit rate, bytes moved and whether the outputs are identical. "
+        "Needs torch and transformers: pip install 'kvpool[llm]'.",
+    )
+    d.add_argument("--quick", action="store_true", help="a tiny model and short prompts")
+    d.add_argument("--system-tokens", type=int, help="tokens of the shared system prompt [2048]")
+    d.add_argument("--requests", type=int, help="questions after the shared prompt [6]")
+    d.add_argument("--block-size", type=int, help="tokens per KV block [64]")
+    d.add_argument("--dir", dest="chat_dir", help="keep the cluster's files here [a temp dir]")
+    d.add_argument("--seed", dest="chat_seed", type=int, help="seed of the workload [7]")
+    d.add_argument("--json", action="store_true", help="print the report as JSON at the end")
 
     p = sub.add_parser(
         "bench",
@@ -129,6 +146,51 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke runs)")
     b.add_argument("--dir", help="where the SSD tier's files go [a temp dir]")
     b.add_argument("--json", action="store_true", help="print JSON")
+    b = bsub.add_parser(
+        "peers",
+        help="kvpool vs Redis vs Mooncake Store vs the machine's limits (memcpy, loopback "
+        "TCP): GB/s, keys/s, p50, p99, ratios",
+        description="Start a local kvpool cluster, Redis (redis-server, persistence off) and "
+        "Mooncake Store (mooncake_master + one store process) on 127.0.0.1; run puts and gets "
+        "of 4 KiB to 16 MiB, one key per call and batched, from 1 and 2 client processes, "
+        "every system in turn at every size, for several rounds; compare every byte read with "
+        "what was put; print medians and ratios. Peers that are not installed are skipped: "
+        "pip install -e '.[bench]' and apt-get install redis-server libibverbs1.",
+    )
+    b.add_argument("--quick", action="store_true", help="a smoke run of seconds (CI)")
+    b.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write every number as JSON to PATH (no PATH: print JSON instead of the table)",
+    )
+    b.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
+    b.add_argument("--sizes", help="block sizes [4KiB,64KiB,1MiB,4MiB,16MiB; quick 4KiB,1MiB]")
+    b.add_argument("--rounds", type=int, help="interleaved rounds, medians over them [5; quick 1]")
+    b.add_argument("--clients", help="client process counts [1,2]")
+    b.add_argument("--modes", help="single,batch [both]")
+    b.add_argument("--peers", help="redis,mooncake [both]; none: kvpool and the limits only")
+    b.add_argument("--kvpool-masters", type=int, default=3, help="masters (Raft group) [3]")
+    b.add_argument("--kvpool-nodes", type=int, default=1, help="store nodes [1]")
+    b.add_argument(
+        "--kvpool-transports",
+        help="Client(transport=...) values, each measured as kvpool-NAME "
+        "[tcp,shm when the client takes transport=]",
+    )
+    b.add_argument(
+        "--kvpool-api",
+        choices=("auto", "sync", "async", "both"),
+        default="auto",
+        help="which client: kvpool.Client (sync), kvpool.AsyncClient (async, measured as "
+        "kvpool-...-async) or both on every transport [auto: Client on every transport and "
+        "AsyncClient on the first, when there is one]",
+    )
+    b.add_argument(
+        "--kvpool-in-memory", action="store_true", help="masters keep the index in memory only"
+    )
+    b.add_argument("--dir", help="keep logs and data here [a temp dir, removed]")
+    b.add_argument("--seed", type=int, default=0, help="seed of the block contents [0]")
     b = bsub.add_parser(
         "data-plane",
         help="one store node's data server over loopback TCP (PUT/GET p50 and MB/s)",
@@ -268,9 +330,41 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if getattr(args, "demo_command", None) == "chat":
+        return _demo_chat(args)
     from kvpool.cli.demo import run_demo
 
     return run_demo(blocks=args.blocks, directory=args.dir, seed=args.seed)
+
+
+def _demo_chat(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from kvpool.engine.chat import QUICK, ChatSettings, run_chat
+    from kvpool.engine.model import require_llm
+    from kvpool.logs import configure_logging
+
+    require_llm()  # before anything else: says how to install torch and transformers
+    configure_logging("warning", "console")
+    settings = QUICK if args.quick else ChatSettings()
+    changes = {
+        name: value
+        for name, value in (
+            ("system_tokens", args.system_tokens),
+            ("requests", args.requests),
+            ("block_size", args.block_size),
+            ("seed", args.chat_seed),
+        )
+        if value is not None
+    }
+    for name, value in changes.items():
+        if value < 1 or (name == "requests" and value < 2):
+            print(f"kvpool demo chat: --{name.replace('_', '-')} is too small", file=sys.stderr)
+            return EXIT_USAGE
+    report = run_chat(replace(settings, **changes), directory=args.chat_dir or args.dir)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    return EXIT_OK
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -282,6 +376,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvpool.cli.bench_client import main as client_main
 
         return client_main(args.rest or [])
+    if args.bench_command == "peers":
+        from kvpool.cli.bench_peers import main_peers
+
+        return main_peers(args)
     from kvpool.cli.bench import bench_cluster, bench_index, bench_tiers, print_result
 
     if args.bench_command == "cluster":

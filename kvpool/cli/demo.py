@@ -33,23 +33,6 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def _wait_caught_up(cluster: LocalCluster, timeout_s: float) -> float | None:
-    """When every master has applied as far as the leader has committed (monotonic time)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        probes = probe_masters(cluster.master_addresses, timeout_s=0.5)
-        statuses = [p.status.master for p in probes if p.status is not None]
-        leaders = [m for m in statuses if m.role == "leader"]
-        if (
-            len(statuses) == len(probes)
-            and leaders
-            and all(m.last_applied >= leaders[0].commit_index for m in statuses)
-        ):
-            return time.monotonic()
-        time.sleep(0.1)
-    return None
-
-
 def run_demo(blocks: int = 400, directory: str | None = None, seed: int = 7) -> int:
     keep = directory is not None
     root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
@@ -131,20 +114,17 @@ def run_demo(blocks: int = 400, directory: str | None = None, seed: int = 7) -> 
             _say(f"restarting {leader} ...")
             restarted_at = time.monotonic()
             cluster.restart(leader)
-            caught_up_s = _wait_caught_up(cluster, timeout_s=30)
-            if caught_up_s is None:
+            caught_up = cluster.wait_caught_up(timeout_s=30)
+            if not caught_up:
                 _say(f"{leader} did NOT catch up within 30 s")
             else:
-                _say(f"{leader} caught up {caught_up_s - restarted_at:.2f} s after its restart")
+                _say(
+                    f"{leader} caught up {time.monotonic() - restarted_at:.2f} s after its restart"
+                )
             _say()
             _say(render_status(status_document(probe_masters(cluster.master_addresses))))
             wrong = hits - exact
-            ok = (
-                wrong == 0
-                and found == len(committed)
-                and len(committed) == blocks
-                and caught_up_s is not None
-            )
+            ok = wrong == 0 and found == len(committed) and len(committed) == blocks and caught_up
             _say()
             _say(
                 "demo "

@@ -319,8 +319,11 @@ def test_a_stale_index_answer_can_only_cause_a_miss(shared_cluster: LocalCluster
     """A master that has not applied the latest put (a deposed leader, a lagging follower)
     hands out the previous write id: the node refuses it, never serving other bytes."""
 
+    # The leader applied each put before acknowledging it (a follower may not have yet).
+    leader = shared_cluster.wait_for_leader()
+
     async def lookup(key: str) -> tuple[int, int, str]:
-        address = shared_cluster.master_addresses[0]
+        address = leader
         channel = create_channel(address)
         try:
             stub = master_pb2_grpc.MasterStub(channel)

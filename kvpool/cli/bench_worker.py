@@ -1,0 +1,300 @@
+"""The benchmark client processes of ``kvpool bench peers``: :func:`worker_main` runs in each,
+:class:`WorkerPool` starts and drives them from the orchestrator.
+
+The orchestrator starts two of these (``multiprocessing``, spawned) and sends them
+commands over a pipe; each holds one client of every measured system, a source arena and a
+destination arena (numpy, registered with Mooncake once), and answers with raw samples. All
+deciding — what to run, medians, ratios — happens in the orchestrator.
+
+A *cell* is one system at one block size in one mode (single-key or batched). It runs a few
+passes; each pass:
+
+1. stamps every value's first 16 bytes with (cell, pass, worker, slot), so that no two keys
+   ever hold the same bytes and a stale or misplaced block cannot pass for the right one;
+2. puts the keys (timed), then poisons the destination arena;
+3. gets the keys (timed) — into the destination arena where the API allows;
+4. compares every byte read with what was put (untimed), counting misses and wrong blocks;
+5. removes the keys (untimed), so that no store fills up and evicts during the run.
+
+With two workers, both pass through a shared barrier before each timed loop, so that their
+loops overlap and the orchestrator can time them as one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import struct
+import sys
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpool.cli.bench_drivers import (
+    Array,
+    Driver,
+    MooncakeDriver,
+    PassResult,
+    RedisDriver,
+    make_kvpool_driver,
+)
+from kvpool.cli.bench_machine import TcpSink, memcpy_gbps, tcp_send_gbps
+
+POISON = 0x5A
+STAMP = struct.Struct("<IIII")
+BARRIER_TIMEOUT_S = 300.0
+CELL_TIMEOUT_S = 600.0
+
+
+def _redirect_output(log_path: str) -> None:
+    """Send this process's stdout and stderr (C libraries' too: Mooncake logs through glog)
+    to ``log_path``; the orchestrator's terminal stays readable."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def bytes_like(value: object) -> bytes | bytearray | memoryview:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return value
+    raise TypeError(f"a get returned {type(value).__name__}, not bytes")
+
+
+def verify(
+    got: Sequence[object], srcs: Sequence[Array], size_bytes: int, out: dict[str, Any]
+) -> None:
+    """Count misses, wrong blocks, bytes read and bytes verified (equal to what was put)."""
+    for res, src in zip(got, srcs, strict=True):
+        if res is None:
+            out["misses"] += 1
+            continue
+        arr = res if isinstance(res, np.ndarray) else np.frombuffer(bytes_like(res), np.uint8)
+        out["bytes_read"] += int(arr.nbytes)
+        if arr.nbytes == size_bytes and np.array_equal(arr, src):
+            out["bytes_verified"] += size_bytes
+        else:
+            out["wrong"] += 1
+
+
+class Worker:
+    def __init__(self, index: int, barrier: Any) -> None:
+        self.index = index
+        self.barrier = barrier
+        self.drivers: dict[str, Driver] = {}
+        self.src: Array = np.zeros(0, dtype=np.uint8)
+        self.dst: Array = np.zeros(0, dtype=np.uint8)
+        self.sink: TcpSink | None = None
+
+    # --- commands ------------------------------------------------------------------------
+
+    def handle(self, msg: dict[str, Any]) -> Any:
+        cmd = msg["cmd"]
+        if cmd == "setup":
+            return self.setup(msg)
+        if cmd == "cell":
+            return self.cell(msg)
+        if cmd == "memcpy":
+            return memcpy_gbps(int(msg["size_bytes"]), int(msg["repeats"]))
+        if cmd == "tcp_listen":
+            self.sink = TcpSink()
+            return {"port": self.sink.port}
+        if cmd == "tcp_recv":
+            assert self.sink is not None, "tcp_listen first"
+            try:
+                return self.sink.receive(int(msg["bytes"]))
+            finally:
+                self.sink.close()
+                self.sink = None
+        if cmd == "tcp_send":
+            return tcp_send_gbps(int(msg["port"]), int(msg["bytes"]))
+        raise ValueError(f"unknown command {cmd!r}")
+
+    def setup(self, msg: dict[str, Any]) -> dict[str, Any]:
+        arena = int(msg["arena_bytes"])
+        rng = np.random.default_rng(int(msg["seed"]) + self.index)
+        self.src = rng.integers(0, 256, arena, dtype=np.uint8)
+        self.dst = np.full(arena, POISON, dtype=np.uint8)
+        out: dict[str, Any] = {}
+        for spec in msg["systems"]:
+            name = spec["system"]
+            try:
+                self.drivers[name] = self._driver(spec)
+                out[name] = {"api": self.drivers[name].api}
+            except Exception as e:
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+        return out
+
+    def _driver(self, spec: dict[str, Any]) -> Driver:
+        kind = spec["kind"]
+        if kind == "kvpool":
+            return make_kvpool_driver(
+                spec["masters"],
+                transport=spec.get("transport"),
+                timeout_s=float(spec["timeout_s"]),
+                api=spec.get("api", "sync"),
+            )
+        if kind == "redis":
+            return RedisDriver(spec["host"], int(spec["port"]), timeout_s=float(spec["timeout_s"]))
+        if kind == "mooncake":
+            return MooncakeDriver(spec["master"], [self.src, self.dst])
+        raise ValueError(f"unknown system kind {kind!r}")
+
+    def _sync(self, together: bool) -> None:
+        if together:
+            self.barrier.wait(BARRIER_TIMEOUT_S)
+
+    def cell(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Run one cell's passes; raw samples out. On an exception the barrier is broken so
+        that a partner worker stops waiting too."""
+        try:
+            return self._cell(msg)
+        except Exception:
+            if msg.get("together"):
+                self.barrier.abort()
+            raise
+
+    def _cell(self, msg: dict[str, Any]) -> dict[str, Any]:
+        drv = self.drivers[msg["system"]]
+        size = int(msg["size_bytes"])
+        keys_per_pass = int(msg["keys_per_pass"])
+        batch = int(msg["batch"])
+        uid = int(msg["uid"])
+        together = bool(msg.get("together"))
+        if keys_per_pass * size > self.src.nbytes:
+            raise ValueError("a pass does not fit the arena")
+        srcs = [self.src[j * size : (j + 1) * size] for j in range(keys_per_pass)]
+        dsts = [self.dst[j * size : (j + 1) * size] for j in range(keys_per_pass)]
+        put: dict[str, Any] = {"passes": [], "durations_us": [], "failures": 0, "errors": []}
+        get: dict[str, Any] = {
+            "passes": [],
+            "durations_us": [],
+            "misses": 0,
+            "wrong": 0,
+            "bytes_read": 0,
+            "bytes_verified": 0,
+            "errors": [],
+        }
+        for p in range(int(msg["passes"])):
+            keys = [f"kvpb/{msg['run']}/{uid}/{self.index}/{p}/{j}" for j in range(keys_per_pass)]
+            for j, src in enumerate(srcs):
+                src[: STAMP.size] = np.frombuffer(STAMP.pack(uid, p, self.index, j), np.uint8)
+            self._sync(together)
+            pr = drv.put_pass(keys, srcs, batch)
+            self.dst[: keys_per_pass * size].fill(POISON)
+            self._record(put, pr, size, ok_keys=sum(pr.ok))
+            put["failures"] += len(pr.ok) - sum(pr.ok)
+            self._sync(together)
+            gr = drv.get_pass(keys, dsts, batch)
+            before = get["bytes_verified"]
+            verify(gr.got, srcs, size, get)
+            self._record(get, gr, size, ok_keys=(get["bytes_verified"] - before) // size)
+            drv.remove(keys)
+        return {"put": put, "get": get}
+
+    @staticmethod
+    def _record(out: dict[str, Any], pr: PassResult, size: int, ok_keys: int) -> None:
+        out["passes"].append(
+            {"start": pr.start, "end": pr.end, "keys": ok_keys, "bytes": ok_keys * size}
+        )
+        out["durations_us"].extend(round(d * 1e6, 2) for d in pr.durations_s)
+        for e in pr.errors:
+            if e not in out["errors"] and len(out["errors"]) < 5:
+                out["errors"].append(e)
+
+    def close(self) -> None:
+        for drv in self.drivers.values():
+            with contextlib.suppress(Exception):  # closing goes on; the process ends next
+                drv.close()
+        if self.sink is not None:
+            self.sink.close()
+
+
+def worker_main(index: int, conn: Connection, barrier: Any, log_path: str) -> None:
+    """The process body: answer commands until ``stop`` or the pipe closes."""
+    _redirect_output(log_path)
+    worker = Worker(index, barrier)
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg["cmd"] == "stop":
+                break
+            try:
+                conn.send({"ok": True, "result": worker.handle(msg)})
+            except Exception:
+                conn.send({"ok": False, "error": traceback.format_exc()})
+    finally:
+        worker.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Peer libraries may leave non-daemon threads behind; nothing here needs them.
+        os._exit(0)
+
+
+class WorkerPool:
+    """The benchmark client processes (spawned, so no lock or thread is inherited)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.ctx = multiprocessing.get_context("spawn")
+        self.barrier = self.ctx.Barrier(2)
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+
+    def start(self, count: int) -> None:
+        for i in range(count):
+            parent, child = self.ctx.Pipe()
+            log = str(self.dir / f"worker-{i}.log")
+            proc = self.ctx.Process(
+                target=worker_main, args=(i, child, self.barrier, log), name=f"bench-worker-{i}"
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def send(self, i: int, msg: dict[str, Any]) -> None:
+        self.conns[i].send(msg)
+
+    def recv(self, i: int, timeout_s: float = CELL_TIMEOUT_S) -> Any:
+        if not self.conns[i].poll(timeout_s):
+            raise RuntimeError(f"bench worker {i} did not answer within {timeout_s:.0f}s")
+        try:
+            reply = self.conns[i].recv()
+        except EOFError:
+            raise RuntimeError(
+                f"bench worker {i} died (exit code {self.procs[i].exitcode})"
+            ) from None
+        if not reply["ok"]:
+            raise WorkerError(reply["error"])
+        return reply["result"]
+
+    def call(self, i: int, msg: dict[str, Any], timeout_s: float = CELL_TIMEOUT_S) -> Any:
+        self.send(i, msg)
+        return self.recv(i, timeout_s)
+
+    def stop(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send({"cmd": "stop"})
+        for proc in self.procs:
+            proc.join(15)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+        for conn in self.conns:
+            conn.close()
+
+
+class WorkerError(RuntimeError):
+    """A worker's command raised; the message is its traceback."""

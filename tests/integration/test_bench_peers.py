@@ -1,0 +1,249 @@
+"""``kvpool bench peers``: the smoke run a user (and CI) gets with ``--quick``, and the kvpool
+drivers against a real cluster — the sync Client, an async client, and the newer client
+features picked up when they exist. Peers not installed here are skipped by the bench itself,
+with the line saying how to install them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.cli.bench_drivers import KvpoolAsyncDriver, KvpoolDriver, _client_kwargs
+from kvpool.cli.bench_worker import Worker
+from kvpool.client.core import ClientCore
+from kvpool.client.settings import make_config
+from kvpool.client.sync import Client
+from kvpool.launcher.cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -> None:
+    out = tmp_path / "peers.json"
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool", "bench", "peers", "--quick", "--json", str(out),
+         "--dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not _processes_mentioning(str(run_dir)), "the bench left processes running"
+    doc = json.loads(out.read_text())
+
+    assert doc["schema"] == "kvpool-bench-peers/1"
+    assert doc["limits"]["memcpy_GBps"] > 0.1
+    assert doc["limits"]["loopback_tcp_GBps"] > 0.01
+    systems = doc["systems"]
+    measured = [name for name, s in systems.items() if s["status"] == "measured"]
+    assert any(name.startswith("kvpool") for name in measured)
+    for name in ("redis", "mooncake"):
+        state = systems[name]
+        assert state["status"] in ("measured", "skipped"), state
+        if state["status"] == "skipped":
+            assert "pip install" in state["install"] or "apt-get install" in state["install"]
+            assert re.search(rf"^\s+{name}\s+skipped: .*\(install: ", proc.stdout, re.M)
+
+    sizes = doc["options"]["sizes"]
+    for name in measured:
+        cells = [c for c in doc["cells"] if c["system"] == name]
+        shape = {(c["op"], c["mode"], c["size_bytes"], c["clients"]) for c in cells}
+        expected = {
+            (op, mode, size, clients)
+            for op in ("put", "get")
+            for mode in ("single", "batch")
+            for size in sizes
+            for clients in (1, 2)
+        }
+        assert shape == expected, name
+        for c in cells:
+            assert c["GBps"] > 0, c
+            assert c["keys_per_s"] > 0, c
+            assert c["p50_us"] > 0, c
+            assert c["p99_us"] >= c["p50_us"]
+            assert set(c["of_limit"]) == {"memcpy", "loopback_tcp"}
+            if c["op"] == "get":
+                # every byte read was compared with what was put, and none differed
+                assert c["wrong"] == 0, c
+                assert c["misses"] == 0, c
+                assert c["bytes_read"] == c["bytes_verified"] == c["bytes"] > 0, c
+                assert c["all_bytes_verified"]
+            else:
+                assert c["failures"] == 0, c
+            if name.startswith("kvpool"):
+                peers = [p for p in measured if not p.startswith("kvpool")]
+                assert sorted(c["vs"]) == sorted(peers)
+    verification = doc["verification"]
+    assert verification["all_bytes_verified"]
+    assert verification["bytes_read"] == verification["bytes_verified"] > 0
+    assert len(doc["targets"]) == 7
+    assert "GET, one key per call" in proc.stdout
+    assert "verified:" in proc.stdout
+
+
+_RUNS = itertools.count()
+
+
+def _run_cell(driver: Any, batch: int) -> dict[str, Any]:
+    worker = Worker(0, barrier=None)
+    worker.setup({"arena_bytes": 1 << 20, "seed": 3, "systems": []})
+    worker.drivers["k"] = driver
+    result: dict[str, Any] = worker.cell(
+        {
+            "system": "k",
+            "size_bytes": 16 << 10,
+            "keys_per_pass": 16,
+            "batch": batch,
+            "passes": 2,
+            "uid": 1,
+            "run": f"it{next(_RUNS)}",  # keys of their own on the shared cluster
+            "together": False,
+        }
+    )
+    return result
+
+
+def _assert_all_verified(result: dict[str, Any]) -> None:
+    get = result["get"]
+    assert result["put"]["failures"] == 0
+    assert get["wrong"] == get["misses"] == 0
+    assert get["bytes_verified"] == get["bytes_read"] == 2 * 16 * (16 << 10)
+
+
+@pytest.mark.parametrize("batch", [0, 8])
+def test_sync_and_async_kvpool_drivers_against_a_cluster(
+    shared_cluster: LocalCluster, batch: int
+) -> None:
+    masters = shared_cluster.master_addresses
+    sync = KvpoolDriver(Client(masters, timeout_s=10.0))
+    try:
+        _assert_all_verified(_run_cell(sync, batch))
+    finally:
+        sync.close()
+    # ClientCore has the coroutine methods an AsyncClient offers: the async path runs today.
+    driver = KvpoolAsyncDriver(
+        lambda: ClientCore(make_config(masters, timeout_s=10.0)),
+        name="kvpool",
+        client_label="ClientCore",
+    )
+    try:
+        assert driver.api["get"] == "await get_into"
+        _assert_all_verified(_run_cell(driver, batch))
+    finally:
+        driver.close()
+
+
+class NewerClient:
+    """A Client that has what the perf branch adds: batch_get_into and batch_remove."""
+
+    def __init__(self, inner: Client) -> None:
+        self.inner = inner
+        self.calls: list[str] = []
+
+    def put(self, key: str, value: Any) -> bool:
+        return self.inner.put(key, value)
+
+    def get_into(self, key: str, buffer: Any) -> int | None:
+        return self.inner.get_into(key, buffer)
+
+    def batch_put(self, items: Any) -> list[bool]:
+        return self.inner.batch_put(items)
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int | None]:
+        self.calls.append("batch_get_into")
+        return [self.inner.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
+
+    def batch_remove(self, keys: Sequence[str]) -> list[bool]:
+        self.calls.append("batch_remove")
+        return [self.inner.remove(k) for k in keys]
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_newer_client_calls_are_picked_up(shared_cluster: LocalCluster) -> None:
+    client = NewerClient(Client(shared_cluster.master_addresses, timeout_s=10.0))
+    driver = KvpoolDriver(client)
+    try:
+        assert driver.api["batch_get"] == "batch_get_into"
+        _assert_all_verified(_run_cell(driver, 8))
+        assert "batch_get_into" in client.calls
+        assert "batch_remove" in client.calls
+    finally:
+        driver.close()
+
+
+def test_a_transport_is_passed_only_to_a_client_that_takes_it() -> None:
+    class WithTransport:
+        def __init__(self, masters: list[str], *, timeout_s: float, transport: str) -> None:
+            pass
+
+    class WithoutTransport:
+        def __init__(self, masters: list[str], *, timeout_s: float) -> None:
+            pass
+
+    assert _client_kwargs(WithTransport, 2.0, "shm") == {"timeout_s": 2.0, "transport": "shm"}
+    assert _client_kwargs(WithoutTransport, 2.0, None) == {"timeout_s": 2.0}
+    with pytest.raises(RuntimeError, match="no transport"):
+        _client_kwargs(WithoutTransport, 2.0, "shm")
+
+
+def test_missing_peers_are_skipped_with_how_to_install_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvpool.cli import bench_peers, bench_report
+    from kvpool.cli.bench_peer_servers import INSTALL_MOONCAKE, INSTALL_REDIS, Availability
+
+    monkeypatch.setattr(
+        bench_peers,
+        "redis_availability",
+        lambda: Availability(False, "redis-server is not installed", INSTALL_REDIS),
+    )
+    monkeypatch.setattr(
+        bench_peers,
+        "mooncake_availability",
+        lambda: Availability(False, "mooncake is not installed", INSTALL_MOONCAKE),
+    )
+    lines: list[str] = []
+    opts = bench_peers.PeersOptions.quick_run(
+        sizes=(4096,), clients=(1,), modes=("single",), kvpool_masters=1, kvpool_in_memory=True
+    )
+    doc = bench_peers.run_peers(opts, lines.append)
+    for name, install in (("redis", INSTALL_REDIS), ("mooncake", INSTALL_MOONCAKE)):
+        assert doc["systems"][name]["status"] == "skipped"
+        assert doc["systems"][name]["install"] == install
+        assert any(line.startswith(f"{name}: skipped") and install in line for line in lines)
+    assert {c["system"] for c in doc["cells"]} == {"kvpool"}
+    assert all("vs" in c and not c["vs"] for c in doc["cells"])
+    assert doc["verification"]["all_bytes_verified"]
+    text = bench_report.render_table(doc)
+    assert re.search(r"^\s+redis\s+skipped: redis-server is not installed", text, re.M)
+    assert f"(install: {INSTALL_MOONCAKE})" in text
+    targets = {t["target"]: t["status"] for t in doc["targets"]}
+    assert targets["one put at 4 KiB: p50 <= 1 ms"] in ("met", "missed")
+    assert targets["one 4 KiB get: p50 <= Mooncake's"] == "not measured"

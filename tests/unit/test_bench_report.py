@@ -1,0 +1,237 @@
+"""The numbers of ``kvpool bench peers``: rates over rounds, ratios within rounds, targets, the
+table, and how cells are planned. Pure: no process, no socket."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import pytest
+
+from kvpool.cli import bench_report
+from kvpool.cli.bench_peers import PeersOptions, plan_cell
+from kvpool.errors import ConfigError
+
+MiB = 1 << 20
+
+
+def _op(passes: list[tuple[float, float, int, int]], durations: list[float], **counts: int) -> Any:
+    out: dict[str, Any] = {
+        "passes": [{"start": s, "end": e, "keys": k, "bytes": b} for s, e, k, b in passes],
+        "durations_us": durations,
+        "errors": [],
+    }
+    out.update(counts)
+    return out
+
+
+def _record(system: str, rnd: int, gbps: float, *, size: int = MiB, clients: int = 1) -> Any:
+    """One round of one system at ``gbps`` for both put and get (1 s passes)."""
+    nbytes = int(gbps * 1e9)
+    keys = nbytes // size
+    worker = {
+        "put": _op([(0.0, 1.0, keys, nbytes)], [100.0 * (rnd + 1)], failures=0),
+        "get": _op(
+            [(0.0, 1.0, keys, nbytes)],
+            [50.0 * (rnd + 1)],
+            misses=0,
+            wrong=0,
+            bytes_read=nbytes,
+            bytes_verified=nbytes,
+        ),
+    }
+    return {
+        "system": system,
+        "mode": "single",
+        "size_bytes": size,
+        "clients": clients,
+        "batch": 0,
+        "round": rnd,
+        "workers": [worker] * clients,
+    }
+
+
+def test_percentile_is_nearest_rank() -> None:
+    samples = [float(i) for i in range(1, 101)]
+    assert bench_report.percentile(samples, 0.99) == 99.0
+    assert bench_report.percentile(samples, 0.5) == 50.0
+    assert bench_report.percentile([7.0], 0.99) == 7.0
+    assert math.isnan(bench_report.percentile([], 0.5))
+
+
+def test_two_workers_are_timed_from_first_start_to_last_end() -> None:
+    a = _op([(0.0, 1.0, 10, 1000), (5.0, 6.0, 10, 1000)], [])
+    b = _op([(0.5, 2.0, 10, 1000), (5.0, 5.5, 10, 1000)], [])
+    rate = bench_report.round_rate([a, b])
+    # pass 0 spans 0.0..2.0, pass 1 spans 5.0..6.0: 4000 bytes in 3 s
+    assert rate["time_s"] == pytest.approx(3.0)
+    assert rate["bytes"] == 4000
+    assert rate["GBps"] == pytest.approx(4000 / 3.0 / 1e9)
+    assert rate["keys_per_s"] == pytest.approx(40 / 3.0)
+
+
+def test_cells_report_the_median_round_and_pool_latencies() -> None:
+    records = [_record("kvpool", r, g) for r, g in enumerate([1.0, 3.0, 2.0])]
+    cells = bench_report.summarize_cells(records, {"kvpool": {"get": "get_into"}})
+    get = next(c for c in cells if c["op"] == "get")
+    assert get["GBps"] == pytest.approx(2.0, rel=1e-3)
+    assert get["p50_us"] == 100.0  # 50, 100, 150 pooled
+    assert get["api"] == "get_into"
+    assert get["all_bytes_verified"]
+    assert [c["op"] for c in cells] == ["put", "get"]
+
+
+def test_a_wrong_block_is_never_called_verified() -> None:
+    rec = _record("redis", 0, 1.0)
+    rec["workers"][0]["get"]["wrong"] = 1
+    cells = bench_report.summarize_cells([rec], {})
+    get = next(c for c in cells if c["op"] == "get")
+    assert get["wrong"] == 1
+    assert not get["all_bytes_verified"]
+
+
+def test_ratios_are_taken_within_each_round() -> None:
+    # kvpool 1,2,4 GB/s; the peer 2,4,8: a ratio of 0.5 in every round, whatever the noise
+    records = [_record("kvpool", r, g) for r, g in enumerate([1.0, 2.0, 4.0])]
+    records += [_record("mooncake", r, g) for r, g in enumerate([2.0, 4.0, 8.0])]
+    limits = [
+        {"round": r, "memcpy_GBps": 10.0 * (r + 1), "loopback_tcp_GBps": 4.0 * (r + 1)}
+        for r in range(3)
+    ]
+    cells = bench_report.summarize_cells(records, {})
+    bench_report.add_ratios(cells, limits)
+    kv = next(c for c in cells if c["system"] == "kvpool" and c["op"] == "get")
+    mc = next(c for c in cells if c["system"] == "mooncake" and c["op"] == "get")
+    assert kv["vs"]["mooncake"]["GBps_ratio"] == pytest.approx(0.5, rel=1e-3)
+    assert kv["vs"]["mooncake"]["p50_ratio"] == pytest.approx(1.0)
+    assert "vs" not in mc  # ratios are kvpool's, to each peer
+    # 1/10, 2/20, 4/30 of memcpy: median 0.1
+    assert kv["of_limit"]["memcpy"] == pytest.approx(0.1, rel=1e-3)
+    assert mc["of_limit"]["loopback_tcp"] == pytest.approx(0.5, rel=1e-3)
+
+
+def test_targets_are_met_missed_or_not_measured() -> None:
+    records = [_record("kvpool", 0, 3.0), _record("mooncake", 0, 1.0)]
+    records += [_record("kvpool", 0, 1.0, clients=2)]  # 2 x 1.0: an aggregate of 2.0
+    cells = bench_report.summarize_cells(records, {})
+    bench_report.add_ratios(cells, [{"round": 0, "memcpy_GBps": 20.0, "loopback_tcp_GBps": 4.0}])
+    targets = {t["target"].split(":")[0]: t for t in bench_report.evaluate_targets(cells)}
+    get_target = targets["get_into of >= 1 MiB over TCP, one key per call"]
+    assert get_target["status"] == "met"  # 3.0 / 1.0 >= 1.5
+    assert "1.0 MiB: 3.00x" in get_target["detail"]
+    assert targets["two client processes"]["status"] == "missed"  # 2.0 < 3.0
+    assert targets["same-host client through shared memory"]["status"] == "not measured"
+
+
+def _doc(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "options": {"rounds": 1},
+        "host": {"cpus": 2},
+        "limits": {
+            "memcpy_GBps": 20.0,
+            "memcpy_size_bytes": 64 * MiB,
+            "loopback_tcp_GBps": 4.0,
+        },
+        "systems": {
+            "kvpool": {"status": "measured", "api": {"client": "kvpool.Client", "get": "get_into"}},
+            "mooncake": {"status": "measured", "api": {"client": "mooncake"}},
+            "redis": {
+                "status": "skipped",
+                "reason": "redis-server is not installed",
+                "install": "apt-get install redis-server",
+            },
+        },
+        "cells": cells,
+        "verification": {
+            "bytes_read": 10,
+            "bytes_verified": 10,
+            "wrong": 0,
+            "misses": 0,
+            "put_failures": 0,
+        },
+        "targets": bench_report.evaluate_targets(cells),
+    }
+
+
+def test_the_table_shows_rows_ratios_and_skipped_peers() -> None:
+    records = [_record("kvpool", 0, 3.0), _record("mooncake", 0, 1.5)]
+    cells = bench_report.summarize_cells(records, {})
+    bench_report.add_ratios(cells, [{"round": 0, "memcpy_GBps": 20.0, "loopback_tcp_GBps": 4.0}])
+    text = bench_report.render_table(_doc(cells))
+    assert re.search(r"^\s+redis\s+skipped: redis-server is not installed", text, re.M)
+    assert "install: apt-get install redis-server" in text
+    row = next(ln for ln in text.splitlines() if "kvpool" in ln and "3.000" in ln)
+    assert "2.00x" in row  # vs mooncake
+    assert "15.0%" in row  # of memcpy
+    assert "75.0%" in row  # of loopback TCP
+    assert "GET, one key per call" in text
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_every_pass_fits_the_arena(quick: bool) -> None:
+    opts = PeersOptions.quick_run() if quick else PeersOptions()
+    for size in opts.sizes:
+        for mode in ("single", "batch"):
+            plan = plan_cell(opts, size, mode)
+            assert plan.keys_per_pass * size <= opts.arena_bytes
+            assert plan.passes >= 1
+            assert plan.keys_per_pass >= 1
+        batch = plan_cell(opts, size, "batch")
+        assert batch.keys_per_pass % batch.batch == 0
+        if size == 4096:
+            assert batch.batch == 256  # the issue's "256 per call"
+
+
+def test_bad_options_are_refused_by_name() -> None:
+    bad = PeersOptions(sizes=(8,), rounds=0, clients=(3,), peers=("memcached",))
+    errors = " ".join(bad.validate())
+    for word in ("sizes", "rounds", "clients", "peers"):
+        assert word in errors
+    from kvpool.cli.bench_peers import run_peers
+
+    with pytest.raises(ConfigError):
+        run_peers(bad)
+
+
+def test_markdown_has_one_table_per_op_mode_and_client_count() -> None:
+    records = [_record("kvpool", 0, 3.0), _record("mooncake", 0, 1.5)]
+    records += [_record("kvpool", 0, 1.0, clients=2), _record("mooncake", 0, 1.0, clients=2)]
+    cells = bench_report.summarize_cells(records, {})
+    bench_report.add_ratios(cells, [{"round": 0, "memcpy_GBps": 20.0, "loopback_tcp_GBps": 4.0}])
+    text = bench_report.render_markdown(_doc(cells))
+    assert "**GET, one key per call, one client process**" in text
+    assert "**PUT, one key per call, 2 client processes**" in text
+    assert "| kvpool ÷ mooncake |" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| 1.0 MiB") and "2.00x" in ln)
+    assert "3.000 (2,861)" in row  # GB/s (keys/s) of kvpool
+    assert "75.0%" in row  # of loopback TCP
+
+
+@pytest.mark.parametrize(
+    ("transport_arg", "async_client", "api", "expected"),
+    [
+        (False, False, "auto", ["kvpool"]),
+        (True, False, "auto", ["kvpool-tcp", "kvpool-shm"]),
+        (True, True, "auto", ["kvpool-tcp", "kvpool-tcp-async", "kvpool-shm"]),
+        (True, True, "sync", ["kvpool-tcp", "kvpool-shm"]),
+        (True, True, "async", ["kvpool-tcp-async", "kvpool-shm-async"]),
+        (False, True, "both", ["kvpool", "kvpool-async"]),
+    ],
+)
+def test_kvpool_is_measured_with_whatever_the_client_offers(
+    transport_arg: bool, async_client: bool, api: str, expected: list[str]
+) -> None:
+    from kvpool.cli.bench_peers import PeersBench
+
+    bench = PeersBench(PeersOptions(kvpool_api=api))
+    bench._kvpool_systems(
+        ["127.0.0.1:1"], {"transport_arg": transport_arg, "async_client": async_client}
+    )
+    assert list(bench.systems) == expected
+    for state in bench.systems.values():
+        assert state.status == "measured"
+        assert state.spec["api"] == ("async" if state.name.endswith("-async") else "sync")
+    bench = PeersBench(PeersOptions(kvpool_api="async"))
+    bench._kvpool_systems(["127.0.0.1:1"], {"transport_arg": False, "async_client": False})
+    assert bench.systems["kvpool-async"].status == "failed"
