@@ -22,6 +22,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from kvpool import tracing
 from kvpool.checksum import block_checksum
 from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem, new_write_ids
 from kvpool.client.cache import LookupCache
@@ -133,6 +134,7 @@ class ClientCore:
         self.config = config
         self.strict = strict
         self._log = logger if logger is not None else get_logger("kvpool.client")
+        tracing.setup_client_tracing()
         attempt_s = min(1.0, config.timeout_s)
         self.attempt_timeout_s = attempt_s
         self.routing = masters.routing if masters is not None else MasterRouting(config.masters)

@@ -23,6 +23,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from opentelemetry.trace import SpanKind
+
+from kvpool import tracing
 from kvpool.client import core as core_module
 from kvpool.client.blocks import next_round
 from kvpool.client.commits import CommitAnswer, PutReceipt, SyncCommitter, put_entries
@@ -51,6 +54,7 @@ from kvpool.client.plans import (
     ref_calls,
     transport_failure,
 )
+from kvpool.client.spans import read_attributes
 from kvpool.client.values import BytesLike, PutItems, WritableBuffer, put_items, validate_key
 from kvpool.client.values import validate_keys as check_keys
 from kvpool.errors import (
@@ -161,13 +165,15 @@ class BlockingDataPlane:
                     raise
                 offer = links.unreachable(address, offer, e)  # another namespace: TCP it is
                 break
-            conn.features = frozenset({"mget", "shm"})
+            conn.features = frozenset({"mget", "shm", *(["trace"] if offer.trace else [])})
             if first is not None:
                 first.close()
             return conn
         if first is None:
             first = open_blocking(address, timeout_s)
-        first.features = frozenset({"mget"}) if offer.mget else frozenset()
+        first.features = frozenset(
+            [*(["mget"] if offer.mget else []), *(["trace"] if offer.trace else [])]
+        )
         return first
 
     def _ask(self, address: str, timeout_s: float) -> tuple[BlockingConnection, NodeOffer]:
@@ -202,19 +208,37 @@ class BlockingDataPlane:
                 return
             rounds_left = max(len(it.replicas) - it.next for it in queue)
             round_deadline = now + (deadline - now) / rounds_left
-            sent: list[tuple[BlockingConnection, NodeRead, MemberInfo]] = []
+            sent: list[tuple[BlockingConnection, NodeRead, MemberInfo, Any]] = []
             for address, (group, member) in next_round(queue, members).items():
-                started = self._send_reads(address, group, member, round_deadline)
+                span = None
+                if tracing.STATE.enabled:
+                    span = tracing.tracer().start_span(
+                        "kvpool.client.read",
+                        kind=SpanKind.CLIENT,
+                        attributes={"kvpool.node": address, "kvpool.keys": len(group)},
+                    )
+                started = self._send_reads(address, group, member, round_deadline, span)
                 if started is not None:
-                    sent.append(started)
-            for conn, plan, node in sent:
+                    sent.append((*started, span))
+                elif span is not None:
+                    span.set_attributes(read_attributes(group))
+                    span.end()
+            for conn, plan, node, span in sent:
                 self._finish_reads(conn, plan, node, round_deadline)
+                if span is not None:
+                    span.set_attributes(read_attributes(plan.items))
+                    span.end()
             queue = [it for it in queue if not it.ok and it.next < len(it.replicas)]
             if queue and on_retry is not None:
                 on_retry(len(queue))
 
     def _send_reads(
-        self, address: str, group: list[ReadItem], member: MemberInfo, deadline: float
+        self,
+        address: str,
+        group: list[ReadItem],
+        member: MemberInfo,
+        deadline: float,
+        span: Any = None,
     ) -> tuple[BlockingConnection, NodeRead, MemberInfo] | None:
         try:
             conn = self.connection(address, deadline)
@@ -226,7 +250,7 @@ class BlockingDataPlane:
             return None
         plan = NodeRead(address, group, mget="mget" in conn.features, arena=_arena(conn))
         try:
-            conn.send(plan.calls, deadline)
+            conn.send(plan.calls, deadline, trace=tracing.frame_trace(span) if span else b"")
         except KVPoolError as e:
             self._failed(address, conn, plan, member, e)
             return None
@@ -395,7 +419,9 @@ class SyncPath:
         pair = (key, validate_key(key))
         sink = as_sink(buffer)
         strict_ = core._strict(strict)
-        items = self._read_or_fail([pair], into(sink), strict_, core._tier_limit(max_tier))
+        items = self._read_or_fail(
+            [pair], into(sink), strict_, core._tier_limit(max_tier), "get_into"
+        )
         if items is None or not core.settle(items[0], key, strict_):
             return None
         item = items[0]
@@ -410,7 +436,7 @@ class SyncPath:
         limit = core._tier_limit(max_tier)
         if not pairs:
             return []
-        items = self._read_or_fail(pairs, fresh_bytes, core._strict(strict), limit)
+        items = self._read_or_fail(pairs, fresh_bytes, core._strict(strict), limit, "batch_get")
         if items is None:
             return [None] * len(pairs)
         return [
@@ -432,7 +458,9 @@ class SyncPath:
         limit = core._tier_limit(max_tier)
         if not pairs:
             return []
-        items = self._read_or_fail(pairs, into_each(sinks), core._strict(strict), limit)
+        items = self._read_or_fail(
+            pairs, into_each(sinks), core._strict(strict), limit, "batch_get_into"
+        )
         if items is None:
             return [None] * len(pairs)
         return [
@@ -485,7 +513,30 @@ class SyncPath:
         return result
 
     def _read_or_fail(
-        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, strict: bool, limit: int
+        self,
+        pairs: list[tuple[str, bytes]],
+        sink_for: SinkFactory,
+        strict: bool,
+        limit: int,
+        op: str = "get",
+    ) -> list[ReadItem | None] | None:
+        if tracing.STATE.enabled:
+            with tracing.tracer().start_as_current_span(
+                f"kvpool.{op}", kind=SpanKind.CLIENT, attributes={"kvpool.keys": len(pairs)}
+            ) as span:
+                items = self._read_or_fail_untraced(pairs, sink_for, strict, limit, span)
+                if items is not None:
+                    span.set_attributes(read_attributes(items))
+                return items
+        return self._read_or_fail_untraced(pairs, sink_for, strict, limit, None)
+
+    def _read_or_fail_untraced(
+        self,
+        pairs: list[tuple[str, bytes]],
+        sink_for: SinkFactory,
+        strict: bool,
+        limit: int,
+        span: Any,
     ) -> list[ReadItem | None] | None:
         try:
             return self._within_deadline("get", lambda d: self._read(pairs, sink_for, d, limit))
@@ -493,6 +544,8 @@ class SyncPath:
             raise
         except KVPoolError as e:
             self.core.counters.miss(_miss_reason(e), len(pairs))
+            if span is not None:
+                span.set_attributes(read_attributes(None, _miss_reason(e)))
             if strict:
                 raise
             return None
@@ -502,9 +555,14 @@ class SyncPath:
     def _lookup(self, keys: list[str], deadline: float) -> master_pb2.LookupResponse:
         core = self.core
         request = master_pb2.LookupRequest(keys=keys, min_revision=core.floor.value)
-        response: master_pb2.LookupResponse = self._masters.call(
-            "Lookup", request, deadline=deadline
-        )
+        response: master_pb2.LookupResponse
+        if tracing.STATE.enabled:
+            with tracing.tracer().start_as_current_span(
+                "kvpool.client.lookup", kind=SpanKind.CLIENT, attributes={"kvpool.keys": len(keys)}
+            ):
+                response = self._masters.call("Lookup", request, deadline=deadline)
+        else:
+            response = self._masters.call("Lookup", request, deadline=deadline)
         core.lookup_answered(keys, response)
         return response
 

@@ -37,6 +37,7 @@ class NodeOffer:
     """What a node's HELLO answer offers this client."""
 
     mget: bool = False
+    trace: bool = False  # frames may carry a trace context (wire.EXT_TRACED)
     shm_address: str = ""  # shared memory this client may use ("": none)
     why_not_shm: str = "the node offers no shared memory"
 
@@ -60,20 +61,24 @@ def read_hello(call: Call, local: str, peer: str) -> NodeOffer:
     except (ValueError, TypeError, AttributeError):
         return NO_OFFER
     mget = "mget" in features
+    trace = "trace" in features
     shm = str(info.get("shm", "")) if "shm" in features else ""
     if not shm:
-        return NodeOffer(mget=mget)
+        return NodeOffer(mget=mget, trace=trace)
     if "shm" not in schemes():
-        return NodeOffer(mget=mget, why_not_shm="this platform cannot map shared memory")
+        return NodeOffer(
+            mget=mget, trace=trace, why_not_shm="this platform cannot map shared memory"
+        )
     if info.get("host") != host_id():
-        return NodeOffer(mget=mget, why_not_shm="the node runs on another host")
+        return NodeOffer(mget=mget, trace=trace, why_not_shm="the node runs on another host")
     if info.get("peer") != local or info.get("local") != peer:
         return NodeOffer(
             mget=mget,
+            trace=trace,
             why_not_shm=f"the connection is not direct (we see {local} -> {peer}; the node "
             f"sees {info.get('peer')} -> {info.get('local')}: a proxy or NAT between)",
         )
-    return NodeOffer(mget=mget, shm_address=shm, why_not_shm="")
+    return NodeOffer(mget=mget, trace=trace, shm_address=shm, why_not_shm="")
 
 
 class Links:
@@ -99,7 +104,9 @@ class Links:
     def unreachable(self, address: str, offer: NodeOffer, error: Exception) -> NodeOffer:
         """A fresh offer's shared memory could not be reached (another network namespace,
         say: abstract unix sockets belong to one): TCP from now on for ``address``."""
-        fallback = NodeOffer(mget=offer.mget, why_not_shm=f"shared memory unreachable: {error}")
+        fallback = NodeOffer(
+            mget=offer.mget, trace=offer.trace, why_not_shm=f"shared memory unreachable: {error}"
+        )
         self.learn(address, fallback)
         return fallback
 

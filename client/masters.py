@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from kvpool import tracing
 from kvpool.errors import (
     DeadlineExceededError,
     KVPoolError,
@@ -267,6 +268,8 @@ class SyncMasterClient:
             except KVPoolError as e:
                 raise UnavailableError(f"{address}: its RPC port {rpc}: {e.message}") from None
             conn = BlockingConnection(sock, f"tcp://{rpc}", timeout_s=timeout_s)
+            if tracing.STATE.enabled:
+                conn.features = _rpc_features(conn, deadline)
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -280,7 +283,7 @@ class SyncMasterClient:
             payload=request.SerializeToString(),
         )
         try:
-            conn.exchange([call], deadline)
+            conn.exchange([call], deadline, trace=tracing.frame_trace())
         except KVPoolError as e:
             conns.pop(rpc, None)
             with self._lock:
@@ -373,6 +376,22 @@ RPC_RESPONSES: dict[str, type[Any]] = {
     "Remove": master_pb2.RemoveResponse,
 }
 """The calls masters serve on their frame RPC port, and the type of each answer."""
+
+
+def _rpc_features(conn: BlockingConnection, deadline: float) -> frozenset[str]:
+    """What a master's RPC port offers (asked only when tracing: ``trace``); nothing when it
+    does not answer HELLO (an older master answers BAD_REQUEST)."""
+    call = Call(Op.HELLO)
+    try:
+        conn.exchange([call], deadline)
+    except KVPoolError:
+        return frozenset()
+    if call.status != Status.OK or call.data is None:
+        return frozenset()
+    try:
+        return frozenset(str(f) for f in json.loads(bytes(call.data)).get("features", ()))
+    except (ValueError, TypeError, AttributeError):
+        return frozenset()
 
 
 def rpc_answer(address: str, method: str, call: Call, routing: MasterRouting) -> Any:

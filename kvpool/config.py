@@ -128,6 +128,11 @@ class MasterConfig(LogConfig):
         "host:port, 'auto' (the gRPC host, any free port; offered only when this master is "
         "dialled directly, not through a proxy or NAT: advertise_address unset) or 'off'",
     )
+    metrics_port: int = opt(
+        0,
+        "Prometheus /metrics HTTP port on the listen host: 0 = any free port (logged as "
+        "metrics_serving, in the ready file), -1 = off",
+    )
 
     def validate(self) -> list[str]:
         errors = _validate_addresses(self, ("listen", "raft_listen"))
@@ -186,6 +191,8 @@ class MasterConfig(LogConfig):
             errors.append("stuck_follower_s: must be positive")
         if self.restore_grace_s < 0:
             errors.append("restore_grace_s: must not be negative")
+        if not -1 <= self.metrics_port <= 65535:
+            errors.append("metrics_port: must be -1 (off), 0 (any free port) or a port number")
         return errors
 
 
@@ -270,6 +277,11 @@ class NodeConfig(LogConfig):
     )
     request_timeout_s: float = opt(5.0, "timeout of calls to the masters", "duration")
     ready_file: str = opt("", "write a JSON file with the bound addresses once registered")
+    metrics_port: int = opt(
+        0,
+        "Prometheus /metrics HTTP port on the listen host: 0 = any free port (logged as "
+        "metrics_serving, in the ready file), -1 = off",
+    )
 
     @property
     def resolved_node_id(self) -> str:
@@ -314,6 +326,8 @@ class NodeConfig(LogConfig):
             errors.append("max_block_size: must be positive")
         elif self.max_block_size > self.cpu_cache_size:
             errors.append("max_block_size: must not exceed cpu_cache_size")
+        if not -1 <= self.metrics_port <= 65535:
+            errors.append("metrics_port: must be -1 (off), 0 (any free port) or a port number")
         return errors
 
     def _validate_tiers(self) -> list[str]:

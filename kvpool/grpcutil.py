@@ -6,6 +6,10 @@ another protocol version (naming both) and turns a raised :class:`~kvpool.errors
 into a status code plus trailing metadata (``kvpool-error-code``, ``kvpool-leader``).
 Unexpected exceptions become INTERNAL with the message; the server keeps serving.
 
+Each wrapped RPC is timed (``kvpool_rpc_server_latency_seconds``) and, when tracing is on, runs in
+a SERVER span whose parent is the caller's ``traceparent`` metadata — our own minimal spans at
+this wrap point, not opentelemetry-instrumentation-grpc's interceptors (see README, Traces).
+
 Clients call through :func:`unary`, which sends the protocol version and rebuilds the typed
 error from the metadata.
 """
@@ -13,6 +17,7 @@ error from the metadata.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from time import perf_counter
 from typing import Any, TypeVar
 
 import grpc
@@ -20,6 +25,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvpool import tracing
 from kvpool.errors import (
     ERROR_CODE_KEY,
     LEADER_KEY,
@@ -33,6 +39,7 @@ from kvpool.errors import (
     error_from_code,
 )
 from kvpool.logs import get_logger
+from kvpool.metrics import RPC_SERVER_LATENCY
 from kvpool.proto import PROTOCOL_VERSION
 
 KVPOOL_SERVICE_PREFIX = "/kvpool.v1."
@@ -103,7 +110,12 @@ def _wrap_unary(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 version_mismatch_message(theirs if isinstance(theirs, str) else None),
             )
+        started = perf_counter()
         try:
+            if tracing.STATE.enabled:
+                parent = tracing.context_from_metadata(context.invocation_metadata())
+                with tracing.server_span(span_name, parent, {"rpc.method": method}):
+                    return await behavior(request, context)
             return await behavior(request, context)
         except KVPoolError as exc:
             context.set_trailing_metadata(error_metadata(exc))
@@ -114,7 +126,12 @@ def _wrap_unary(
             log.exception("rpc_failed", method=method)
             context.set_trailing_metadata(((ERROR_CODE_KEY, InternalError.code),))
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            latency.observe(perf_counter() - started)
         raise AssertionError("unreachable")
+
+    latency = RPC_SERVER_LATENCY.labels(method.rsplit("/", 1)[-1], "grpc")
+    span_name = method.lstrip("/")
 
     return wrapped
 
@@ -240,7 +257,9 @@ async def unary(
     if timeout_s <= 0:
         raise DeadlineExceededError(f"{address}: no time left for the call")
     try:
-        return await method(request, timeout=timeout_s, metadata=PROTOCOL_METADATA)
+        return await method(
+            request, timeout=timeout_s, metadata=tracing.grpc_metadata(PROTOCOL_METADATA)
+        )
     except grpc.aio.AioRpcError as err:
         raise translate_rpc_error(err, address) from None
 
@@ -252,6 +271,6 @@ def unary_sync(
     if timeout_s <= 0:
         raise DeadlineExceededError(f"{address}: no time left for the call")
     try:
-        return method(request, timeout=timeout_s, metadata=PROTOCOL_METADATA)
+        return method(request, timeout=timeout_s, metadata=tracing.grpc_metadata(PROTOCOL_METADATA))
     except grpc.RpcError as err:
         raise translate_rpc_error(err, address) from None

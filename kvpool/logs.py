@@ -1,7 +1,8 @@
 """Structured logs: structlog, JSON when not on a terminal, key=value on one.
 
 Every process calls :func:`configure_logging` once at start, then binds its identity
-(``role``, ``node_id``) with :func:`bind_process`. Log events are short snake_case verbs
+(``role``, ``node_id``) with :func:`bind_process`. A line logged inside a traced request carries
+its ``trace_id`` and ``span_id`` (:func:`add_trace_ids`). Log events are short snake_case verbs
 (``put_committed``, ``node_declared_down``); one line per lifecycle event.
 """
 
@@ -13,6 +14,8 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
+
+from kvpool.tracing import trace_ids
 
 _PROCESS_FIELDS: dict[str, Any] = {}
 
@@ -42,6 +45,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None
         processors=[
             _add_process_fields,
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
@@ -63,6 +67,18 @@ def _add_process_fields(
 ) -> MutableMapping[str, Any]:
     for key, value in _PROCESS_FIELDS.items():
         event.setdefault(key, value)
+    return event
+
+
+def add_trace_ids(
+    _logger: Any, _method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """``trace_id`` and ``span_id`` of the current OpenTelemetry span, on every line logged
+    inside a traced request (nothing outside one)."""
+    ids = trace_ids()
+    if ids is not None:
+        event.setdefault("trace_id", ids[0])
+        event.setdefault("span_id", ids[1])
     return event
 
 

@@ -21,8 +21,15 @@ offset     type    field
 40         u64     checksum: xxh3-64 of the block's bytes (PUT request, GET response)
 48         u16     key length in bytes
 50         u16     flags (op-specific; for a MISS, the :class:`MissReason`)
-52         u32     reserved, 0
+52         u32     extensions (bit 0: :data:`EXT_TRACED`), else 0
 =========  ======  ==========================================================================
+
+A request may carry its caller's trace context (OpenTelemetry): with :data:`EXT_TRACED` set in
+the extensions word, :data:`TRACE_CONTEXT` (trace id, span id, trace flags: 25 bytes) follows the
+header, before the key, and is counted in the key length. A sender only sets it for a peer that
+offered ``trace`` in its HELLO answer, so an older peer never sees it and ``PROTOCOL_VERSION``
+stays 1; readers of this release strip it before the frame reaches a handler
+(:attr:`Header.trace`). Responses never carry it.
 
 Multi-key and shared-memory ops (``MGET``, ``SHM_*``) carry a table in their payload: a ``u32``
 count, then fixed records (:data:`KEY_RECORD` + key bytes in requests, :data:`MGET_RECORD`,
@@ -48,6 +55,7 @@ response naming both versions, then the connection is closed.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import struct
 from collections.abc import Sequence
@@ -63,6 +71,11 @@ PREFIX_SIZE = 6  # magic + version: enough to refuse a stranger early
 MAX_KEY_BYTES = 1024
 """Longest key, in UTF-8 bytes, accepted anywhere in kvpool."""
 MAX_ERROR_MESSAGE_BYTES = 4096
+EXT_TRACED = 1
+"""Extensions bit: a trace context follows the header (see the module doc)."""
+TRACE_CONTEXT = struct.Struct("<16s8sB")
+"""Trace id (16 bytes), span id (8 bytes), W3C trace flags (1 byte)."""
+TRACE_CONTEXT_SIZE = TRACE_CONTEXT.size  # 25
 
 
 class Op(enum.IntEnum):
@@ -129,8 +142,30 @@ class Header:
     key_len: int = 0
     flags: int = 0
     protocol_version: int = PROTOCOL_VERSION
+    ext: int = 0
+    trace: bytes = b""  # the caller's trace context (TRACE_CONTEXT), b"" when none
 
     def pack(self) -> bytes:
+        """The header's bytes, followed by the trace context when the header has one (so that
+        ``header.pack() + key`` is always the frame's start)."""
+        if self.trace:
+            return (
+                HEADER.pack(
+                    MAGIC,
+                    self.protocol_version,
+                    self.op,
+                    self.status,
+                    self.request_id,
+                    self.write_id,
+                    self.version,
+                    self.payload_len,
+                    self.checksum,
+                    self.key_len + len(self.trace),
+                    self.flags,
+                    self.ext | EXT_TRACED,
+                )
+                + self.trace
+            )
         return HEADER.pack(
             MAGIC,
             self.protocol_version,
@@ -143,7 +178,7 @@ class Header:
             self.checksum,
             self.key_len,
             self.flags,
-            0,
+            self.ext,
         )
 
 
@@ -175,11 +210,14 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> Header:
         checksum,
         key_len,
         flags,
-        _reserved,
+        ext,
     ) = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}: not a kvpool data-plane peer")
-    if key_len > MAX_KEY_BYTES:
+    if ext & EXT_TRACED:
+        if key_len < TRACE_CONTEXT_SIZE or key_len > MAX_KEY_BYTES + TRACE_CONTEXT_SIZE:
+            raise FrameError(f"key length {key_len} of a traced frame out of range")
+    elif key_len > MAX_KEY_BYTES:
         raise FrameError(f"key length {key_len} above the limit of {MAX_KEY_BYTES} bytes")
     return Header(
         op=op,
@@ -192,7 +230,34 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> Header:
         key_len=key_len,
         flags=flags,
         protocol_version=version,
+        ext=ext,
     )
+
+
+def split_trace(header: Header, key: bytes) -> tuple[Header, bytes]:
+    """A traced frame's header and key as read (the context counted in ``key_len``) → the header
+    with :attr:`Header.trace` set and the key alone. Other frames are returned as they are."""
+    if not header.ext & EXT_TRACED:
+        return header, key
+    return (
+        dataclasses.replace(
+            header,
+            key_len=header.key_len - TRACE_CONTEXT_SIZE,
+            ext=header.ext & ~EXT_TRACED,
+            trace=key[:TRACE_CONTEXT_SIZE],
+        ),
+        key[TRACE_CONTEXT_SIZE:],
+    )
+
+
+def pack_trace(trace_id: int, span_id: int, trace_flags: int) -> bytes:
+    return TRACE_CONTEXT.pack(trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"), trace_flags)
+
+
+def unpack_trace(trace: bytes) -> tuple[int, int, int]:
+    """(trace id, span id, trace flags) of a packed trace context."""
+    raw_trace, raw_span, trace_flags = TRACE_CONTEXT.unpack(trace)
+    return int.from_bytes(raw_trace, "big"), int.from_bytes(raw_span, "big"), trace_flags
 
 
 def version_mismatch_message(ours: int, theirs: int) -> str:

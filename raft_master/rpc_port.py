@@ -19,12 +19,15 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
+from kvpool import tracing
 from kvpool.errors import InternalError, KVPoolError, NotLeaderError
 from kvpool.logs import get_logger
+from kvpool.metrics import RPC_SERVER_LATENCY
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.v1 import master_pb2
 from kvpool.proto.wire import FrameError, Header, Op, Status, version_mismatch_message
@@ -40,6 +43,21 @@ METHODS: dict[str, type[Message]] = {
     "Remove": master_pb2.RemoveRequest,
 }
 """The calls served here (every other one: gRPC)."""
+
+
+_HELLO = json.dumps({"features": ["trace"]}).encode()
+"""What the port offers (a HELLO answer): frames may carry a trace context."""
+
+
+def _span_attributes(request: Any, response: Any) -> dict[str, Any]:
+    """Key counts of a served call (and found entries of a Lookup)."""
+    attrs: dict[str, Any] = {}
+    keys = getattr(request, "keys", None)
+    if keys is not None:
+        attrs["kvpool.keys"] = len(keys)
+    if isinstance(response, master_pb2.LookupResponse):
+        attrs["kvpool.found"] = sum(1 for e in response.entries if e.found)
+    return attrs
 
 
 class _Budget:
@@ -86,6 +104,18 @@ class RpcConnection:
         if header.op == Op.PING:
             stream.send(Header(op=Op.PING, request_id=header.request_id))
             return
+        if header.op == Op.HELLO:
+            stream.send(
+                Header(
+                    op=Op.HELLO,
+                    status=Status.OK,
+                    request_id=header.request_id,
+                    payload_len=len(_HELLO),
+                ),
+                b"",
+                _HELLO,
+            )
+            return
         name = key.decode("ascii", "replace")
         request_type = METHODS.get(name) if header.op == Op.RPC else None
         if request_type is None or (payload is None and header.payload_len):
@@ -104,10 +134,31 @@ class RpcConnection:
         task.add_done_callback(self._tasks.discard)
 
     async def _call(self, header: Header, name: str, request: Any, budget_s: float | None) -> None:
+        started = time.perf_counter()
+        try:
+            if header.trace and tracing.STATE.enabled:
+                with tracing.server_span(
+                    f"kvpool.v1.Master/{name}",
+                    tracing.remote_context(header.trace),
+                    {"rpc.method": name, "kvpool.transport": "frame"},
+                ) as span:
+                    await self._answer(header, name, request, budget_s, span)
+            else:
+                await self._answer(header, name, request, budget_s, None)
+        finally:
+            RPC_SERVER_LATENCY.labels(name, "frame").observe(time.perf_counter() - started)
+
+    async def _answer(
+        self, header: Header, name: str, request: Any, budget_s: float | None, span: Any
+    ) -> None:
         loop = asyncio.get_running_loop()
         try:
             response = await getattr(self._port.service, name)(request, _Budget(loop, budget_s))
+            if span is not None:
+                span.set_attributes(_span_attributes(request, response))
         except KVPoolError as e:
+            if span is not None:
+                span.set_attribute("kvpool.error", e.code)
             self._error(header, e)
             return
         except Exception as e:  # the port keeps serving whatever a handler does

@@ -24,6 +24,8 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +33,14 @@ from kvpool.config import MasterConfig, load_config, split_hostport
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.grpcutil import ServerHandle, start_server
 from kvpool.logs import bind_process, configure_logging, get_logger
+from kvpool.metrics import MetricsServer, register_collector, start_metrics
 from kvpool.proto.v1 import master_pb2_grpc
 from kvpool.raft_master.failure import FailureDetector, FailureLoop
+from kvpool.raft_master.master_metrics import master_families
 from kvpool.raft_master.replication import Replicator, StartupError, StuckFollowerWatch
 from kvpool.raft_master.rpc_port import RpcPort
 from kvpool.raft_master.service import MasterService
+from kvpool.tracing import setup_tracing
 
 MONITOR_PERIOD_S = 0.1
 MAINTAIN_PERIOD_S = 0.2
@@ -55,6 +60,7 @@ def main(cfg: MasterConfig) -> int:
         print(f"kvpool master: {e}", file=sys.stderr)
         return EXIT_STARTUP
     bind_process(role="master", node_id=cfg.raft_listen)
+    setup_tracing("master")
     try:
         return asyncio.run(MasterProcess(cfg).run())
     except (StartupError, ConfigError) as e:
@@ -143,6 +149,9 @@ class MasterProcess:
         self._handle: ServerHandle | None = None
         self._rpc: RpcPort | None = None
         self._lock_fd: int | None = None
+        self._metrics: MetricsServer | None = None
+        self._unregister: Callable[[], None] | None = None
+        self.metrics_address = ""
 
     def request_stop(self, exit_code: int = EXIT_OK) -> None:
         self._exit_code = max(self._exit_code, exit_code)
@@ -171,6 +180,7 @@ class MasterProcess:
                 raise StartupError(f"cannot bind the gRPC address {cfg.listen}: {e}") from None
             self.service.grpc_address = advertised_grpc_address(cfg, self._handle.port)
             self._start_rpc_port()
+            await self._start_metrics()
             self.replicator.start()  # on this (the main) thread: PySyncObj ties its thread to it
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
@@ -183,6 +193,7 @@ class MasterProcess:
                         "grpc": self.service.grpc_address,
                         "raft": cfg.raft_listen,
                         "rpc": self.service.rpc_address,
+                        "metrics": self.metrics_address,
                     },
                 )
             self.log.info(
@@ -236,7 +247,28 @@ class MasterProcess:
         shown = f"[{host}]" if ":" in host else host
         self.service.rpc_address = f"{shown}:{bound}"
 
+    async def _start_metrics(self) -> None:
+        """``/metrics`` on the gRPC host (``metrics_port``; see :mod:`kvpool.metrics`)."""
+        host = split_hostport(self.cfg.listen)[0]
+        try:
+            self._metrics = await start_metrics(host, self.cfg.metrics_port, "master")
+        except OSError as e:
+            raise StartupError(f"metrics_port: cannot listen on {host}: {e}") from None
+        if self._metrics is not None:
+            shown = f"[{host}]" if ":" in host else host
+            self.metrics_address = f"{shown}:{self._metrics.port}"
+            self._unregister = register_collector(partial(master_families, self.service))
+
+    async def _stop_metrics(self) -> None:
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
+        if self._metrics is not None:
+            await self._metrics.close()
+            self._metrics = None
+
     async def _cleanup_after_failed_start(self) -> None:
+        await self._stop_metrics()
         if self._rpc is not None:
             self._rpc.close()
             self._rpc = None
@@ -247,6 +279,7 @@ class MasterProcess:
         await asyncio.to_thread(self.replicator.stop)
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
+        await self._stop_metrics()
         if self._rpc is not None:
             self._rpc.close()
             self._rpc = None

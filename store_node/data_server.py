@@ -36,9 +36,12 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from time import perf_counter
 from typing import Any
 
+from kvpool import tracing
 from kvpool.logs import get_logger
+from kvpool.metrics import TRANSFER_LATENCY
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.wire import (
     COUNT,
@@ -63,6 +66,13 @@ from kvpool.store_node.block_store import (
     ReadResult,
 )
 from kvpool.store_node.blocks import BlockState, Copy
+from kvpool.store_node.node_metrics import (
+    GET_CPU_LATENCY,
+    GET_MISS_LATENCY,
+    MGET_LATENCY,
+    TIER_LABELS,
+    get_attributes,
+)
 from kvpool.store_node.tier_worker import TierWorker, WorkerStoppedError
 from kvpool.transports import host_id
 from kvpool.transports.inproc import register_inproc, unregister_inproc
@@ -93,6 +103,7 @@ class DataConnection:
         self._receiving: Block | None = None  # the PUT whose payload is arriving
         self._refusal: tuple[Status, str] | None = None  # decided for the current frame
         self._closing = False
+        self._span: Any = None  # the current frame's span (traced requests only)
 
     # --- connection lifecycle ---------------------------------------------------------------
 
@@ -175,6 +186,22 @@ class DataConnection:
     def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
         if self._closing:
             return
+        if header.trace and tracing.STATE.enabled:
+            op = _OP_NAMES.get(header.op, str(header.op))
+            with tracing.server_span(
+                f"kvpool.node.{op}",
+                tracing.remote_context(header.trace),
+                {"kvpool.peer": self.peer, "kvpool.op": op},
+            ) as span:
+                self._span = span
+                try:
+                    self._received(header, key, payload)
+                finally:
+                    self._span = None
+            return
+        self._received(header, key, payload)
+
+    def _received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
         try:
             if header.op in TABLE_OPS and self._refusal is None:
                 self._dispatch_table(header, payload)
@@ -251,12 +278,23 @@ class DataConnection:
         if header.flags not in _TIER_LIMITS:
             self._answer(header, Status.BAD_REQUEST, f"unknown tier limit {header.flags}")
             return
+        started = perf_counter()
         result = self._store.get(name, header.write_id, TierLevel(header.flags))
+        if self._span is not None:
+            self._span.set_attributes(get_attributes(result))
         if result.copy is None:
             self._answer(header, result.status, flags=result.reason)
+            GET_MISS_LATENCY.observe(perf_counter() - started)
             return
         if result.copy.level is TierLevel.CPU:
-            self._send_block(header, result)
+            if self._span is not None:
+                with tracing.tracer().start_as_current_span(
+                    "kvpool.tier.read", attributes={"kvpool.tier": "cpu"}
+                ):
+                    self._send_block(header, result)
+            else:
+                self._send_block(header, result)
+            GET_CPU_LATENCY.observe(perf_counter() - started)
             return
         worker = self._server.worker
         if worker is None:  # a store with slow tiers always runs with a worker
@@ -280,6 +318,7 @@ class DataConnection:
         except FrameError as e:
             self._answer(header, Status.BAD_REQUEST, f"bad MGET table: {e}")
             return
+        started = perf_counter()
         limit = TierLevel(header.flags)
         table = bytearray(table_size(MGET_RECORD, len(records)))
         COUNT.pack_into(table, 0, len(records))
@@ -320,6 +359,16 @@ class DataConnection:
             payload_len=len(table) + data_bytes,
         )
         self.send(response, b"", views, on_sent=partial(_release_all, store, leased))
+        MGET_LATENCY.observe(perf_counter() - started)
+        if self._span is not None:
+            self._span.set_attributes(
+                {
+                    "kvpool.keys": len(records),
+                    "kvpool.hits": len(leased),
+                    "kvpool.bytes": data_bytes,
+                    "kvpool.tier": "cpu",
+                }
+            )
 
     def _on_slow_tier(self, key: str, write_id: int, limit: TierLevel) -> bool:
         """The committed block's fastest acceptable copy is not in CPU memory (the tier worker
@@ -337,7 +386,7 @@ class DataConnection:
         stream = self.stream
         shm = self._server.shm_address
         info: dict[str, Any] = {
-            "features": ["mget", *(["shm"] if shm else [])],
+            "features": ["mget", "trace", *(["shm"] if shm else [])],
             "host": host_id(),
             "pid": os.getpid(),
             "local": stream.sockname if stream is not None else "",
@@ -374,8 +423,19 @@ class DataConnection:
         block, copy = result.block, result.copy
         assert block is not None
         assert copy is not None
+        started = perf_counter()
+        tier = TIER_LABELS.get(copy.level, "other")
         try:
-            buf, size = await worker.read(result)
+            if request.trace and tracing.STATE.enabled:
+                with tracing.tracer().start_as_current_span(
+                    "kvpool.tier.read",
+                    attributes={"kvpool.tier": tier, "kvpool.bytes": block.size_bytes},
+                ) as span:
+                    buf, size = await worker.read(result)
+                    if buf is None:
+                        span.set_attribute("kvpool.miss_reason", "checksum_mismatch")
+            else:
+                buf, size = await worker.read(result)
         except WorkerStoppedError as e:
             self.send_error(request, Status.INTERNAL, str(e))
             return
@@ -395,6 +455,7 @@ class DataConnection:
             )
         except Exception:
             self._log.exception("send_failed", peer=self.peer)
+        TRANSFER_LATENCY.labels("get", tier).observe(perf_counter() - started)
 
     @staticmethod
     def _hit_header(request: Header, block: Block, level: TierLevel) -> Header:
@@ -426,6 +487,7 @@ class DataConnection:
 
 
 TABLE_OPS = frozenset({Op.MGET, Op.SHM_GET, Op.SHM_RELEASE, Op.SHM_RESERVE, Op.SHM_COMMIT})
+_OP_NAMES = {int(op): op.name.lower() for op in Op}
 
 
 def _release_all(store: BlockStore, copies: list[Copy]) -> None:

@@ -35,11 +35,13 @@ from kvpool.config import NodeConfig, load_config, split_hostport
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.grpcutil import start_server
 from kvpool.logs import bind_process, configure_logging, get_logger
+from kvpool.metrics import register_collector, start_metrics
 from kvpool.proto.v1 import node_pb2_grpc
 from kvpool.store_node.admin import SERVICE_NAME, NodeAdmin
 from kvpool.store_node.block_store import BlockStore
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.eviction import POLICIES, make_policy
+from kvpool.store_node.node_metrics import node_families
 from kvpool.store_node.registration import NodeRegistration
 from kvpool.store_node.tier_worker import TierWorker
 from kvpool.store_node.tiers import Tier
@@ -47,6 +49,7 @@ from kvpool.store_node.tiers.cpu import CpuTier
 from kvpool.store_node.tiers.gpu import GpuTier, GpuUnavailableError
 from kvpool.store_node.tiers.ssd import SsdTier, SsdTierError
 from kvpool.store_node.warm_restart import recover_ssd, restore_into
+from kvpool.tracing import setup_tracing
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 ADMIN_STOP_GRACE_S = 1.0
@@ -178,6 +181,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 raise StartupError(f"listen: cannot serve gRPC on {cfg.listen}: {e}") from e
             stack.push_async_callback(handle.stop, ADMIN_STOP_GRACE_S)
             admin_address = join_hostport(cfg.advertise_host or admin_host, handle.port)
+            metrics_address = await _start_metrics(cfg, admin_host, store, registration, stack)
             registration.admin_address = admin_address
             log.info(
                 "node_started",
@@ -203,6 +207,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                             "member_id": member_id,
                             "admin": admin_address,
                             "data": data_address,
+                            "metrics": metrics_address,
                         },
                     )
                 if first:
@@ -228,6 +233,27 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
             loop.remove_signal_handler(sig)
     log.info("node_stopped", status=status)
     return status
+
+
+async def _start_metrics(
+    cfg: NodeConfig,
+    host: str,
+    store: BlockStore,
+    registration: NodeRegistration,
+    stack: contextlib.AsyncExitStack,
+) -> str:
+    """``/metrics`` on the admin host (``metrics_port``); its address, "" when off."""
+    try:
+        server = await start_metrics(host, cfg.metrics_port, "node")
+    except OSError as e:
+        raise StartupError(f"metrics_port: cannot listen on {host}: {e}") from e
+    if server is None:
+        return ""
+    stack.push_async_callback(server.close)
+    stack.callback(
+        register_collector(lambda: node_families(store, registered=registration.member_id != 0))
+    )
+    return join_hostport(host, server.port)
 
 
 def _open_ssd(cfg: NodeConfig, log: Any) -> SsdTier | None:
@@ -334,6 +360,7 @@ def main(cfg: NodeConfig) -> int:
     if problems:
         print("kvpool node: invalid configuration:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
+    setup_tracing("node")
     try:
         return asyncio.run(serve(cfg))
     except StartupError as e:

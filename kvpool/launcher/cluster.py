@@ -396,6 +396,8 @@ class LocalCluster:
                     info.grpc = ready.get("admin", "")
                     info.data = ready.get("data", "")
                     info.extra["member_id"] = ready.get("member_id", 0)
+                if ready.get("metrics"):
+                    info.extra["metrics"] = ready["metrics"]  # host:port of /metrics
                 return
             proc = self._popen.get(info.name)
             if proc is not None and proc.poll() is not None:

@@ -31,6 +31,7 @@ from kvpool.errors import DeadlineExceededError, ProtocolVersionError, Transport
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.wire import (
     COUNT,
+    EXT_TRACED,
     HEADER,
     HEADER_SIZE,
     MAGIC,
@@ -104,14 +105,19 @@ class BlockingConnection:
 
     # --- sending --------------------------------------------------------------------------
 
-    def send(self, calls: Sequence[Call], deadline: float, *, posted: bool = False) -> None:
-        """Write every call's frame (one vectored write for all of them when they fit)."""
+    def send(
+        self, calls: Sequence[Call], deadline: float, *, posted: bool = False, trace: bytes = b""
+    ) -> None:
+        """Write every call's frame (one vectored write for all of them when they fit), with
+        the trace context ``trace`` when the peer offered ``trace``."""
         self._check(deadline)
         views: list[bytes | bytearray | memoryview] = []
+        if trace and "trace" not in self.features:
+            trace = b""
         for call in calls:
             rid = next(self._ids)
             call.request_id = rid
-            views.append(_frame_head(call) + call.key)
+            views.append(_frame_head(call, trace) + call.key)
             if len(call.payload):
                 views.append(call.payload)
             if posted:
@@ -174,8 +180,8 @@ class BlockingConnection:
             call.header = header
             self._take_payload(call, header, deadline)
 
-    def exchange(self, calls: Sequence[Call], deadline: float) -> None:
-        self.send(calls, deadline)
+    def exchange(self, calls: Sequence[Call], deadline: float, *, trace: bytes = b"") -> None:
+        self.send(calls, deadline, trace=trace)
         self.receive(calls, deadline)
 
     def drain(self, deadline: float) -> None:
@@ -363,7 +369,25 @@ class BlockingConnection:
                 self._check(deadline)
 
 
-def _frame_head(call: Call) -> bytes:
+def _frame_head(call: Call, trace: bytes = b"") -> bytes:
+    if trace:
+        return (
+            HEADER.pack(
+                MAGIC,
+                PROTOCOL_VERSION,
+                call.op,
+                0,
+                call.request_id,
+                call.write_id,
+                call.version,
+                len(call.payload),
+                call.checksum,
+                len(call.key) + len(trace),
+                call.flags,
+                EXT_TRACED,
+            )
+            + trace
+        )
     return HEADER.pack(
         MAGIC,
         PROTOCOL_VERSION,

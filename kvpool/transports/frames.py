@@ -20,16 +20,18 @@ from kvpool.proto.wire import (
     HEADER_SIZE,
     MAX_KEY_BYTES,
     PREFIX_SIZE,
+    TRACE_CONTEXT_SIZE,
     FrameError,
     Header,
     check_prefix,
+    split_trace,
     unpack_header,
 )
 
 SCRATCH_BYTES = 256 * 1024
 DIRECT_THRESHOLD = 64 * 1024
 """Payload remainders at least this large are received straight into their destination."""
-PEEK_BYTES = HEADER_SIZE + MAX_KEY_BYTES
+PEEK_BYTES = HEADER_SIZE + TRACE_CONTEXT_SIZE + MAX_KEY_BYTES
 """What is read between frames after a large payload: a header and the longest key."""
 
 
@@ -150,6 +152,8 @@ class FrameReader:
                 key_start = self._start + HEADER_SIZE
                 key = bytes(self._scratch[key_start : key_start + header.key_len])
                 self._start = key_start + header.key_len
+                if header.ext:
+                    header, key = split_trace(header, key)
                 sink = self._handler.frame_sink(header, key)
                 if sink is not None and len(sink) != header.payload_len:
                     self._stop_with(

@@ -1,0 +1,53 @@
+"""A master's metrics, read at scrape time (see :mod:`kvpool.metrics`): Raft role, term, commit
+index, applied index, log size, readiness, follower lag; index entries, revision, live nodes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import Metric
+
+from kvpool.metrics import gauge
+from kvpool.raft_master.service import MasterService
+
+ROLES = ("leader", "follower", "candidate")
+
+
+def master_families(service: MasterService) -> Iterator[Metric]:
+    """Every family a master serves besides the RPC latency histogram."""
+    status = service.master_status()
+    raft = service.replicator.status()
+    role = gauge("kvpool_raft_role", "1 for this master's current Raft role", ["role"])
+    for name in ROLES:
+        role.add_metric([name], 1.0 if status.role == name else 0.0)
+    yield role
+    yield _one("kvpool_raft_term", "current Raft term", status.term)
+    yield _one("kvpool_raft_commit_index", "Raft commit index", status.commit_index)
+    yield _one("kvpool_raft_last_applied_index", "last Raft entry applied", status.last_applied)
+    yield _one(
+        "kvpool_raft_log_size_entries", "Raft log entries kept since compaction", status.log_size
+    )
+    yield _one(
+        "kvpool_raft_ready",
+        "1 when a leader is known and this master has caught up (gRPC readiness)",
+        1 if status.ready else 0,
+    )
+    yield _one("kvpool_raft_has_quorum", "1 when the leader sees a quorum", int(raft.has_quorum))
+    lag = gauge(
+        "kvpool_raft_follower_lag_entries",
+        "leader only: commit index minus each follower's match index",
+        ["follower"],
+    )
+    for follower, match in sorted(status.follower_match_index.items()):
+        lag.add_metric([follower], float(max(0, status.commit_index - match)))
+    yield lag
+    yield _one("kvpool_index_entries", "blocks in the index", status.entries)
+    yield _one("kvpool_index_revision", "index revision (every change bumps it)", status.revision)
+    members = service.replicator.read(lambda ix: len(ix.live_members()))
+    yield _one("kvpool_index_live_nodes", "store nodes the index counts as live", members)
+
+
+def _one(name: str, doc: str, value: float) -> Metric:
+    family = gauge(name, doc)
+    family.add_metric([], float(value))
+    return family
