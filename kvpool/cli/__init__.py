@@ -91,6 +91,15 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--dir", help="directory of a local cluster (reads cluster.json)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--timeout-s", type=float, default=1.0, help="per-master timeout [1]")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS [2] until Ctrl-C",
+    )
 
     p = sub.add_parser(
         "demo",
@@ -252,9 +261,8 @@ def _run_node(args: argparse.Namespace) -> int:
 
 
 def _cluster_up(args: argparse.Namespace) -> int:
-    from kvpool.cli.status import render_status, status_document
+    from kvpool.cli.status import collect_status, render_status
     from kvpool.launcher.cluster import LocalCluster
-    from kvpool.launcher.probe import probe_masters
 
     if args.detach and not args.dir:
         print(
@@ -279,7 +287,7 @@ def _cluster_up(args: argparse.Namespace) -> int:
         cluster.start()
         print(f"cluster directory: {directory}")
         print(f"masters: {','.join(cluster.master_addresses)}")
-        print(render_status(status_document(probe_masters(cluster.master_addresses))))
+        print(render_status(collect_status(cluster.master_addresses)))
         if args.detach:
             print(f"\ndetached; stop it with: kvpool cluster down --dir {directory}")
             return EXIT_OK
@@ -304,9 +312,8 @@ def _cluster_down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvpool.cli.status import render_status, status_document
+    from kvpool.cli.status import collect_status, render_status, watch_status
     from kvpool.config import split_hostport
-    from kvpool.launcher.probe import probe_masters
 
     if args.dir:
         from kvpool.launcher.cluster import LocalCluster
@@ -320,11 +327,16 @@ def _status(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"kvpool status: {e}", file=sys.stderr)
             return EXIT_USAGE
-    doc = status_document(probe_masters(masters, timeout_s=args.timeout_s))
+    if args.watch is not None:
+        if args.watch <= 0:
+            print("kvpool status: --watch needs a positive number of seconds", file=sys.stderr)
+            return EXIT_USAGE
+        return watch_status(masters, args.watch, timeout_s=args.timeout_s, as_json=args.json)
+    doc = collect_status(masters, timeout_s=args.timeout_s)
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
-        print(render_status(doc))
+        print(render_status(doc, color=sys.stdout.isatty()))
     reachable = any(m["reachable"] for m in doc["masters"])
     return EXIT_OK if reachable else EXIT_FAILURE
 

@@ -1,17 +1,59 @@
 """``kvpool status``: the cluster at a glance — masters (role, term, commit index, lag) and
-store nodes (capacity, used, blocks) — as a table or, with ``--json``, for scripts."""
+store nodes (hit rate, blocks, fill of each tier with the 85 % alarm highlighted) — as a table,
+refreshed with ``--watch``, or with ``--json`` for scripts."""
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from google.protobuf.json_format import MessageToDict
 
-from kvpool.launcher.probe import MasterProbe, leader_of
+from kvpool.launcher.probe import MasterProbe, NodeProbe, leader_of, probe_masters, probe_nodes
 from kvpool.units import format_size
 
 ALARM_FILL = 0.85
+
+
+def collect_status(masters: Sequence[str], timeout_s: float = 1.0) -> dict[str, Any]:
+    """Ask every master, then every live node's admin service (its tiers)."""
+    probes = probe_masters(masters, timeout_s=timeout_s)
+    doc = status_document(probes)
+    admins = [n["admin_address"] for n in doc["nodes"] if n["admin_address"]]
+    if admins:
+        add_node_stats(doc, probe_nodes(admins, timeout_s=timeout_s))
+    return doc
+
+
+def add_node_stats(doc: dict[str, Any], probes: Sequence[NodeProbe]) -> None:
+    """Each node's tiers (fill, blocks) and counters from its own GetStats answer."""
+    by_admin = {p.address: p for p in probes}
+    for node in doc["nodes"]:
+        probe = by_admin.get(node["admin_address"])
+        if probe is None or probe.stats is None:
+            node["tiers"] = []
+            continue
+        stats = probe.stats
+        node["hits"], node["misses"] = stats.hits_total, stats.misses_total
+        node["hit_rate"] = _rate(stats.hits_total, stats.misses_total)
+        node["tiers"] = [
+            {
+                "name": t.name,
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "fill": (t.used_bytes / t.capacity_bytes) if t.capacity_bytes else 0.0,
+                "blocks": t.block_count,
+                "high_watermark": t.high_watermark,
+            }
+            for t in stats.tiers
+        ]
+
+
+def _rate(hits: int, misses: int) -> float | None:
+    return hits / (hits + misses) if hits + misses else None
 
 
 def status_document(probes: Sequence[MasterProbe]) -> dict[str, Any]:
@@ -51,6 +93,7 @@ def status_document(probes: Sequence[MasterProbe]) -> dict[str, Any]:
                     "node_id": member.node_id,
                     "member_id": member.member_id,
                     "data_address": member.data_address,
+                    "admin_address": member.admin_address,
                     "zone": member.zone,
                     "capacity_bytes": cap,
                     "used_bytes": n.used_bytes,
@@ -58,6 +101,8 @@ def status_document(probes: Sequence[MasterProbe]) -> dict[str, Any]:
                     "blocks": n.block_count,
                     "hits": n.hits_total,
                     "misses": n.misses_total,
+                    "hit_rate": _rate(n.hits_total, n.misses_total),
+                    "tiers": [],
                     "evictions": n.evictions_total,
                     "last_heartbeat_age_s": n.last_heartbeat_age_s,
                 }
@@ -79,7 +124,19 @@ def _table(rows: list[list[str]]) -> str:
     )
 
 
-def render_status(doc: dict[str, Any]) -> str:
+ALARM_ON, ALARM_OFF = "\033[1;41;97m", "\033[0m"  # bold white on red, when on a terminal
+
+
+def _fill(fill: float, color: bool) -> str:
+    text = f"{fill:.0%}"
+    if fill < ALARM_FILL:
+        return text
+    alarm = f"{text} !ALARM"
+    return f"{ALARM_ON}{alarm}{ALARM_OFF}" if color else alarm
+
+
+def render_status(doc: dict[str, Any], *, color: bool = False) -> str:
+    """The status as text; ``color`` highlights tiers at or above the 85 % alarm (a terminal)."""
     lines = []
     leader = doc["leader"] or "none (no quorum, or an election is under way)"
     lines.append(f"leader: {leader}    ring version: {doc['ring_version']}")
@@ -105,21 +162,61 @@ def render_status(doc: dict[str, Any]) -> str:
     lines.append("")
     if not doc["nodes"]:
         lines.append("no live store nodes")
-    else:
-        rows = [["NODE", "MEMBER", "DATA ADDRESS", "CAPACITY", "USED", "FILL", "BLOCKS", "HITS"]]
-        for n in doc["nodes"]:
-            fill = f"{n['fill']:.0%}" + ("  !ALARM" if n["fill"] >= ALARM_FILL else "")
+        return "\n".join(lines)
+    rows = [["NODE", "MEMBER", "DATA ADDRESS", "HIT RATE", "BLOCKS", "TIER", "USED", "FILL"]]
+    for n in doc["nodes"]:
+        rate = "-" if n.get("hit_rate") is None else f"{n['hit_rate']:.1%}"
+        head = [n["node_id"], str(n["member_id"]), n["data_address"], rate, str(n["blocks"])]
+        tiers = n.get("tiers") or [
+            {
+                "name": "all",
+                "capacity_bytes": n["capacity_bytes"],
+                "used_bytes": n["used_bytes"],
+                "fill": n["fill"],
+            }
+        ]
+        for i, t in enumerate(tiers):
+            used = f"{format_size(t['used_bytes'])} / {format_size(t['capacity_bytes'])}"
             rows.append(
-                [
-                    n["node_id"],
-                    str(n["member_id"]),
-                    n["data_address"],
-                    format_size(n["capacity_bytes"]),
-                    format_size(n["used_bytes"]),
-                    fill,
-                    str(n["blocks"]),
-                    str(n["hits"]),
-                ]
+                [*(head if i == 0 else [""] * len(head)), t["name"], used, _fill(t["fill"], color)]
             )
-        lines.append(_table(rows))
+    lines.append(_table(rows))
     return "\n".join(lines)
+
+
+CLEAR_SCREEN = "\033[H\033[2J"
+
+
+def watch_status(
+    masters: Sequence[str],
+    interval_s: float,
+    *,
+    timeout_s: float = 1.0,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    rounds: int | None = None,
+) -> int:
+    """Print the status every ``interval_s`` (the screen cleared first on a terminal) until
+    Ctrl-C, which exits 0; ``rounds`` bounds the loop (tests)."""
+    stream = out if out is not None else sys.stdout
+    tty = stream.isatty()
+    done = 0
+    try:
+        while rounds is None or done < rounds:
+            doc = collect_status(masters, timeout_s=timeout_s)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            text = (
+                json.dumps(doc, default=str)
+                if as_json
+                else f"kvpool status  {stamp}  (every {interval_s:g} s, Ctrl-C to stop)\n\n"
+                + render_status(doc, color=tty)
+            )
+            stream.write((CLEAR_SCREEN if tty and not as_json else "") + text + "\n")
+            stream.flush()
+            done += 1
+            if rounds is None or done < rounds:
+                time.sleep(interval_s)
+    except KeyboardInterrupt:
+        stream.write("\n")
+        stream.flush()
+    return 0

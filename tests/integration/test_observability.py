@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -232,3 +233,34 @@ def test_master_readiness_over_grpc_health(traced_cluster: tuple[LocalCluster, P
         ready = stub.Check(health_pb2.HealthCheckRequest(service="kvpool.v1.Master"), timeout=5)
     assert live.status == health_pb2.HealthCheckResponse.SERVING
     assert ready.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_status_shows_tiers_and_hit_rate_and_watch_stops_on_ctrl_c(
+    traced_cluster: tuple[LocalCluster, Path],
+) -> None:
+    cluster, spans_file = traced_cluster
+    _run_client(cluster, spans_file)
+    masters = ",".join(cluster.master_addresses)
+    cli = [sys.executable, "-m", "kvpool", "status", "--masters", masters]
+    once = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60, check=False)
+    assert once.returncode == 0, once.stderr
+    (node,) = json.loads(once.stdout)["nodes"]
+    assert [t["name"] for t in node["tiers"]] == ["cpu"]
+    assert node["tiers"][0]["capacity_bytes"] == 64 * 2**20
+    assert node["tiers"][0]["blocks"] >= 1
+    assert 0 < node["hit_rate"] <= 1
+    watch = subprocess.Popen(
+        [*cli, "--watch", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        time.sleep(3)
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=20)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert watch.returncode == 0, err
+    assert "Traceback" not in err
+    assert out.count("kvpool status  ") >= 2
+    assert "HIT RATE" in out

@@ -277,3 +277,75 @@ def test_metrics_server_answers_the_text_format_and_404_elsewhere() -> None:
 def test_metrics_port_is_validated(port: int, ok: bool) -> None:
     errors = NodeConfig(metrics_port=port).validate()
     assert (not any(e.startswith("metrics_port") for e in errors)) is ok
+
+
+def _status_doc(fill: float) -> dict[str, Any]:
+    return {
+        "leader": "127.0.0.1:7300",
+        "ring_version": 3,
+        "masters": [
+            {
+                "address": "127.0.0.1:7300",
+                "reachable": True,
+                "role": "leader",
+                "term": 2,
+                "commit_index": 10,
+                "last_applied": 10,
+                "lag": 0,
+                "ready": True,
+                "entries": 5,
+            }
+        ],
+        "nodes": [
+            {
+                "node_id": "node-1",
+                "member_id": 1,
+                "data_address": "tcp://127.0.0.1:7400",
+                "hit_rate": 0.75,
+                "blocks": 12,
+                "capacity_bytes": 100,
+                "used_bytes": 50,
+                "fill": 0.5,
+                "tiers": [
+                    {"name": "cpu", "capacity_bytes": 1 << 30, "used_bytes": 0, "fill": fill},
+                    {"name": "ssd", "capacity_bytes": 1 << 30, "used_bytes": 0, "fill": 0.1},
+                ],
+            }
+        ],
+    }
+
+
+def test_status_highlights_a_tier_at_the_85_percent_alarm() -> None:
+    from kvpool.cli.status import ALARM_ON, render_status
+
+    calm = render_status(_status_doc(0.84), color=True)
+    assert "ALARM" not in calm
+    assert "75.0%" in calm  # the hit rate
+    plain = render_status(_status_doc(0.85))
+    assert "85% !ALARM" in plain
+    assert ALARM_ON not in plain  # no escape codes when not on a terminal
+    colored = render_status(_status_doc(0.9), color=True)
+    assert f"{ALARM_ON}90% !ALARM" in colored
+    assert "10%" in colored  # the SSD tier's own row, not alarmed
+    assert colored.count("!ALARM") == 1
+
+
+def test_status_watch_refreshes_and_ctrl_c_exits_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.cli import status
+
+    docs = iter([_status_doc(0.1), _status_doc(0.9), _status_doc(0.2)])
+    monkeypatch.setattr(status, "collect_status", lambda masters, timeout_s: next(docs))
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(status.time, "sleep", sleep)
+    out = io.StringIO()
+    assert status.watch_status(["127.0.0.1:7300"], 0.5, out=out) == 0
+    text = out.getvalue()
+    assert text.count("kvpool status  ") == 2  # two refreshes, then Ctrl-C
+    assert "90% !ALARM" in text
+    assert sleeps == [0.5, 0.5]
