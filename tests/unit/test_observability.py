@@ -342,7 +342,7 @@ def test_status_watch_refreshes_and_ctrl_c_exits_cleanly(monkeypatch: pytest.Mon
         if len(sleeps) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(status.time, "sleep", sleep)
+    monkeypatch.setattr("kvpool.cli.status.time.sleep", sleep)
     out = io.StringIO()
     assert status.watch_status(["127.0.0.1:7300"], 0.5, out=out) == 0
     text = out.getvalue()
