@@ -209,15 +209,26 @@ class BlockingDataPlane:
             rounds_left = max(len(it.replicas) - it.next for it in queue)
             round_deadline = now + (deadline - now) / rounds_left
             sent: list[tuple[BlockingConnection, NodeRead, MemberInfo, Any]] = []
-            for address, (group, member) in next_round(queue, members).items():
+            plan = next_round(queue, members)
+            # One span per node when a round reads from several (one node: the node's span
+            # is the caller's child directly).
+            per_node = tracing.STATE.enabled and len(plan) > 1 and tracing.recording()
+            trace = tracing.frame_trace() if tracing.STATE.enabled and not per_node else b""
+            for address, (group, member) in plan.items():
                 span = None
-                if tracing.STATE.enabled:
+                if per_node:
                     span = tracing.tracer().start_span(
                         "kvpool.client.read",
                         kind=SpanKind.CLIENT,
                         attributes={"kvpool.node": address, "kvpool.keys": len(group)},
                     )
-                started = self._send_reads(address, group, member, round_deadline, span)
+                started = self._send_reads(
+                    address,
+                    group,
+                    member,
+                    round_deadline,
+                    tracing.frame_trace(span) if span else trace,
+                )
                 if started is not None:
                     sent.append((*started, span))
                 elif span is not None:
@@ -238,7 +249,7 @@ class BlockingDataPlane:
         group: list[ReadItem],
         member: MemberInfo,
         deadline: float,
-        span: Any = None,
+        trace: bytes = b"",
     ) -> tuple[BlockingConnection, NodeRead, MemberInfo] | None:
         try:
             conn = self.connection(address, deadline)
@@ -250,7 +261,7 @@ class BlockingDataPlane:
             return None
         plan = NodeRead(address, group, mget="mget" in conn.features, arena=_arena(conn))
         try:
-            conn.send(plan.calls, deadline, trace=tracing.frame_trace(span) if span else b"")
+            conn.send(plan.calls, deadline, trace=trace)
         except KVPoolError as e:
             self._failed(address, conn, plan, member, e)
             return None
@@ -521,13 +532,17 @@ class SyncPath:
         op: str = "get",
     ) -> list[ReadItem | None] | None:
         if tracing.STATE.enabled:
-            with tracing.tracer().start_as_current_span(
+            span, token = tracing.enter_span(
                 f"kvpool.{op}", kind=SpanKind.CLIENT, attributes={"kvpool.keys": len(pairs)}
-            ) as span:
-                items = self._read_or_fail_untraced(pairs, sink_for, strict, limit, span)
-                if items is not None:
+            )
+            try:
+                recording = span if span.is_recording() else None
+                items = self._read_or_fail_untraced(pairs, sink_for, strict, limit, recording)
+                if items is not None and recording is not None:
                     span.set_attributes(read_attributes(items))
                 return items
+            finally:
+                tracing.exit_span(span, token)
         return self._read_or_fail_untraced(pairs, sink_for, strict, limit, None)
 
     def _read_or_fail_untraced(
@@ -556,11 +571,14 @@ class SyncPath:
         core = self.core
         request = master_pb2.LookupRequest(keys=keys, min_revision=core.floor.value)
         response: master_pb2.LookupResponse
-        if tracing.STATE.enabled:
-            with tracing.tracer().start_as_current_span(
+        if tracing.STATE.enabled and tracing.recording():
+            span, token = tracing.enter_span(
                 "kvpool.client.lookup", kind=SpanKind.CLIENT, attributes={"kvpool.keys": len(keys)}
-            ):
+            )
+            try:
                 response = self._masters.call("Lookup", request, deadline=deadline)
+            finally:
+                tracing.exit_span(span, token)
         else:
             response = self._masters.call("Lookup", request, deadline=deadline)
         core.lookup_answered(keys, response)

@@ -138,7 +138,7 @@ def setup_tracing(
     provider = TracerProvider(resource=Resource.create(attrs))
     for name in exporters:
         if name == "otlp":
-            provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(env)))
+            provider.add_span_processor(BatchSpanProcessor(otlp_exporter(env)))
         elif name == "console":
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         else:
@@ -152,7 +152,7 @@ def setup_tracing(
     return True
 
 
-def _otlp_exporter(env: Mapping[str, str]) -> Any:
+def otlp_exporter(env: Mapping[str, str]) -> Any:
     protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get(
         "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
     )
@@ -220,13 +220,32 @@ def _span_doc(span: Any) -> dict[str, Any]:
 
 
 def frame_trace(span: Span | None = None) -> bytes:
-    """The data-plane trace context of ``span`` (default: the current one); b"" when none."""
+    """The data-plane trace context of ``span`` (default: the current one); b"" when none or
+    when it is not sampled (the peer would only make spans nobody keeps)."""
     if not STATE.enabled:
         return b""
     ctx = (span or trace.get_current_span()).get_span_context()
-    if not ctx.is_valid:
+    if not ctx.is_valid or not ctx.trace_flags.sampled:
         return b""
     return pack_trace(ctx.trace_id, ctx.span_id, int(ctx.trace_flags))
+
+
+def enter_span(
+    name: str,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    parent: otel_context.Context | None = None,
+    attributes: Mapping[str, Any] | None = None,
+) -> tuple[Span, object]:
+    """Start a span and make it current; end it with :func:`exit_span` (cheaper than the SDK's
+    ``start_as_current_span`` context manager on hot paths: measured 25 against 60 µs here)."""
+    span = STATE.tracer.start_span(name, context=parent, kind=kind, attributes=attributes)
+    return span, otel_context.attach(trace.set_span_in_context(span))
+
+
+def exit_span(span: Span, token: object) -> None:
+    otel_context.detach(token)  # type: ignore[arg-type]
+    span.end()
 
 
 def remote_context(packed: bytes) -> otel_context.Context | None:
@@ -240,9 +259,19 @@ def remote_context(packed: bytes) -> otel_context.Context | None:
     return trace.set_span_in_context(NonRecordingSpan(span_ctx))
 
 
+def recording() -> bool:
+    """The current span records (a sampled request): worth making child spans for."""
+    return trace.get_current_span().is_recording()
+
+
+def sampled(packed: bytes) -> bool:
+    """A frame's trace context asks for spans (its sampled flag)."""
+    return bool(packed) and bool(packed[-1] & 1)
+
+
 def grpc_metadata(base: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
     """``base`` plus the current span's ``traceparent`` (when tracing and inside a span)."""
-    if not STATE.enabled:
+    if not STATE.enabled or not trace.get_current_span().get_span_context().trace_flags.sampled:
         return base
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier)

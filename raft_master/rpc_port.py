@@ -136,7 +136,7 @@ class RpcConnection:
     async def _call(self, header: Header, name: str, request: Any, budget_s: float | None) -> None:
         started = time.perf_counter()
         try:
-            if header.trace and tracing.STATE.enabled:
+            if header.trace and tracing.STATE.enabled and tracing.sampled(header.trace):
                 with tracing.server_span(
                     f"kvpool.v1.Master/{name}",
                     tracing.remote_context(header.trace),

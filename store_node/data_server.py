@@ -39,6 +39,8 @@ from functools import partial
 from time import perf_counter
 from typing import Any
 
+from opentelemetry.trace import SpanKind
+
 from kvpool import tracing
 from kvpool.logs import get_logger
 from kvpool.metrics import TRANSFER_LATENCY
@@ -186,18 +188,20 @@ class DataConnection:
     def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
         if self._closing:
             return
-        if header.trace and tracing.STATE.enabled:
+        if header.trace and tracing.STATE.enabled and tracing.sampled(header.trace):
             op = _OP_NAMES.get(header.op, str(header.op))
-            with tracing.server_span(
+            span, token = tracing.enter_span(
                 f"kvpool.node.{op}",
-                tracing.remote_context(header.trace),
-                {"kvpool.peer": self.peer, "kvpool.op": op},
-            ) as span:
-                self._span = span
-                try:
-                    self._received(header, key, payload)
-                finally:
-                    self._span = None
+                kind=SpanKind.SERVER,
+                parent=tracing.remote_context(header.trace),
+                attributes={"kvpool.peer": self.peer},
+            )
+            self._span = span
+            try:
+                self._received(header, key, payload)
+            finally:
+                self._span = None
+                tracing.exit_span(span, token)
             return
         self._received(header, key, payload)
 
@@ -287,13 +291,7 @@ class DataConnection:
             GET_MISS_LATENCY.observe(perf_counter() - started)
             return
         if result.copy.level is TierLevel.CPU:
-            if self._span is not None:
-                with tracing.tracer().start_as_current_span(
-                    "kvpool.tier.read", attributes={"kvpool.tier": "cpu"}
-                ):
-                    self._send_block(header, result)
-            else:
-                self._send_block(header, result)
+            self._send_block(header, result)  # sent from where it lies: no tier read
             GET_CPU_LATENCY.observe(perf_counter() - started)
             return
         worker = self._server.worker
@@ -426,7 +424,7 @@ class DataConnection:
         started = perf_counter()
         tier = TIER_LABELS.get(copy.level, "other")
         try:
-            if request.trace and tracing.STATE.enabled:
+            if request.trace and tracing.STATE.enabled and tracing.sampled(request.trace):
                 with tracing.tracer().start_as_current_span(
                     "kvpool.tier.read",
                     attributes={"kvpool.tier": tier, "kvpool.bytes": block.size_bytes},

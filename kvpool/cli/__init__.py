@@ -142,6 +142,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dir", help="keep the cluster's data and logs here [a temp dir]")
     b.add_argument("--json", action="store_true", help="print JSON")
     b = bsub.add_parser(
+        "tracing",
+        help="get throughput with tracing on and off (interleaved), the trace of one get",
+    )
+    b.add_argument("--rounds", type=int, default=7, help="rounds per mode [7]")
+    b.add_argument("--gets", type=int, default=2000, help="4 KiB gets per round [2000]")
+    b.add_argument("--dir", help="keep the cluster's data and logs here [a temp dir]")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b = bsub.add_parser(
         "index",
         help="the master: memory per 1 M entries, apply rate, compaction stall, commit rates",
     )
@@ -393,6 +401,12 @@ def _bench(args: argparse.Namespace) -> int:
 
         return main_peers(args)
     from kvpool.cli.bench import bench_cluster, bench_index, bench_tiers, print_result
+
+    if args.bench_command == "tracing":
+        from kvpool.cli.bench_tracing import bench_tracing
+
+        print_result(bench_tracing(args.rounds, args.gets, args.dir), args.json)
+        return EXIT_OK
 
     if args.bench_command == "cluster":
         result = bench_cluster(rounds=args.rounds, kills=args.kills, directory=args.dir)

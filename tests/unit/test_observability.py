@@ -186,9 +186,7 @@ def test_a_node_serves_a_traced_get_in_a_child_span_of_the_callers(
     assert hit_attrs["kvpool.tier"] == "cpu"
     assert hit_attrs["kvpool.bytes"] == 4096
     assert miss_attrs["kvpool.miss_reason"] == "version_mismatch"
-    tier_read = finished["kvpool.tier.read"]
-    assert tier_read.parent is not None
-    assert tier_read.parent.span_id == hit_span.context.span_id
+    assert "kvpool.tier.read" not in finished  # a CPU block is sent from where it lies
 
 
 def _blocking(port: int) -> BlockingConnection:
