@@ -26,6 +26,7 @@ from kvpool import tracing
 from kvpool.checksum import block_checksum
 from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem, new_write_ids
 from kvpool.client.cache import LookupCache
+from kvpool.client.client_metrics import ClientMetrics
 from kvpool.client.commits import (
     AsyncCommitter,
     CommitAnswer,
@@ -153,6 +154,7 @@ class ClientCore:
         self.cache = LookupCache(config.lookup_cache_size, config.lookup_cache_ttl_s)
         self.floor = RevisionFloor()
         self._stats = ClientStats()
+        self.metrics = ClientMetrics(self._stats)
         self._committer = AsyncCommitter(self._commit_rpc, lambda: MAX_COMMIT_ENTRIES)
         self._members_lock = asyncio.Lock()
         self._closed = False
@@ -193,8 +195,13 @@ class ClientCore:
             return
         self._shut = True
         self._closed = True
+        await self.metrics.close()
         await self._data.close()
         await self._masters.close()
+
+    async def start_metrics(self) -> str:
+        """Serve this client's /metrics when ``metrics_port`` asks for it; its address."""
+        return await self.metrics.start(self.config.metrics_host, self.config.metrics_port)
 
     # --- public operations -------------------------------------------------------------------
 

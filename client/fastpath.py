@@ -209,12 +209,12 @@ class BlockingDataPlane:
             rounds_left = max(len(it.replicas) - it.next for it in queue)
             round_deadline = now + (deadline - now) / rounds_left
             sent: list[tuple[BlockingConnection, NodeRead, MemberInfo, Any]] = []
-            plan = next_round(queue, members)
+            by_node = next_round(queue, members)
             # One span per node when a round reads from several (one node: the node's span
             # is the caller's child directly).
-            per_node = tracing.STATE.enabled and len(plan) > 1 and tracing.recording()
+            per_node = tracing.STATE.enabled and len(by_node) > 1 and tracing.recording()
             trace = tracing.frame_trace() if tracing.STATE.enabled and not per_node else b""
-            for address, (group, member) in plan.items():
+            for address, (group, member) in by_node.items():
                 span = None
                 if per_node:
                     span = tracing.tracer().start_span(

@@ -18,6 +18,8 @@ def make_config(
     transport: str = "auto",
     lookup_cache_size: int = 65536,
     lookup_cache_ttl_s: float = 30.0,
+    metrics_port: int = -1,
+    metrics_host: str = "127.0.0.1",
 ) -> ClientConfig:
     """A validated ClientConfig from constructor arguments; ConfigError names every problem.
 
@@ -42,6 +44,7 @@ def make_config(
         ("max_value_size", max_value_size),
         ("connections_per_node", connections_per_node),
         ("lookup_cache_size", lookup_cache_size),
+        ("metrics_port", metrics_port),
     ):
         if isinstance(value, bool) or not isinstance(value, int):
             errors.append(f"{name}: expected an integer, got {value!r}")
@@ -55,6 +58,8 @@ def make_config(
             transport=transport,
             lookup_cache_size=lookup_cache_size,
             lookup_cache_ttl_s=float(lookup_cache_ttl_s),
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
         )
         errors = config.validate()
         if not errors:

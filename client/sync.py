@@ -95,11 +95,14 @@ class Client:
         transport: str = "auto",
         lookup_cache_size: int = 65536,
         lookup_cache_ttl_s: float = 30.0,
+        metrics_port: int = -1,
     ) -> None:
         """``transport``: ``auto`` (a node on this host through its shared memory, others
         over TCP), ``tcp`` or ``shm`` (shared memory only; a node it cannot reach that way
         is a failure) — to measure both on one host. ``lookup_cache_size``: index entries
-        kept so that a repeated get skips the master (0: none)."""
+        kept so that a repeated get skips the master (0: none). ``metrics_port``: serve this
+        client's Prometheus /metrics on 127.0.0.1 (0: any free port, see
+        :attr:`metrics_address`; -1: off)."""
         config = make_config(
             masters,
             timeout_s=timeout_s,
@@ -109,6 +112,7 @@ class Client:
             transport=transport,
             lookup_cache_size=lookup_cache_size,
             lookup_cache_ttl_s=lookup_cache_ttl_s,
+            metrics_port=metrics_port,
         )
         self._core = ClientCore(config, strict=strict)
         self._path = SyncPath(self._core)
@@ -123,6 +127,19 @@ class Client:
         self._finalizer = weakref.finalize(
             self, _shutdown, self._core, self._path, self._loop, self._thread
         )
+        if config.metrics_port != -1:
+            try:
+                asyncio.run_coroutine_threadsafe(self._core.start_metrics(), self._loop).result(
+                    timeout=CLOSE_TIMEOUT_S
+                )
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` of this client's /metrics ("" when off)."""
+        return self._core.metrics.address
 
     # --- plumbing -------------------------------------------------------------------------
 

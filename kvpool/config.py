@@ -380,9 +380,15 @@ class ClientConfig:
     lookup_cache_ttl_s: float = opt(
         30.0, "longest a cached index entry is used without asking the masters", "duration"
     )
+    metrics_port: int = opt(
+        -1, "Prometheus /metrics of this client: -1 = off (default), 0 = any free port, or a port"
+    )
+    metrics_host: str = opt("127.0.0.1", "host the client's /metrics binds (with metrics_port)")
 
     def validate(self) -> list[str]:
         errors = _validate_masters(self.masters)
+        if not -1 <= self.metrics_port <= 65535:
+            errors.append("metrics_port: must be -1 (off), 0 (any free port) or a port number")
         if self.transport not in ("auto", "tcp", "shm"):
             errors.append(f"transport: expected auto, tcp or shm, got {self.transport!r}")
         if self.lookup_cache_size < 0:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvpool.client.sync import Client
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.tracing import TRACE_FILE_ENV
 
@@ -201,12 +203,33 @@ def test_every_process_serves_metrics(traced_cluster: tuple[LocalCluster, Path])
         assert resp.headers["Content-Type"].startswith("text/plain")
 
 
+def test_a_client_serves_its_metrics_when_asked(traced_cluster: tuple[LocalCluster, Path]) -> None:
+    cluster, _ = traced_cluster
+    with Client(cluster.master_addresses, timeout_s=5.0) as quiet:
+        assert quiet.metrics_address == ""  # off by default
+    with Client(cluster.master_addresses, timeout_s=5.0, metrics_port=0) as kv:
+        assert kv.put("obs/client", b"c" * 100)
+        assert kv.get("obs/client") == b"c" * 100
+        assert kv.get("obs/client-absent") is None
+        text = _scrape(kv.metrics_address)
+        address = kv.metrics_address
+    assert _value(text, "kvpool_client_hits_total") == 1
+    assert _value(text, "kvpool_client_misses_total", 'reason="absent"') == 1
+    assert _value(text, "kvpool_client_misses_total", 'reason="checksum_mismatch"') == 0
+    assert _value(text, "kvpool_client_puts_total", 'result="ok"') == 1
+    with pytest.raises(urllib.error.URLError):  # closed with the client
+        _scrape(address)
+
+
 def test_grafana_dashboard_queries_only_served_metrics(
     traced_cluster: tuple[LocalCluster, Path],
 ) -> None:
     cluster, spans_file = traced_cluster
     _run_client(cluster, spans_file)
-    scraped = "\n".join(_scrape(a) for a in _metrics_addresses(cluster).values())
+    with Client(cluster.master_addresses, timeout_s=5.0, metrics_port=0) as kv:
+        kv.get("obs/key")
+        client = _scrape(kv.metrics_address)
+    scraped = "\n".join([client, *(_scrape(a) for a in _metrics_addresses(cluster).values())])
     # Sample names, and families declared without samples yet (follower lag on a lone master).
     served = set(re.findall(r"^(kvpool_[a-z_]+)", scraped, re.MULTILINE))
     served |= set(re.findall(r"^# TYPE (kvpool_[a-z_]+) gauge", scraped, re.MULTILINE))
