@@ -133,12 +133,32 @@ def _sampled_tracer(ratio: float) -> Any:
     return provider.get_tracer("kvpool")
 
 
-def _gets_per_s(kv: Client, keys: list[str], gets: int) -> float:
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by this process and ``pids``."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def _measure(kv: Client, keys: list[str], gets: int, pids: list[int]) -> tuple[float, float]:
+    """(gets per second, CPU µs per get summed over the client and every kvpool process)."""
+    cpu = _cpu_s(pids)
     started = time.perf_counter()
     for i in range(gets):
         if kv.get(keys[i % len(keys)]) is None:
             raise RuntimeError("a get missed during the measurement")
-    return gets / (time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    return gets / elapsed, (_cpu_s(pids) - cpu) / gets * 1e6
+
+
+def _gets_per_s(kv: Client, keys: list[str], gets: int) -> float:
+    return _measure(kv, keys, gets, [])[0]
 
 
 def _tree(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -185,6 +205,8 @@ def bench_tracing(
             one_in_100 = _sampled_tracer(0.01)
             tracers = {"on": every, "sampled_1pct": one_in_100, "off": None}
             samples: dict[str, list[float]] = {mode: [] for mode in tracers}
+            cpu: dict[str, list[float]] = {mode: [] for mode in tracers}
+            pids = [p.pid for p in cluster.processes.values()]
             for r in range(rounds):
                 order = list(tracers) if r % 2 == 0 else list(reversed(tracers))
                 for mode in order:
@@ -192,7 +214,9 @@ def bench_tracing(
                     tracing.STATE.enabled = tracer is not None
                     if tracer is not None:
                         tracing.STATE.tracer = tracer
-                    samples[mode].append(_gets_per_s(kv, keys, gets))
+                    rate, cpu_us = _measure(kv, keys, gets, pids)
+                    samples[mode].append(rate)
+                    cpu[mode].append(cpu_us)
             tracing.STATE.enabled, tracing.STATE.tracer = True, every
         with Client(cluster.master_addresses, timeout_s=5.0, lookup_cache_size=0) as uncached:
             for key in keys:  # connections to every node and master RPC port, warm
@@ -215,7 +239,11 @@ def bench_tracing(
             "median_round_ratio_sampled_1pct_over_off": statistics.median(
                 a / b for a, b in zip(samples["sampled_1pct"], samples["off"], strict=True)
             ),
+            # CPU time per get, every kvpool process and the client summed: the cost itself,
+            # less sensitive than throughput to other load on a shared machine
+            "cpu_us_per_get": {mode: statistics.median(v) for mode, v in cpu.items()},
             "rounds": {mode: [round(x) for x in v] for mode, v in samples.items()},
+            "rounds_cpu_us_per_get": {mode: [round(x) for x in v] for mode, v in cpu.items()},
             "one_get": [
                 {
                     "span": "  " * s["depth"] + s["name"],

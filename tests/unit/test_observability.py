@@ -44,6 +44,7 @@ from kvpool.transports.calls import Call
 from kvpool.transports.frames import FrameReader
 
 TRACE = pack_trace(0x0123456789ABCDEF0123456789ABCDEF, 0x1122334455667788, 1)
+UNSAMPLED = pack_trace(0x0123456789ABCDEF0123456789ABCDEF, 0x99, 0)
 
 
 @pytest.fixture
@@ -157,6 +158,11 @@ def test_a_node_serves_a_traced_get_in_a_child_span_of_the_callers(
                     Call(Op.PUBLISH, b"blk", write_id=3, version=1),
                 ]
                 await asyncio.to_thread(conn.exchange, calls, time.monotonic() + 10)
+                unsampled = Call(Op.GET, b"blk", write_id=3)
+                await asyncio.to_thread(
+                    conn.exchange, [unsampled], time.monotonic() + 10, trace=UNSAMPLED
+                )
+                assert unsampled.status == Status.OK  # served, and no span made for it
                 hit = Call(Op.GET, b"blk", write_id=3, sink=memoryview(bytearray(len(data))))
                 miss = Call(Op.GET, b"blk", write_id=4)
                 await asyncio.to_thread(
