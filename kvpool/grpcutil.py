@@ -6,9 +6,9 @@ another protocol version (naming both) and turns a raised :class:`~kvpool.errors
 into a status code plus trailing metadata (``kvpool-error-code``, ``kvpool-leader``).
 Unexpected exceptions become INTERNAL with the message; the server keeps serving.
 
-Each wrapped RPC is timed (``kvpool_rpc_server_latency_seconds``) and, when tracing is on, runs in
-a SERVER span whose parent is the caller's ``traceparent`` metadata — our own minimal spans at
-this wrap point, not opentelemetry-instrumentation-grpc's interceptors (see README, Traces).
+Each wrapped RPC is timed (``kvpool_rpc_server_latency_seconds``) and, when tracing is on and the
+caller sent a (sampled) ``traceparent``, runs in a SERVER span, its child — our own minimal spans
+at this wrap point, not opentelemetry-instrumentation-grpc's interceptors (see README, Traces).
 
 Clients call through :func:`unary`, which sends the protocol version and rebuilds the typed
 error from the metadata.
@@ -114,8 +114,9 @@ def _wrap_unary(
         try:
             if tracing.STATE.enabled:
                 parent = tracing.context_from_metadata(context.invocation_metadata())
-                with tracing.server_span(span_name, parent, {"rpc.method": method}):
-                    return await behavior(request, context)
+                if parent is not None:  # a traced caller (heartbeats and the like make none)
+                    with tracing.server_span(span_name, parent, {"rpc.method": method}):
+                        return await behavior(request, context)
             return await behavior(request, context)
         except KVPoolError as exc:
             context.set_trailing_metadata(error_metadata(exc))

@@ -32,6 +32,7 @@ from kvpool.client.sync import Client
 from kvpool.launcher.cluster import LocalCluster
 
 SIZE = 4096
+TRACED_GETS = 21
 
 
 class _Collector:
@@ -221,8 +222,10 @@ def bench_tracing(
         with Client(cluster.master_addresses, timeout_s=5.0, lookup_cache_size=0) as uncached:
             for key in keys:  # connections to every node and master RPC port, warm
                 uncached.get(key)
-            uncached.get(keys[0])  # the trace shown: a warm get that asks the masters
-            one = _last_get_spans(collector)
+            before = time.time_ns()
+            for _ in range(TRACED_GETS):  # the trace shown: a warm get that asks the masters
+                uncached.get(keys[0])
+            one = _median_get_spans(collector, before)
         med = {mode: statistics.median(v) for mode, v in samples.items()}
         return {
             "gets_per_round": gets,
@@ -263,24 +266,26 @@ def bench_tracing(
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _last_get_spans(collector: _Collector) -> list[dict[str, Any]]:
-    """The spans of the client's latest ``kvpool.get`` from every process (waits for the
-    servers' batch exporters)."""
+def _median_get_spans(collector: _Collector, since_ns: int) -> list[dict[str, Any]]:
+    """The spans of the client's ``kvpool.get`` of median duration among those started after
+    ``since_ns``, from every process (waits for the servers' batch exporters)."""
     provider = tracing.STATE.provider
     if provider is not None:
         provider.force_flush()
     deadline = time.monotonic() + 10
     while True:
-        gets = [s for s in collector.spans if s["name"] == "kvpool.get"]
-        if gets:
-            last = max(gets, key=lambda s: s["start_ns"])
-            spans = collector.trace(last["trace_id"])
-            if {s["service"] for s in spans} >= {"kvpool-client", "kvpool-master", "kvpool-node"}:
-                time.sleep(0.6)  # a last batch from the slower exporter
-                return _tree(collector.trace(last["trace_id"]))
-        if time.monotonic() > deadline:
-            return _tree(collector.trace(last["trace_id"])) if gets else []
+        spans = collector.spans
+        gets = sorted(
+            (s for s in spans if s["name"] == "kvpool.get" and s["start_ns"] >= since_ns),
+            key=lambda s: s["duration_us"],
+        )
+        if len(gets) >= TRACED_GETS or time.monotonic() > deadline:
+            break
         time.sleep(0.2)
+    if not gets:
+        return []
+    time.sleep(1.0)  # the servers' last batches
+    return _tree(collector.trace(gets[len(gets) // 2]["trace_id"]))
 
 
 if __name__ == "__main__":

@@ -353,3 +353,55 @@ def test_status_watch_refreshes_and_ctrl_c_exits_cleanly(monkeypatch: pytest.Mon
     assert text.count("kvpool status  ") == 2  # two refreshes, then Ctrl-C
     assert "90% !ALARM" in text
     assert sleeps == [0.5, 0.5]
+
+
+def test_a_grpc_call_carries_the_callers_trace_and_is_timed(
+    spans: InMemorySpanExporter,
+) -> None:
+    from kvpool.grpcutil import create_channel, start_server, unary
+    from kvpool.metrics import REGISTRY
+    from kvpool.proto.v1 import master_pb2, master_pb2_grpc
+
+    class Members(master_pb2_grpc.MasterServicer):
+        async def GetMembers(self, request: Any, context: Any) -> Any:
+            return master_pb2.GetMembersResponse(ring_version=7)
+
+    def count() -> float:
+        value = REGISTRY.get_sample_value(
+            "kvpool_rpc_server_latency_seconds_count",
+            {"method": "GetMembers", "transport": "grpc"},
+        )
+        return value or 0.0
+
+    async def scenario() -> tuple[int, int]:
+        handle = await start_server(
+            "127.0.0.1:0",
+            [
+                (
+                    master_pb2_grpc.add_MasterServicer_to_server,
+                    Members(),  # type: ignore[abstract]
+                    "kvpool.v1.Master",
+                )
+            ],
+        )
+        channel = create_channel(f"127.0.0.1:{handle.port}")
+        try:
+            stub = master_pb2_grpc.MasterStub(channel)
+            await unary(stub.GetMembers, master_pb2.GetMembersRequest(), timeout_s=5)  # no span
+            with tracing.tracer().start_as_current_span("caller") as caller:
+                answer = await unary(stub.GetMembers, master_pb2.GetMembersRequest(), timeout_s=5)
+            assert answer.ring_version == 7
+            ctx = caller.get_span_context()
+            return ctx.trace_id, ctx.span_id
+        finally:
+            await channel.close()
+            await handle.stop(0)
+
+    before = count()
+    trace_id, caller_id = asyncio.run(scenario())
+    assert count() - before == 2  # both calls timed
+    served = [s for s in spans.get_finished_spans() if s.name == "kvpool.v1.Master/GetMembers"]
+    assert len(served) == 1  # the untraced call made no span
+    assert served[0].context.trace_id == trace_id
+    assert served[0].parent is not None
+    assert served[0].parent.span_id == caller_id
