@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
+from kvpool import tracing
 from kvpool.client.links import Links, NodeOffer, hello_call, read_hello
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
@@ -112,13 +113,15 @@ class DataPlane:
                     raise
                 offer = links.unreachable(address, offer, e)  # another namespace: TCP it is
                 break
-            conn.features = frozenset({"mget", "shm"})
+            conn.features = frozenset({"mget", "shm", *(["trace"] if offer.trace else [])})
             if first is not None:
                 first.close()
             return conn
         if first is None:
             first = await open_connection(address, timeout_s)
-        first.features = frozenset({"mget"}) if offer.mget else frozenset()
+        first.features = frozenset(
+            [*(["mget"] if offer.mget else []), *(["trace"] if offer.trace else [])]
+        )
         return first
 
     async def _ask(self, address: str, timeout_s: float) -> tuple[FrameConnection, NodeOffer]:
@@ -185,7 +188,7 @@ class DataPlane:
             return
         plan = NodeRead(address, items, mget="mget" in conn.features, arena=conn_arena(conn))
         try:
-            await conn.exchange(plan.calls, deadline - loop.time())
+            await conn.exchange(plan.calls, deadline - loop.time(), trace=tracing.frame_trace())
         except KVPoolError as e:
             plan.fail_all(e)
             if not isinstance(e, DeadlineExceededError):

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from opentelemetry.trace import SpanKind
+
 from kvpool import tracing
 from kvpool.checksum import block_checksum
 from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem, new_write_ids
@@ -38,6 +40,7 @@ from kvpool.client.commits import (
 from kvpool.client.links import Links
 from kvpool.client.masters import MasterClient, MasterRouting
 from kvpool.client.placement import MemberInfo, Placement
+from kvpool.client.spans import read_attributes
 from kvpool.client.stats import ClientStats
 from kvpool.client.values import (
     BytesLike,
@@ -263,7 +266,7 @@ class ClientCore:
         sink = as_sink(buffer)
         strict = self._strict(strict)
         limit = self._tier_limit(max_tier)
-        items = await self._read_or_fail([pair], into(sink), strict, limit)
+        items = await self._read_or_fail([pair], into(sink), strict, limit, "get_into")
         if items is None or not self.settle(items[0], pair[0], strict):
             return None
         item = items[0]
@@ -279,7 +282,9 @@ class ClientCore:
         limit = self._tier_limit(max_tier)
         if not pairs:
             return []
-        items = await self._read_or_fail(pairs, fresh_bytes, self._strict(strict), limit)
+        items = await self._read_or_fail(
+            pairs, fresh_bytes, self._strict(strict), limit, "batch_get"
+        )
         if items is None:
             return [None] * len(pairs)
         return [
@@ -302,7 +307,9 @@ class ClientCore:
         limit = self._tier_limit(max_tier)
         if not pairs:
             return []
-        items = await self._read_or_fail(pairs, into_each(sinks), self._strict(strict), limit)
+        items = await self._read_or_fail(
+            pairs, into_each(sinks), self._strict(strict), limit, "batch_get_into"
+        )
         if items is None:
             return [None] * len(pairs)
         return [
@@ -428,7 +435,28 @@ class ClientCore:
             return None
 
     async def _read_or_fail(
-        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, strict: bool, limit: int = 0
+        self,
+        pairs: list[tuple[str, bytes]],
+        sink_for: SinkFactory,
+        strict: bool,
+        limit: int = 0,
+        op: str = "get",
+    ) -> list[ReadItem | None] | None:
+        if not tracing.STATE.enabled:
+            return await self._read_or_fail_untraced(pairs, sink_for, strict, limit)
+        span, token = tracing.enter_span(
+            f"kvpool.{op}", kind=SpanKind.CLIENT, attributes={"kvpool.keys": len(pairs)}
+        )
+        try:
+            items = await self._read_or_fail_untraced(pairs, sink_for, strict, limit)
+            if span.is_recording():
+                span.set_attributes(read_attributes(items, "" if items else "unavailable"))
+            return items
+        finally:
+            tracing.exit_span(span, token)
+
+    async def _read_or_fail_untraced(
+        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, strict: bool, limit: int
     ) -> list[ReadItem | None] | None:
         try:
             return await self._within_deadline(

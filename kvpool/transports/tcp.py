@@ -182,17 +182,22 @@ class FrameConnection:
         finally:
             self._pending.pop(request_id, None)
 
-    async def exchange(self, calls: Sequence[Call], timeout_s: float) -> None:
+    async def exchange(
+        self, calls: Sequence[Call], timeout_s: float, *, trace: bytes = b""
+    ) -> None:
         """Send every call's frame, then wait for all their responses (as
         :meth:`BlockingConnection.exchange <kvpool.transports.blocking.BlockingConnection>`
         does in a thread): ``call.header``/``data``/``records`` are filled, a call whose
         response could not be taken gets ``call.error``. A failure of the whole connection
-        raises the typed error."""
+        raises the typed error. ``trace``: the caller's trace context, sent when the peer
+        offered ``trace``."""
         stream = self._stream
         if self._closed_error is not None or stream is None:
             raise TransportError(f"{self.address}: connection closed")
         if timeout_s <= 0:
             raise DeadlineExceededError(f"{self.address}: no time left")
+        if trace and "trace" not in self.features:
+            trace = b""
         loop = asyncio.get_running_loop()
         waits: list[tuple[Call, int, _Pending]] = []
         for call in calls:
@@ -204,7 +209,7 @@ class FrameConnection:
             )
             self._pending[request_id] = pending
             waits.append((call, request_id, pending))
-            stream.send(_call_header(call, request_id), call.key, call.payload)
+            stream.send(_call_header(call, request_id, trace), call.key, call.payload)
         try:
             async with asyncio.timeout(timeout_s):
                 for call, _, pending in waits:
@@ -342,8 +347,9 @@ class TcpConnection(FrameConnection):
         return conn
 
 
-def _call_header(call: Call, request_id: int) -> Header:
+def _call_header(call: Call, request_id: int, trace: bytes = b"") -> Header:
     return Header(
+        trace=trace,
         op=call.op,
         request_id=request_id,
         write_id=call.write_id,

@@ -47,6 +47,25 @@ CLIENT_SCRIPT = textwrap.dedent(
 )
 
 
+ASYNC_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from kvpool import AsyncClient
+
+    async def main():
+        kv = AsyncClient(sys.argv[1].split(","), timeout_s=5.0)
+        try:
+            assert await kv.put("obs/async", b"a" * 2048)
+            await kv.get("obs/warm-async")
+            assert await kv.get("obs/async") == b"a" * 2048
+        finally:
+            await kv.close()
+
+    asyncio.run(main())
+    """
+)
+
+
 @pytest.fixture(scope="module")
 def traced_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Path]]:
     """One master and one node exporting spans to a file, with /metrics on ephemeral ports."""
@@ -75,11 +94,11 @@ def _spans(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _run_client(cluster: LocalCluster, spans: Path) -> int:
+def _run_client(cluster: LocalCluster, spans: Path, script: str = CLIENT_SCRIPT) -> int:
     env = dict(os.environ)
     env[TRACE_FILE_ENV] = str(spans)
     proc = subprocess.run(
-        [sys.executable, "-c", CLIENT_SCRIPT, ",".join(cluster.master_addresses)],
+        [sys.executable, "-c", script, ",".join(cluster.master_addresses)],
         env=env,
         capture_output=True,
         text=True,
@@ -165,6 +184,31 @@ def test_one_get_is_one_trace_across_client_master_and_node(
         if s["name"] == "kvpool.get" and s["attributes"].get("kvpool.hit") is False
     ]
     assert any(s["attributes"].get("kvpool.miss_reason") == ["absent"] for s in misses)
+
+
+def test_the_async_client_traces_its_gets_too(traced_cluster: tuple[LocalCluster, Path]) -> None:
+    cluster, spans_file = traced_cluster
+    _run_client(cluster, spans_file, ASYNC_SCRIPT)
+    deadline = time.monotonic() + 10
+    while True:
+        spans = _spans(spans_file)
+        gets = [
+            s
+            for s in spans
+            if s["name"] == "kvpool.get" and s["attributes"].get("kvpool.bytes") == 2048
+        ]
+        in_trace = [s for s in spans if gets and s["trace_id"] == gets[-1]["trace_id"]]
+        names = {s["name"] for s in in_trace}
+        if {"kvpool.v1.Master/Lookup", "kvpool.node.get"} <= names:
+            break
+        assert time.monotonic() < deadline, f"no complete trace of an async get in {spans}"
+        time.sleep(0.2)
+    root = gets[-1]
+    lookup = next(s for s in in_trace if s["name"] == "kvpool.v1.Master/Lookup")
+    node_get = next(s for s in in_trace if s["name"] == "kvpool.node.get")
+    assert lookup["parent_id"] == root["span_id"]  # over gRPC: traceparent metadata
+    assert node_get["parent_id"] == root["span_id"]  # over the data plane: the frame header
+    assert node_get["attributes"]["kvpool.bytes"] == 2048
 
 
 def test_every_process_serves_metrics(traced_cluster: tuple[LocalCluster, Path]) -> None:
