@@ -286,6 +286,7 @@ def _cluster_up(args: argparse.Namespace) -> int:
         in_memory=args.in_memory,
         node_timeout_s=args.node_timeout_s,
         log_level=args.log_level,
+        metrics=True,
     )
     stop = threading.Event()
     if not args.detach:

@@ -105,6 +105,7 @@ class LocalCluster:
         advertise_master: AdvertiseHook | None = None,
         advertise_node_data: AdvertiseHook | None = None,
         on_spawn: Callable[[ProcessInfo], None] | None = None,
+        metrics: bool = False,
     ) -> None:
         if masters < 1:
             raise ClusterError("a cluster needs at least one master")
@@ -125,6 +126,10 @@ class LocalCluster:
         self.advertise_master = advertise_master
         self.advertise_node_data = advertise_node_data
         self.on_spawn = on_spawn
+        # /metrics on a free port per process when asked; off by default, so that the many
+        # clusters of a test run do not bind one more ephemeral port each (a port picked for a
+        # process not started yet could be taken by another's).
+        self.metrics = metrics
         self.secret = ""
         self.processes: dict[str, ProcessInfo] = {}
         self.started_pids: list[int] = []
@@ -268,6 +273,7 @@ class LocalCluster:
         if advertise:
             argv += ["--advertise-address", advertise]
         argv += ["--in-memory"] if self.in_memory else ["--data-dir", data_dir]
+        argv += [] if self.metrics else ["--metrics-port", "-1"]
         argv += self.extra_master_flags
         return ProcessInfo(
             name=name,
@@ -308,6 +314,7 @@ class LocalCluster:
         ]  # fmt: skip
         if advertise_data_address:
             argv += ["--advertise-data-address", advertise_data_address]
+        argv += [] if self.metrics else ["--metrics-port", "-1"]
         # ``{name}`` and ``{dir}`` in extra node flags become this node's name and the cluster
         # directory, so that e.g. every node gets its own SSD tier directory.
         argv += [

@@ -74,7 +74,9 @@ def traced_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[L
     saved = {k: os.environ.get(k) for k in (TRACE_FILE_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT")}
     os.environ[TRACE_FILE_ENV] = str(spans)
     os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-    cluster = LocalCluster(directory / "cluster", masters=1, nodes=1, cpu_cache_size="64MiB")
+    cluster = LocalCluster(
+        directory / "cluster", masters=1, nodes=1, cpu_cache_size="64MiB", metrics=True
+    )
     try:
         cluster.start()
         cluster.wait_for_leader()
