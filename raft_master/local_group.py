@@ -101,6 +101,7 @@ class LocalMasterGroup:
             "ready_file": str(m.ready_file),
             "log_format": "json",
             "log_level": "info",
+            "metrics_port": -1,  # no extra ephemeral port: it could take a peer's picked one
         }
         if self.in_memory:
             cfg["in_memory"] = True
