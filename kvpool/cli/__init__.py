@@ -279,7 +279,8 @@ def _cluster_up(args: argparse.Namespace) -> int:
         cluster.start()
         print(f"cluster directory: {directory}")
         print(f"masters: {','.join(cluster.master_addresses)}")
-        print(render_status(status_document(probe_masters(cluster.master_addresses))))
+        probes = probe_masters(cluster.master_addresses, security=cluster.security)
+        print(render_status(status_document(probes)))
         if args.detach:
             print(f"\ndetached; stop it with: kvpool cluster down --dir {directory}")
             return EXIT_OK
