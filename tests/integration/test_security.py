@@ -80,9 +80,7 @@ def test_a_missing_or_wrong_token_is_refused_clearly(secured: LocalCluster, toke
 
 def test_node_registration_needs_the_token(secured: LocalCluster) -> None:
     async def main() -> None:
-        masters = MasterClient(
-            secured.master_addresses, security=Security(token=WRONG.encode())
-        )
+        masters = MasterClient(secured.master_addresses, security=Security(token=WRONG.encode()))
         try:
             with pytest.raises(UnauthenticatedError, match="wrong cluster token"):
                 await masters.call(
