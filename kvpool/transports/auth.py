@@ -289,7 +289,12 @@ class Gate:
 
     async def _admit(self, sock: socket.socket) -> None:
         peer = _peer(sock)
-        reason = await admit(sock, self.token, self._timeout_s)
+        try:
+            reason = await admit(sock, self.token, self._timeout_s)
+        except asyncio.CancelledError:  # the server is closing
+            with contextlib.suppress(OSError):
+                sock.close()
+            raise
         if reason is not None:
             self.refused += 1
             if self._log is not None:
