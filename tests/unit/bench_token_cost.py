@@ -5,6 +5,7 @@
 Two in-process nodes, one with a token and one without, on loopback; interleaved rounds of (a)
 opening a connection and getting its first answer (the token adds the AUTH round trip) and (b)
 4 KiB GETs over one open connection (nothing is checked per frame). Medians of 7 rounds.
+With ``cluster``: the public Client against real processes instead.
 """
 
 from __future__ import annotations
@@ -68,5 +69,52 @@ async def main() -> None:
         print(f"{name}: token {t:.1f}, no token {n:.1f}, ratio {t / n:.3f}")
 
 
+def cluster_bench(rounds: int = 5, gets_per_round: int = 1000) -> None:
+    """The same through the public Client against real processes (1 master + 1 node each, one
+    cluster with a token, one without): gets per second, interleaved rounds."""
+    import tempfile
+
+    from kvpool import Client
+    from kvpool.launcher.cluster import LocalCluster
+
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        clusters = {
+            token: LocalCluster(
+                f"{tmp}/{token}", masters=1, nodes=1, cpu_cache_size="64MiB", cluster_token=token
+            )
+            for token in (True, False)
+        }
+        try:
+            for cluster in clusters.values():
+                cluster.start()
+            clients = {
+                token: Client(
+                    c.client_master_addresses, cluster_token_file=c.token_file, transport="tcp"
+                )
+                for token, c in clusters.items()
+            }
+            for kv in clients.values():
+                assert kv.put("bench/k", b"x" * 4096)
+            for _ in range(rounds):
+                for token, kv in clients.items():
+                    t0 = time.perf_counter()
+                    for _ in range(gets_per_round):
+                        assert kv.get("bench/k") is not None
+                    rates[token].append(gets_per_round / (time.perf_counter() - t0))
+            for kv in clients.values():
+                kv.close()
+        finally:
+            for cluster in clusters.values():
+                cluster.stop()
+    t, n = statistics.median(rates[True]), statistics.median(rates[False])
+    print(f"Client.get 4 KiB per s (tcp): token {t:.0f}, no token {n:.0f}, ratio {t / n:.3f}")
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    import sys
+
+    if "cluster" in sys.argv[1:]:
+        cluster_bench()
+    else:
+        asyncio.run(main())
