@@ -41,7 +41,7 @@ from kvpool.proto.wire import (
 from kvpool.security import MAX_TOKEN_BYTES, tokens_equal
 
 REFUSED_MISSING = (
-    "this kvpool node requires the cluster token on every data-plane connection; configure "
+    "this kvpool node or master requires the cluster token on every connection; configure "
     "cluster_token_file (or KVPOOL_CLUSTER_TOKEN) on the client"
 )
 REFUSED_WRONG = "wrong cluster token: the client's cluster_token differs from this cluster's"

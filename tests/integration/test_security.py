@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,10 @@ from kvpool.client.masters import MasterClient
 from kvpool.errors import UnauthenticatedError
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto.v1 import master_pb2
-from kvpool.security import Security
+from kvpool.proto.wire import Op
+from kvpool.security import Security, read_token
+from kvpool.transports import open_blocking
+from kvpool.transports.calls import Call
 
 pytestmark = pytest.mark.integration
 
@@ -108,3 +112,34 @@ def test_a_non_loopback_bind_without_a_token_refuses_to_start(tmp_path: Path) ->
     assert result.returncode == 2
     assert "data_listen: 0.0.0.0:0 is not a loopback address" in result.stderr
     assert "cluster_token_file" in result.stderr
+
+
+def test_the_masters_frame_rpc_port_needs_the_token(secured: LocalCluster) -> None:
+    async def main() -> str:
+        token = read_token("", secured.token_file)
+        masters = MasterClient(secured.master_addresses, security=Security(token=token))
+        try:
+            members = await masters.call(
+                "GetMembers",
+                master_pb2.GetMembersRequest(),
+                deadline=asyncio.get_running_loop().time() + 5,
+            )
+        finally:
+            await masters.close()
+        return str(members.rpc_address)
+
+    rpc = asyncio.run(main())
+    assert rpc, "the master offers no frame RPC port"
+    address = f"tcp://{rpc}"
+    token = read_token("", secured.token_file)
+    conn = open_blocking(address, 5.0, token)  # the right token: admitted
+    conn.close()
+    with pytest.raises(UnauthenticatedError, match="wrong cluster token"):
+        open_blocking(address, 5.0, WRONG.encode())
+    conn = open_blocking(address, 5.0)  # no token: the first frame is refused
+    try:
+        call = Call(Op.PING, b"")
+        with pytest.raises(UnauthenticatedError, match="requires the cluster token"):
+            conn.exchange([call], time.monotonic() + 5)
+    finally:
+        conn.close()
