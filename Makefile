@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-fast test-slow lint typecheck importcheck proto proto-check fmt clean help
+.PHONY: demo test test-fast test-slow lint typecheck importcheck proto proto-check deploy-check fmt clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -28,7 +28,7 @@ test: $(STAMP) lint  ## linters, protobuf staleness check, then the test suite (
 test-slow: $(STAMP)  ## the long runs only (every chaos scenario for a minute: the pre-release check)
 	$(PY) -m pytest -m slow -q
 
-lint: $(STAMP) proto-check importcheck typecheck  ## ruff, mypy, import layers, proto staleness
+lint: $(STAMP) proto-check importcheck typecheck deploy-check  ## ruff, mypy, import layers, proto staleness, deploy/ manifests
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
@@ -43,6 +43,9 @@ importcheck: $(STAMP)
 
 proto: $(STAMP)  ## regenerate proto/v1/*_pb2*.py from the .proto files
 	$(PY) proto/generate.py
+
+deploy-check: $(STAMP)  ## kustomize build + schema validation + yamllint of deploy/ (offline)
+	$(PY) .ci/validate_deploy.py
 
 proto-check: $(STAMP)  ## fail when the generated protobuf code is stale
 	$(PY) proto/generate.py --check

@@ -26,6 +26,7 @@ from kvpool.client.masters import MasterClient
 from kvpool.errors import KVPoolError
 from kvpool.launcher.probe import MasterProbe, leader_of, probe_masters_async, probe_nodes_async
 from kvpool.proto.v1 import master_pb2
+from kvpool.security import env_security
 
 LOOKUP_BATCH = 256
 """Keys per Lookup of the final pass."""
@@ -297,7 +298,7 @@ async def _node_table(
 async def _lookup_all(
     masters: Sequence[str], leader: str | None, keys: Sequence[str], rpc_timeout_s: float
 ) -> tuple[dict[str, IndexEntry | None], list[str]]:
-    client = MasterClient(masters, attempt_timeout_s=rpc_timeout_s)
+    client = MasterClient(masters, attempt_timeout_s=rpc_timeout_s, security=env_security())
     client.leader = leader
     entries: dict[str, IndexEntry | None] = {}
     unresolved: list[str] = []

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import os
 import signal
 import sys
 import time
@@ -133,6 +134,7 @@ class ChaosHarness:
         self.setup_s = 0.0
         self._started = False
         self._closed = False
+        self._saved_env: dict[str, str | None] = {}
         self.log = get_logger("kvpool.chaos.harness").bind(run_id=self.run_id)
 
     # --- set-up ------------------------------------------------------------------------------
@@ -167,6 +169,12 @@ class ChaosHarness:
                 **self._cluster_kwargs,
             )
             self._cluster.start(self.start_timeout_s)
+            # A cluster in network namespaces has a cluster token (it listens beyond
+            # loopback): clients of this process and of its workload children find it in the
+            # environment, as kvpool clients do; restored on close.
+            for key, value in self._cluster.client_env.items():
+                self._saved_env.setdefault(key, os.environ.get(key))
+                os.environ[key] = value
         except BaseException:
             with contextlib.suppress(KVPoolError):
                 self.close()
@@ -331,6 +339,11 @@ class ChaosHarness:
         if self._closed:
             return
         self._closed = True
+        for key, saved in self._saved_env.items():
+            if saved is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = saved
         began = time.monotonic()
         problems: list[str] = []
         # Heal first: processes that can reach each other shut down gracefully and fast.

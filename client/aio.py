@@ -38,6 +38,12 @@ class AsyncClient:
         transport: str = "auto",
         lookup_cache_size: int = 65536,
         lookup_cache_ttl_s: float = 30.0,
+        cluster_token: str = "",
+        cluster_token_file: str = "",
+        tls_ca_file: str = "",
+        tls_cert_file: str = "",
+        tls_key_file: str = "",
+        tls_server_name: str = "",
     ) -> None:
         config = make_config(
             masters,
@@ -48,6 +54,12 @@ class AsyncClient:
             transport=transport,
             lookup_cache_size=lookup_cache_size,
             lookup_cache_ttl_s=lookup_cache_ttl_s,
+            cluster_token=cluster_token,
+            cluster_token_file=cluster_token_file,
+            tls_ca_file=tls_ca_file,
+            tls_cert_file=tls_cert_file,
+            tls_key_file=tls_key_file,
+            tls_server_name=tls_server_name,
         )
         self._core = ClientCore(config, strict=strict)
 

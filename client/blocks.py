@@ -70,8 +70,10 @@ class DataPlane:
         links: Links | None = None,
         pool_size: int = 2,
         connect_timeout_s: float = 1.0,
+        token: bytes = b"",
     ) -> None:
         self._links = links or Links("auto")
+        self._token = token
         self._pool = pool or ConnectionPool(
             size=pool_size, connect_timeout_s=connect_timeout_s, opener=self._open
         )
@@ -87,7 +89,7 @@ class DataPlane:
         transport setting allows, else the address's own transport."""
         links = self._links
         if not address.startswith(("tcp://", "inproc://")):
-            return await open_connection(address, timeout_s)
+            return await open_connection(address, timeout_s, self._token)
         offer = links.offer(address)
         first: FrameConnection | None = None
         if offer is None:
@@ -102,7 +104,7 @@ class DataPlane:
             if not shm:
                 break
             try:
-                conn = await open_connection(shm, timeout_s)
+                conn = await open_connection(shm, timeout_s, self._token)
             except KVPoolError as e:
                 if first is None:  # a remembered offer: the node may have restarted; ask again
                     links.forget(address)
@@ -118,7 +120,7 @@ class DataPlane:
                 first.close()
             return conn
         if first is None:
-            first = await open_connection(address, timeout_s)
+            first = await open_connection(address, timeout_s, self._token)
         first.features = frozenset(
             [*(["mget"] if offer.mget else []), *(["trace"] if offer.trace else [])]
         )
@@ -126,7 +128,7 @@ class DataPlane:
 
     async def _ask(self, address: str, timeout_s: float) -> tuple[FrameConnection, NodeOffer]:
         """A first connection to ``address`` and what the node offers on it (remembered)."""
-        conn = await open_connection(address, timeout_s)
+        conn = await open_connection(address, timeout_s, self._token)
         offer = await _hello(conn, timeout_s)
         self._links.learn(address, offer)
         return conn, offer

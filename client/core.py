@@ -141,9 +141,13 @@ class ClientCore:
         tracing.setup_client_tracing()
         attempt_s = min(1.0, config.timeout_s)
         self.attempt_timeout_s = attempt_s
+        self.security = config.security()
         self.routing = masters.routing if masters is not None else MasterRouting(config.masters)
         self._masters = masters or MasterClient(
-            config.masters, attempt_timeout_s=attempt_s, routing=self.routing
+            config.masters,
+            attempt_timeout_s=attempt_s,
+            routing=self.routing,
+            security=self.security,
         )
         self.links = Links(config.transport)
         self._placement = Placement()
@@ -153,6 +157,7 @@ class ClientCore:
             links=self.links,
             pool_size=config.connections_per_node,
             connect_timeout_s=attempt_s,
+            token=self.security.token,
         )
         self.cache = LookupCache(config.lookup_cache_size, config.lookup_cache_ttl_s)
         self.floor = RevisionFloor()

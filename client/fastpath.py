@@ -84,6 +84,7 @@ class BlockingDataPlane:
         connect_timeout_s: float,
     ) -> None:
         self._links = core.links
+        self._token = core.security.token
         self._on_node_failed = on_node_failed
         self._connect_timeout_s = connect_timeout_s
         self._local = threading.local()
@@ -139,7 +140,7 @@ class BlockingDataPlane:
         transport setting allows, else the address's own transport."""
         links = self._links
         if not address.startswith(("tcp://", "inproc://")):
-            return open_blocking(address, timeout_s)
+            return open_blocking(address, timeout_s, self._token)
         offer = links.offer(address)
         first: BlockingConnection | None = None
         if offer is None:
@@ -154,7 +155,7 @@ class BlockingDataPlane:
             if not shm:
                 break
             try:
-                conn = open_blocking(shm, timeout_s)
+                conn = open_blocking(shm, timeout_s, self._token)
             except KVPoolError as e:
                 if first is None:  # a remembered offer: the node may have restarted; ask again
                     links.forget(address)
@@ -170,7 +171,7 @@ class BlockingDataPlane:
                 first.close()
             return conn
         if first is None:
-            first = open_blocking(address, timeout_s)
+            first = open_blocking(address, timeout_s, self._token)
         first.features = frozenset(
             [*(["mget"] if offer.mget else []), *(["trace"] if offer.trace else [])]
         )
@@ -178,7 +179,7 @@ class BlockingDataPlane:
 
     def _ask(self, address: str, timeout_s: float) -> tuple[BlockingConnection, NodeOffer]:
         """A first connection to ``address`` and what the node offers on it (remembered)."""
-        conn = open_blocking(address, timeout_s)
+        conn = open_blocking(address, timeout_s, self._token)
         offer = _hello(conn, timeout_s)
         self._links.learn(address, offer)
         return conn, offer
@@ -392,7 +393,9 @@ class SyncPath:
     def __init__(self, core: ClientCore) -> None:
         self.core = core
         self.config = core.config
-        self._masters = SyncMasterClient(core.routing, attempt_timeout_s=core.attempt_timeout_s)
+        self._masters = SyncMasterClient(
+            core.routing, attempt_timeout_s=core.attempt_timeout_s, security=core.security
+        )
         self._data = BlockingDataPlane(
             core, self._node_failed, connect_timeout_s=core.attempt_timeout_s
         )

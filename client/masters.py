@@ -29,12 +29,15 @@ from kvpool.errors import (
     KVPoolError,
     NotCaughtUpError,
     NotLeaderError,
+    UnauthenticatedError,
     UnavailableError,
     error_from_code,
 )
-from kvpool.grpcutil import create_channel, create_sync_channel, unary, unary_sync
+from kvpool.grpcutil import call_metadata, create_channel, create_sync_channel, unary, unary_sync
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.proto.wire import Op, Status
+from kvpool.security import NO_SECURITY, Security
+from kvpool.transports.auth import authenticate_blocking
 from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
 from kvpool.transports.calls import Call
 
@@ -121,9 +124,12 @@ class MasterClient:
         *,
         attempt_timeout_s: float = 1.0,
         routing: MasterRouting | None = None,
+        security: Security = NO_SECURITY,
     ) -> None:
         self.routing = routing or MasterRouting(addresses)
         self._attempt_timeout_s = attempt_timeout_s
+        self.security = security
+        self._metadata = call_metadata(security)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, master_pb2_grpc.MasterStub] = {}
 
@@ -142,7 +148,7 @@ class MasterClient:
     def stub(self, address: str) -> master_pb2_grpc.MasterStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = create_channel(address)
+            channel = create_channel(address, self.security)
             self._channels[address] = channel
             stub = master_pb2_grpc.MasterStub(channel)
             self._stubs[address] = stub
@@ -175,6 +181,7 @@ class MasterClient:
                         request,
                         timeout_s=min(remaining, self._attempt_timeout_s),
                         address=address,
+                        metadata=self._metadata,
                     )
                 except NotLeaderError as e:
                     last = e
@@ -219,9 +226,17 @@ class SyncMasterClient:
     per-call cost; everything else, and every master without such a port, over sync gRPC. A
     master's port is learned by one gRPC GetMembers before the first such call to it."""
 
-    def __init__(self, routing: MasterRouting, *, attempt_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        routing: MasterRouting,
+        *,
+        attempt_timeout_s: float = 1.0,
+        security: Security = NO_SECURITY,
+    ) -> None:
         self.routing = routing
         self._attempt_timeout_s = attempt_timeout_s
+        self.security = security
+        self._metadata = call_metadata(security)
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, master_pb2_grpc.MasterStub] = {}
         self._lock = threading.Lock()
@@ -241,6 +256,7 @@ class SyncMasterClient:
                     master_pb2.GetMembersRequest(),
                     timeout_s=timeout_s,
                     address=address,
+                    metadata=self._metadata,
                 )
                 rpc = str(members.rpc_address)
                 routing.learn_rpc(address, rpc)
@@ -250,7 +266,11 @@ class SyncMasterClient:
             if rpc:
                 return self._rpc_call(address, rpc, method, request, timeout_s)
         return unary_sync(
-            getattr(self.stub(address), method), request, timeout_s=timeout_s, address=address
+            getattr(self.stub(address), method),
+            request,
+            timeout_s=timeout_s,
+            address=address,
+            metadata=self._metadata,
         )
 
     def _rpc_call(self, address: str, rpc: str, method: str, request: Any, timeout_s: float) -> Any:
@@ -266,6 +286,14 @@ class SyncMasterClient:
                     host.strip("[]"), int(port), address=rpc, timeout_s=timeout_s
                 )
             except KVPoolError as e:
+                raise UnavailableError(f"{address}: its RPC port {rpc}: {e.message}") from None
+            try:
+                authenticate_blocking(sock, self.security.token, f"tcp://{rpc}", timeout_s)
+            except UnauthenticatedError:
+                sock.close()
+                raise
+            except KVPoolError as e:
+                sock.close()
                 raise UnavailableError(f"{address}: its RPC port {rpc}: {e.message}") from None
             conn = BlockingConnection(sock, f"tcp://{rpc}", timeout_s=timeout_s)
             if tracing.STATE.enabled:
@@ -289,6 +317,8 @@ class SyncMasterClient:
             with self._lock:
                 self._rpc_conns.discard(conn)
             conn.close()
+            if isinstance(e, UnauthenticatedError):
+                raise
             if isinstance(e, DeadlineExceededError):
                 raise DeadlineExceededError(f"{address}: {method} timed out") from None
             raise UnavailableError(f"{address}: {method} over its RPC port: {e.message}") from None
@@ -302,7 +332,7 @@ class SyncMasterClient:
                     raise UnavailableError("this kvpool client is closed")
                 stub = self._stubs.get(address)
                 if stub is None:
-                    channel = create_sync_channel(address)
+                    channel = create_sync_channel(address, self.security)
                     self._channels[address] = channel
                     stub = master_pb2_grpc.MasterStub(channel)
                     self._stubs[address] = stub

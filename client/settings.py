@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 
 from kvpool.config import ClientConfig
 from kvpool.errors import ConfigError
@@ -20,11 +21,35 @@ def make_config(
     lookup_cache_ttl_s: float = 30.0,
     metrics_port: int = -1,
     metrics_host: str = "127.0.0.1",
+    cluster_token: str = "",
+    cluster_token_file: str = "",
+    tls_ca_file: str = "",
+    tls_cert_file: str = "",
+    tls_key_file: str = "",
+    tls_server_name: str = "",
+    env: Mapping[str, str] | None = None,
 ) -> ClientConfig:
     """A validated ClientConfig from constructor arguments; ConfigError names every problem.
 
-    ``masters`` is a list of ``host:port`` or one comma-separated string.
+    ``masters`` is a list of ``host:port`` or one comma-separated string. The security
+    settings left empty come from ``env`` (default: the process environment), as for every
+    kvpool process: ``KVPOOL_CLUSTER_TOKEN``, ``KVPOOL_CLUSTER_TOKEN_FILE``, ``KVPOOL_TLS_*``.
     """
+    env = os.environ if env is None else env
+    security = {
+        "cluster_token": cluster_token,
+        "cluster_token_file": cluster_token_file,
+        "tls_ca_file": tls_ca_file,
+        "tls_cert_file": tls_cert_file,
+        "tls_key_file": tls_key_file,
+        "tls_server_name": tls_server_name,
+    }
+    if not (cluster_token or cluster_token_file):
+        security["cluster_token"] = env.get("KVPOOL_CLUSTER_TOKEN", "")
+        security["cluster_token_file"] = env.get("KVPOOL_CLUSTER_TOKEN_FILE", "")
+    for setting in ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name"):
+        security[setting] = security[setting] or env.get("KVPOOL_" + setting.upper(), "")
+
     errors: list[str] = []
     addresses: tuple[str, ...] = ()
     if isinstance(masters, str):
@@ -60,6 +85,7 @@ def make_config(
             lookup_cache_ttl_s=float(lookup_cache_ttl_s),
             metrics_port=metrics_port,
             metrics_host=metrics_host,
+            **security,
         )
         errors = config.validate()
         if not errors:

@@ -96,13 +96,23 @@ class Client:
         lookup_cache_size: int = 65536,
         lookup_cache_ttl_s: float = 30.0,
         metrics_port: int = -1,
+        cluster_token: str = "",
+        cluster_token_file: str = "",
+        tls_ca_file: str = "",
+        tls_cert_file: str = "",
+        tls_key_file: str = "",
+        tls_server_name: str = "",
     ) -> None:
         """``transport``: ``auto`` (a node on this host through its shared memory, others
         over TCP), ``tcp`` or ``shm`` (shared memory only; a node it cannot reach that way
         is a failure) — to measure both on one host. ``lookup_cache_size``: index entries
-        kept so that a repeated get skips the master (0: none). ``metrics_port``: serve this
-        client's Prometheus /metrics on 127.0.0.1 (0: any free port, see
-        :attr:`metrics_address`; -1: off)."""
+        kept so that a repeated get skips the master (0: none). ``cluster_token`` (or
+        ``cluster_token_file``): the cluster's token, when it has one; ``tls_ca_file``: dial the
+        masters over TLS checked against this CA (``tls_cert_file``/``tls_key_file``: a client
+        certificate). Unset, these default to the ``KVPOOL_CLUSTER_TOKEN``,
+        ``KVPOOL_CLUSTER_TOKEN_FILE`` and ``KVPOOL_TLS_*`` environment variables.
+        ``metrics_port``: serve this client's Prometheus /metrics on 127.0.0.1 (0: any free
+        port, see :attr:`metrics_address`; -1: off)."""
         config = make_config(
             masters,
             timeout_s=timeout_s,
@@ -113,6 +123,12 @@ class Client:
             lookup_cache_size=lookup_cache_size,
             lookup_cache_ttl_s=lookup_cache_ttl_s,
             metrics_port=metrics_port,
+            cluster_token=cluster_token,
+            cluster_token_file=cluster_token_file,
+            tls_ca_file=tls_ca_file,
+            tls_cert_file=tls_cert_file,
+            tls_key_file=tls_key_file,
+            tls_server_name=tls_server_name,
         )
         self._core = ClientCore(config, strict=strict)
         self._path = SyncPath(self._core)

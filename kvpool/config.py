@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from kvpool.errors import ConfigError
+from kvpool.security import Security, TlsFiles, bind_problems, read_token
+from kvpool.security import is_loopback_host as is_loopback_host  # noqa: PLC0414 - re-exported
 from kvpool.units import parse_duration, parse_size
 
 ENV_PREFIX = "KVPOOL_"
@@ -52,10 +54,6 @@ def split_hostport(address: str) -> tuple[str, int]:
     return m.group("host").strip("[]"), port
 
 
-def is_loopback_host(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 def physical_memory_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
@@ -70,7 +68,77 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
-class MasterConfig(LogConfig):
+class SecurityConfig:
+    """The cluster token and TLS files (see :mod:`kvpool.security`)."""
+
+    cluster_token: str = opt(
+        "",
+        "shared secret of the cluster, required on every connection when set (env or TOML "
+        "only: a flag would show in `ps`); without one, services listen on loopback only",
+        "secret",
+        flag=False,
+    )
+    cluster_token_file: str = opt("", "file whose first line is the cluster token")
+    tls_cert_file: str = opt(
+        "", "PEM certificate: served by the gRPC servers, presented as a client certificate"
+    )
+    tls_key_file: str = opt("", "PEM private key of tls_cert_file")
+    tls_ca_file: str = opt(
+        "",
+        "PEM CA bundle: masters are dialled over TLS checked against it (client certificates "
+        "too, with tls_client_auth)",
+    )
+    tls_server_name: str = opt(
+        "", "name expected in the masters' certificates (default: the host dialled)"
+    )
+
+    def security(self) -> Security:
+        """The token read (from its file) and the TLS files; ConfigError when unreadable."""
+        return Security(
+            token=read_token(self.cluster_token, self.cluster_token_file),
+            tls=TlsFiles(
+                cert_file=self.tls_cert_file,
+                key_file=self.tls_key_file,
+                ca_file=self.tls_ca_file,
+                client_auth=bool(getattr(self, "tls_client_auth", False)),
+                server_name=self.tls_server_name,
+            ),
+        )
+
+    def _security_problems(self, binds: tuple[str, ...] = ()) -> list[str]:
+        errors: list[str] = []
+        try:
+            token = read_token(self.cluster_token, self.cluster_token_file)
+        except ConfigError as e:
+            errors.append(e.message)
+            token = b"?"  # reported already; do not add the bind refusal on top
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            errors.append("tls_cert_file/tls_key_file: set both or neither")
+        for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                errors.append(f"{name}: cannot read {path}")
+        if getattr(self, "tls_client_auth", False) and not (
+            self.tls_ca_file and self.tls_cert_file
+        ):
+            errors.append(
+                "tls_client_auth: needs tls_cert_file, tls_key_file and tls_ca_file (the CA "
+                "that signed the client certificates)"
+            )
+        addresses = {name: str(getattr(self, name)) for name in binds}
+        errors += bind_problems(addresses, token_set=bool(token))
+        return errors
+
+
+@dataclass(frozen=True)
+class ServerSecurityConfig(SecurityConfig):
+    tls_client_auth: bool = opt(
+        False, "require client certificates signed by tls_ca_file on the gRPC servers (mTLS)"
+    )
+
+
+@dataclass(frozen=True)
+class MasterConfig(ServerSecurityConfig, LogConfig):
     """A `kvpool master`: one member of the Raft group holding the block index."""
 
     listen: str = opt("127.0.0.1:7300", "gRPC address (host:port) clients and nodes call")
@@ -138,6 +206,10 @@ class MasterConfig(LogConfig):
         errors = _validate_addresses(self, ("listen", "raft_listen"))
         if self.rpc_listen not in ("auto", "off"):
             errors += _validate_addresses(self, ("rpc_listen",))
+        # raft_listen is not refused: Raft traffic is authenticated by raft_secret already.
+        errors += self._security_problems(
+            ("listen",) if self.rpc_listen in ("auto", "off") else ("listen", "rpc_listen")
+        )
         for peer in self.raft_peers:
             try:
                 split_hostport(peer)
@@ -197,7 +269,7 @@ class MasterConfig(LogConfig):
 
 
 @dataclass(frozen=True)
-class NodeConfig(LogConfig):
+class NodeConfig(ServerSecurityConfig, LogConfig):
     """A `kvpool node`: one store node holding block bytes."""
 
     node_id: str = opt("", "stable name of this node (default: the host name)")
@@ -290,6 +362,7 @@ class NodeConfig(LogConfig):
     def validate(self) -> list[str]:
         errors = _validate_addresses(self, ("listen", "data_listen"))
         errors += _validate_masters(self.masters)
+        errors += self._security_problems(("listen", "data_listen"))
         if self.advertise_data_address:
             scheme, _, rest = self.advertise_data_address.partition("://")
             try:
@@ -358,7 +431,7 @@ class NodeConfig(LogConfig):
 
 
 @dataclass(frozen=True)
-class ClientConfig:
+class ClientConfig(SecurityConfig):
     """A client embedded in an engine."""
 
     masters: tuple[str, ...] = opt(("127.0.0.1:7300",), "gRPC addresses of the masters")
@@ -389,6 +462,7 @@ class ClientConfig:
         errors = _validate_masters(self.masters)
         if not -1 <= self.metrics_port <= 65535:
             errors.append("metrics_port: must be -1 (off), 0 (any free port) or a port number")
+        errors += self._security_problems()
         if self.transport not in ("auto", "tcp", "shm"):
             errors.append(f"transport: expected auto, tcp or shm, got {self.transport!r}")
         if self.lookup_cache_size < 0:

@@ -121,6 +121,14 @@ class UnavailableError(KVPoolError):
     grpc_status = grpc.StatusCode.UNAVAILABLE
 
 
+class UnauthenticatedError(KVPoolError):
+    """The caller did not prove it belongs to this cluster (a missing or wrong cluster token,
+    or no client certificate where the server requires one)."""
+
+    code = "UNAUTHENTICATED"
+    grpc_status = grpc.StatusCode.UNAUTHENTICATED
+
+
 class DeadlineExceededError(KVPoolError, TimeoutError):
     """The call's deadline passed before it completed."""
 
@@ -223,6 +231,7 @@ _STATUS_FALLBACK: dict[grpc.StatusCode, type[KVPoolError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: NoSpaceError,
     grpc.StatusCode.CANCELLED: UnavailableError,
     grpc.StatusCode.UNIMPLEMENTED: ProtocolVersionError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
 }
 
 

@@ -45,6 +45,11 @@ method's name, the payload the serialized protobuf request, ``version`` the call
 in microseconds; the answer's payload is the serialized response, or with status RPC_ERROR the
 typed error (:mod:`kvpool.errors` code, message, leader) as JSON.
 
+``AUTH`` proves a connection belongs to the cluster: where a peer is configured with a cluster
+token, the first frame of every connection must be ``AUTH`` with the token as its payload; the
+peer answers OK, or UNAUTHORIZED (with a message) and closes. A peer without a token answers OK.
+On a shared-memory socket the client sends ``AUTH`` before the arena is handed over.
+
 A response carries the request's op and request id. An error response (status other than OK and
 MISS) carries a UTF-8 message as its payload. ``flags`` of a GET request is the slowest
 :class:`TierLevel` the caller accepts (0: any); ``flags`` of a GET hit names the tier that served
@@ -91,6 +96,7 @@ class Op(enum.IntEnum):
     SHM_RESERVE = 10  # reserve arena extents for puts (table of write id, size, checksum, key)
     SHM_COMMIT = 11  # the reserved extents are written: verify and stage them (reservation ids)
     RPC = 12  # a master call: key = method name, payload = protobuf request, version = budget us
+    AUTH = 13  # first frame of a connection to a peer with a cluster token: payload = the token
 
 
 class Status(enum.IntEnum):
@@ -102,7 +108,7 @@ class Status(enum.IntEnum):
     VERSION_MISMATCH = 5  # peer speaks another protocol version; payload says both
     TOO_LARGE = 6  # payload above the node's block size limit
     INTERNAL = 7  # unexpected server error; payload says what
-    UNAUTHORIZED = 8  # reserved for data-plane tokens
+    UNAUTHORIZED = 8  # AUTH: a missing or wrong cluster token; the connection is then closed
     DEFERRED = 9  # MGET/SHM_GET record only: not in memory here, read it with a single GET
     RPC_ERROR = 10  # RPC: the call raised; payload = JSON {"code", "message", "leader"}
 

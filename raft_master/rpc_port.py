@@ -32,6 +32,7 @@ from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.v1 import master_pb2
 from kvpool.proto.wire import FrameError, Header, Op, Status, version_mismatch_message
 from kvpool.raft_master.service import MasterService
+from kvpool.transports.auth import Gate
 from kvpool.transports.stream import FrameStream, StreamServer, listen_tcp, tune_socket
 
 MAX_REQUEST_BYTES = 64 << 20
@@ -101,8 +102,8 @@ class RpcConnection:
         stream = self.stream
         if stream is None:
             return
-        if header.op == Op.PING:
-            stream.send(Header(op=Op.PING, request_id=header.request_id))
+        if header.op in (Op.PING, Op.AUTH):  # AUTH: no token here, or proved already (Gate)
+            stream.send(Header(op=header.op, request_id=header.request_id))
             return
         if header.op == Op.HELLO:
             stream.send(
@@ -217,16 +218,17 @@ class RpcConnection:
 class RpcPort:
     """The listening side; :meth:`start` binds, :meth:`close` stops and cuts every caller."""
 
-    def __init__(self, service: MasterService, log: Any = None) -> None:
+    def __init__(self, service: MasterService, log: Any = None, token: bytes = b"") -> None:
         self.service = service
         self.log = log if log is not None else get_logger("kvpool.raft_master.rpc")
+        self.gate = Gate(token, self._adopt, log=self.log)
         self.connections: set[RpcConnection] = set()
         self._server: StreamServer | None = None
         self.port = 0
 
     def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: any free port); OSError when it cannot."""
-        self._server = StreamServer(listen_tcp(host, port), self._adopt)
+        self._server = StreamServer(listen_tcp(host, port), self.gate)
         self.port = self._server.port
         return self.port
 
@@ -234,6 +236,7 @@ class RpcPort:
         RpcConnection(self).attach(sock)
 
     def close(self) -> None:
+        self.gate.close()
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -131,6 +131,7 @@ class MasterProcess:
     def __init__(self, cfg: MasterConfig) -> None:
         self.cfg = cfg
         self.log = get_logger("kvpool.raft_master")
+        self.security = cfg.security()
         self.replicator = Replicator(cfg)
         self.detector = FailureDetector(cfg.node_timeout_s)
         self.service = MasterService(
@@ -175,6 +176,7 @@ class MasterProcess:
                             "kvpool.v1.Master",
                         )
                     ],
+                    security=self.security,
                 )
             except (KVPoolError, RuntimeError) as e:
                 raise StartupError(f"cannot bind the gRPC address {cfg.listen}: {e}") from None
@@ -236,10 +238,12 @@ class MasterProcess:
         if cfg.rpc_listen == "auto":
             if cfg.advertise_address:
                 return
+            if self.security.tls.serves_tls:
+                return  # with TLS, index traffic stays on the encrypted gRPC port unless asked
             host, port = split_hostport(cfg.listen)[0], 0
         else:
             host, port = split_hostport(cfg.rpc_listen)
-        self._rpc = RpcPort(self.service, self.log)
+        self._rpc = RpcPort(self.service, self.log, token=self.security.token)
         try:
             bound = self._rpc.start(host, port)
         except OSError as e:

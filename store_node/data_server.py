@@ -77,6 +77,7 @@ from kvpool.store_node.node_metrics import (
 )
 from kvpool.store_node.tier_worker import TierWorker, WorkerStoppedError
 from kvpool.transports import host_id
+from kvpool.transports.auth import Gate
 from kvpool.transports.inproc import register_inproc, unregister_inproc
 from kvpool.transports.stream import Buffer, FrameStream, StreamServer, listen_tcp, tune_socket
 
@@ -171,6 +172,8 @@ class DataConnection:
             if header.payload_len <= MAX_TABLE_BYTES:
                 return memoryview(bytearray(header.payload_len))
             self._refusal = (Status.TOO_LARGE, f"a table of {header.payload_len} bytes")
+        elif op == Op.AUTH:
+            pass  # the token is checked before a connection gets here (auth.Gate); dropped
         elif header.payload_len:
             self._refusal = (Status.BAD_REQUEST, f"op {op} takes no payload")
         if self._refusal is not None and header.payload_len > MAX_DISCARD_BYTES:
@@ -255,7 +258,7 @@ class DataConnection:
         if self._refusal is not None:
             self._answer(header, *self._refusal)
             return
-        if op == Op.PING:
+        if op in (Op.PING, Op.AUTH):  # AUTH: no token here, or proved when the connection opened
             self._answer(header, Status.OK)
             return
         if op == Op.HELLO:
@@ -518,6 +521,7 @@ class DataServer:
         clock: Callable[[], float] = time.monotonic,
         shm: bool = False,
         inproc_name: str = "",
+        token: bytes = b"",
     ) -> None:
         self.store = store
         self.worker = worker
@@ -536,11 +540,13 @@ class DataServer:
         self.shm_address = ""
         """``shm://<name>`` once same-host clients can connect ("" when not offered)."""
         self.inproc_address = ""
+        self.gate = Gate(token, self._adopt, log=self.log)
+        """Every accepted connection passes here: the cluster token, when there is one."""
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 = any free port); returns the bound port. OSError when
         the address cannot be bound."""
-        self._server = StreamServer(listen_tcp(host, port), self._adopt)
+        self._server = StreamServer(listen_tcp(host, port), self.gate)
         self.port = self._server.port
         if self._want_shm:
             from kvpool.store_node.shm_server import ShmListener, shm_supported
@@ -549,7 +555,7 @@ class DataServer:
                 self._shm = ShmListener(self)
                 self.shm_address = self._shm.start()
         if self._inproc_name:
-            register_inproc(self._inproc_name, self._adopt)
+            register_inproc(self._inproc_name, self.gate)
             self.inproc_address = f"inproc://{self._inproc_name}"
         self._guard = asyncio.get_running_loop().create_task(self._lease_guard())
         return self.port
@@ -579,6 +585,7 @@ class DataServer:
             self.cut_stalled()
 
     def stop_accepting(self) -> None:
+        self.gate.close()
         if self._server is not None:
             self._server.close()
         if self._shm is not None:

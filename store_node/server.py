@@ -112,6 +112,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
             pass  # not the main thread (tests): the caller sets `stop`
     data_host, data_port = split_hostport(cfg.data_listen)
     admin_host, _ = split_hostport(cfg.listen)
+    security = cfg.security()
     status = 0
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -155,6 +156,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 worker=worker,
                 lease_timeout_s=cfg.lease_timeout_s,
                 shm=cfg.data_shm,
+                token=security.token,
             )
             try:
                 port = await data.start(data_host, data_port)
@@ -165,7 +167,11 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 f"tcp://{join_hostport(cfg.advertise_host or data_host, port)}"
             )
 
-            masters = MasterClient(cfg.masters, attempt_timeout_s=min(1.0, cfg.request_timeout_s))
+            masters = MasterClient(
+                cfg.masters,
+                attempt_timeout_s=min(1.0, cfg.request_timeout_s),
+                security=security,
+            )
             stack.push_async_callback(masters.close)
             registration = NodeRegistration(
                 cfg, store, masters, data_address=data_address, admin_address="", log=log
@@ -176,6 +182,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 handle = await start_server(
                     cfg.listen,
                     [(node_pb2_grpc.add_NodeAdminServicer_to_server, admin, SERVICE_NAME)],
+                    security=security,
                 )
             except (KVPoolError, RuntimeError, OSError) as e:
                 raise StartupError(f"listen: cannot serve gRPC on {cfg.listen}: {e}") from e

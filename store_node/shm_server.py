@@ -42,6 +42,7 @@ from kvpool.proto.wire import (
 from kvpool.store_node.blocks import Block, Copy
 from kvpool.store_node.data_server import _TIER_LIMITS, DataConnection, _decode_key
 from kvpool.store_node.tiers.cpu import CpuTier
+from kvpool.transports.auth import Gate
 from kvpool.transports.shm import PREAMBLE, SHM_MAGIC
 from kvpool.transports.stream import StreamServer
 
@@ -64,6 +65,7 @@ class ShmListener:
         self.name = f"kvpool-{os.getpid()}-{secrets.token_hex(8)}"
         self.token = secrets.token_bytes(16)
         self._server: StreamServer | None = None
+        self._gate: Gate | None = None
 
     def start(self) -> str:
         """Listen; returns the ``shm://`` address."""
@@ -74,7 +76,9 @@ class ShmListener:
         except BaseException:
             listener.close()
             raise
-        self._server = StreamServer(listener, self._adopt)
+        # The arena's fd goes only to a peer that proved the cluster token (when there is one).
+        self._gate = Gate(self.server.gate.token, self._adopt, log=self.server.log)
+        self._server = StreamServer(listener, self._gate)
         return f"shm://{self.name}"
 
     def _adopt(self, sock: socket.socket) -> None:
@@ -89,6 +93,8 @@ class ShmListener:
         ShmConnection(self.server).attach(sock)
 
     def close(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
         if self._server is not None:
             self._server.close()
             self._server = None

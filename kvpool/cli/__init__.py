@@ -296,7 +296,7 @@ def _cluster_up(args: argparse.Namespace) -> int:
         cluster.start()
         print(f"cluster directory: {directory}")
         print(f"masters: {','.join(cluster.master_addresses)}")
-        print(render_status(collect_status(cluster.master_addresses)))
+        print(render_status(collect_status(cluster.master_addresses, security=cluster.security)))
         if args.detach:
             print(f"\ndetached; stop it with: kvpool cluster down --dir {directory}")
             return EXIT_OK

@@ -13,18 +13,22 @@ from typing import Any, TextIO
 from google.protobuf.json_format import MessageToDict
 
 from kvpool.launcher.probe import MasterProbe, NodeProbe, leader_of, probe_masters, probe_nodes
+from kvpool.security import Security
 from kvpool.units import format_size
 
 ALARM_FILL = 0.85
 
 
-def collect_status(masters: Sequence[str], timeout_s: float = 1.0) -> dict[str, Any]:
-    """Ask every master, then every live node's admin service (its tiers)."""
-    probes = probe_masters(masters, timeout_s=timeout_s)
+def collect_status(
+    masters: Sequence[str], timeout_s: float = 1.0, security: Security | None = None
+) -> dict[str, Any]:
+    """Ask every master, then every live node's admin service (its tiers). ``security``: the
+    cluster token and TLS files (default: from the environment)."""
+    probes = probe_masters(masters, timeout_s=timeout_s, security=security)
     doc = status_document(probes)
     admins = [n["admin_address"] for n in doc["nodes"] if n["admin_address"]]
     if admins:
-        add_node_stats(doc, probe_nodes(admins, timeout_s=timeout_s))
+        add_node_stats(doc, probe_nodes(admins, timeout_s=timeout_s, security=security))
     return doc
 
 

@@ -43,12 +43,14 @@ from kvpool.launcher.placement import (
 )
 from kvpool.launcher.probe import leader_of, probe_masters
 from kvpool.launcher.procfs import pid_runs_kvpool, process_state
+from kvpool.security import Security, is_loopback_host, read_token
 
 # pid_runs_kvpool and free_port lived here before placement.py and procfs.py: still exported.
 __all__ = ["ClusterError", "LocalCluster", "ProcessInfo", "free_port", "pid_runs_kvpool"]
 
 CLUSTER_FILE = "cluster.json"
 SECRET_FILE = "raft.secret"  # noqa: S105 - a file name, not a secret
+CLUSTER_TOKEN_FILE = "cluster.token"  # noqa: S105 - a file name, not a secret
 
 
 class ClusterError(KVPoolError):
@@ -106,7 +108,10 @@ class LocalCluster:
         advertise_node_data: AdvertiseHook | None = None,
         on_spawn: Callable[[ProcessInfo], None] | None = None,
         metrics: bool = False,
+        cluster_token: bool | None = None,
     ) -> None:
+        """``cluster_token``: give the cluster a fresh token (True), none (False), or one
+        exactly when a process listens beyond loopback (None)."""
         if masters < 1:
             raise ClusterError("a cluster needs at least one master")
         if nodes < 0:
@@ -131,6 +136,10 @@ class LocalCluster:
         # process not started yet could be taken by another's).
         self.metrics = metrics
         self.secret = ""
+        self.want_token = cluster_token
+        self.token_file = ""
+        """The cluster token's file, when the cluster has one: a cluster reachable beyond
+        loopback (network namespaces) gets a fresh token; clients must present it."""
         self.processes: dict[str, ProcessInfo] = {}
         self.started_pids: list[int] = []
         """Every pid this launcher ever started (restarts included), oldest first."""
@@ -171,6 +180,7 @@ class LocalCluster:
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "masters": self.master_addresses,
             "secret_file": str(self.dir / SECRET_FILE),
+            "token_file": self.token_file,
             "processes": [asdict(p) for p in self.processes.values()],
         }
 
@@ -199,13 +209,25 @@ class LocalCluster:
         secret_file = Path(doc.get("secret_file", cluster.dir / SECRET_FILE))
         with contextlib.suppress(OSError):
             cluster.secret = secret_file.read_text().strip()
+        cluster.token_file = str(doc.get("token_file", ""))
         return cluster
+
+    @property
+    def security(self) -> Security:
+        """What a client of this cluster presents (the token, when there is one)."""
+        return Security(token=read_token("", self.token_file)) if self.token_file else Security()
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """Environment for a process that talks to this cluster (KVPOOL_CLUSTER_TOKEN_FILE)."""
+        return {"KVPOOL_CLUSTER_TOKEN_FILE": self.token_file} if self.token_file else {}
 
     # --- start ---------------------------------------------------------------------------
 
     def _env(self, name: str) -> dict[str, str]:
         env = dict(os.environ)
         env["KVPOOL_RAFT_SECRET"] = self.secret
+        env.update(self.client_env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         # grpc reads this at import: no fork handlers when PySyncObj forks to write snapshots.
         env.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -332,6 +354,20 @@ class LocalCluster:
             extra={"data_bound": bound_data} if data_port else {},
         )
 
+    def _make_token(self) -> None:
+        """A fresh cluster token when any process listens beyond loopback (kvpool refuses
+        to, without one)."""
+        names = [f"master-{i + 1}" for i in range(self.n_masters)]
+        names += [f"node-{i + 1}" for i in range(self.n_nodes)]
+        loopback = all(is_loopback_host(self.placement.place(n).host) for n in names)
+        if self.want_token is False or (self.want_token is None and loopback):
+            self.token_file = ""
+            return
+        path = self.dir / CLUSTER_TOKEN_FILE
+        path.write_text(secrets.token_hex(32) + "\n")
+        path.chmod(0o600)
+        self.token_file = str(path)
+
     def start(self, timeout_s: float = 60.0) -> None:
         """Start every master, wait for a leader, start every node, wait until registered.
         On any failure everything started is stopped and ClusterError says why."""
@@ -340,6 +376,7 @@ class LocalCluster:
         secret_path = self.dir / SECRET_FILE
         secret_path.write_text(self.secret + "\n")
         secret_path.chmod(0o600)
+        self._make_token()
         try:
             grpc_ports: list[int] = []
             raft: list[str] = []
@@ -434,7 +471,8 @@ class LocalCluster:
         alive = [
             p.grpc for p in self.masters if self.is_running(p.name) and p.name not in self._paused
         ]
-        leader = leader_of(probe_masters(alive, timeout_s=probe_timeout_s)) if alive else None
+        probes = probe_masters(alive, timeout_s=probe_timeout_s, security=self.security)
+        leader = leader_of(probes) if alive else None
         return leader.address if leader is not None else None
 
     def wait_caught_up(self, timeout_s: float = 30.0) -> bool:
@@ -442,7 +480,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             running = [p.grpc for p in self.masters if self.is_running(p.name)]
-            probes = probe_masters(running, timeout_s=0.5)
+            probes = probe_masters(running, timeout_s=0.5, security=self.security)
             statuses = [p.status.master for p in probes if p.status is not None]
             leaders = [m for m in statuses if m.role == "leader"]
             if (

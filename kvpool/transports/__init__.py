@@ -36,10 +36,13 @@ if TYPE_CHECKING:
 class Transport(Protocol):
     scheme: str
 
-    async def open(self, address: str, timeout_s: float) -> FrameConnection:
-        """A connection on the running event loop (typed errors on failure)."""
+    async def open(self, address: str, timeout_s: float, token: bytes = b"") -> FrameConnection:
+        """A connection on the running event loop (typed errors on failure); ``token``: the
+        cluster token, proved once when the connection opens (:mod:`kvpool.transports.auth`)."""
 
-    def open_blocking(self, address: str, timeout_s: float) -> BlockingConnection:
+    def open_blocking(
+        self, address: str, timeout_s: float, token: bytes = b""
+    ) -> BlockingConnection:
         """A connection for the calling thread (typed errors on failure)."""
 
 
@@ -91,14 +94,15 @@ def transport_for(address: str) -> Transport:
     return _REGISTRY[scheme_of(address)]
 
 
-async def open_connection(address: str, timeout_s: float) -> FrameConnection:
-    """A connection to ``address`` on the running loop, by its scheme."""
-    return await transport_for(address).open(address, timeout_s)
+async def open_connection(address: str, timeout_s: float, token: bytes = b"") -> FrameConnection:
+    """A connection to ``address`` on the running loop, by its scheme (``token``: the cluster
+    token, when the cluster has one)."""
+    return await transport_for(address).open(address, timeout_s, token)
 
 
-def open_blocking(address: str, timeout_s: float) -> BlockingConnection:
+def open_blocking(address: str, timeout_s: float, token: bytes = b"") -> BlockingConnection:
     """A connection to ``address`` for the calling thread, by its scheme."""
-    return transport_for(address).open_blocking(address, timeout_s)
+    return transport_for(address).open_blocking(address, timeout_s, token)
 
 
 @functools.cache

@@ -27,7 +27,13 @@ import struct
 import time
 from collections.abc import Sequence
 
-from kvpool.errors import DeadlineExceededError, ProtocolVersionError, TransportError
+from kvpool.errors import (
+    DeadlineExceededError,
+    KVPoolError,
+    ProtocolVersionError,
+    TransportError,
+    UnauthenticatedError,
+)
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.wire import (
     COUNT,
@@ -202,6 +208,15 @@ class BlockingConnection:
         except FrameError as e:
             self.broken = True
             raise TransportError(f"{self.address}: bad frame from node: {e}") from None
+        if header.status == Status.UNAUTHORIZED:  # the node closes the connection next
+            self.broken = True
+            size = min(header.payload_len, MAX_ERROR_MESSAGE_BYTES)
+            message = b""
+            with contextlib.suppress(KVPoolError):
+                message = bytes(self._recv_new(size, deadline)) if size else b""
+            raise UnauthenticatedError(
+                f"{self.address}: {message.decode('utf-8', 'replace') or 'refused'}"
+            )
         if header.status == Status.VERSION_MISMATCH or header.protocol_version != PROTOCOL_VERSION:
             self.broken = True
             raise ProtocolVersionError(

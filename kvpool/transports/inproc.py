@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from kvpool.errors import TransportError
+from kvpool.transports.auth import authenticate, authenticate_blocking
 from kvpool.transports.blocking import BlockingConnection
 from kvpool.transports.tcp import FrameConnection
 
@@ -56,10 +57,12 @@ def _connect(address: str) -> socket.socket:
 class InprocTransport:
     scheme = "inproc"
 
-    async def open(self, address: str, timeout_s: float) -> FrameConnection:
+    async def open(self, address: str, timeout_s: float, token: bytes = b"") -> FrameConnection:
         conn = FrameConnection(address)
         sock = _connect(address)
         try:
+            sock.setblocking(False)
+            await authenticate(sock, token, address, timeout_s)
             conn.attach(sock)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -67,5 +70,13 @@ class InprocTransport:
             raise
         return conn
 
-    def open_blocking(self, address: str, timeout_s: float) -> BlockingConnection:
-        return BlockingConnection(_connect(address), address, timeout_s=timeout_s)
+    def open_blocking(
+        self, address: str, timeout_s: float, token: bytes = b""
+    ) -> BlockingConnection:
+        sock = _connect(address)
+        try:
+            authenticate_blocking(sock, token, address, timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        return BlockingConnection(sock, address, timeout_s=timeout_s)

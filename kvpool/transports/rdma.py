@@ -34,13 +34,15 @@ def rdma_available() -> bool:
 class RdmaTransport:
     scheme = "rdma"
 
-    async def open(self, address: str, timeout_s: float) -> FrameConnection:
+    async def open(self, address: str, timeout_s: float, token: bytes = b"") -> FrameConnection:
         raise TransportError(
             f"{address}: an RDMA device is present but kvpool's verbs data path is not "
             "implemented in this release; use tcp"
         )
 
-    def open_blocking(self, address: str, timeout_s: float) -> BlockingConnection:
+    def open_blocking(
+        self, address: str, timeout_s: float, token: bytes = b""
+    ) -> BlockingConnection:
         raise TransportError(
             f"{address}: an RDMA device is present but kvpool's verbs data path is not "
             "implemented in this release; use tcp"

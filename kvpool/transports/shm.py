@@ -31,12 +31,15 @@ import socket
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvpool.errors import DeadlineExceededError, TransportError
+from kvpool.proto.wire import HEADER_SIZE
+from kvpool.transports.auth import auth_frame, read_answer, read_answer_blocking
 from kvpool.transports.blocking import BlockingConnection
 from kvpool.transports.tcp import FrameConnection
 
@@ -150,14 +153,88 @@ def _drop_arena(arena: Arena) -> None:
             arena.close()
 
 
-def _take_preamble(sock: socket.socket, address: str) -> Arena:
+def _take_preamble(sock: socket.socket, address: str, size: int = PREAMBLE.size) -> Arena:
     """Receive the preamble and the arena's fd (the socket is ready to read)."""
+    msg, fds = _recv_offer(sock, address, size)
+    return _arena_from(msg, fds, address)
+
+
+def _recv_offer(sock: socket.socket, address: str, size: int) -> tuple[bytes, list[int]]:
     try:
-        msg, fds, _flags, _addr = socket.recv_fds(sock, PREAMBLE.size, 1)
+        msg, fds, _flags, _addr = socket.recv_fds(sock, size, 1)
     except (BlockingIOError, TimeoutError):
         raise DeadlineExceededError(f"{address}: no arena offered in time") from None
     except OSError as e:
         raise TransportError(f"{address}: receiving the arena failed: {e}") from None
+    return msg, fds
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            socket.close(fd)
+
+
+def _take_offer_blocking(
+    sock: socket.socket, token: bytes, address: str, timeout_s: float
+) -> Arena:
+    """The arena of a node, proving ``token`` first when there is one. A node with a token
+    answers AUTH, then sends the arena; a node without one sends the arena at once and answers
+    AUTH after it. Either way the arena is never handed to a peer that failed the check."""
+    if not token:
+        return _take_preamble(sock, address)
+    deadline = time.monotonic() + max(0.001, timeout_s)
+    try:
+        sock.sendall(auth_frame(token))
+    except OSError as e:
+        raise TransportError(f"{address}: sending the cluster token failed: {e}") from None
+    msg, fds = _recv_offer(sock, address, HEADER_SIZE)
+    if msg[:4] == SHM_MAGIC:
+        arena = _arena_from(msg, fds, address)
+        try:
+            read_answer_blocking(sock, deadline, address)
+        except BaseException:
+            _drop_arena(arena)
+            raise
+        return arena
+    _close_fds(fds)
+    read_answer_blocking(sock, deadline, address, head=msg)
+    return _take_preamble(sock, address)
+
+
+async def _take_offer(sock: socket.socket, token: bytes, address: str) -> Arena:
+    """:func:`_take_offer_blocking` on the event loop (``sock`` non-blocking)."""
+    loop = asyncio.get_running_loop()
+    if token:
+        await loop.sock_sendall(sock, auth_frame(token))
+    await _readable(loop, sock)
+    if not token:
+        return _take_preamble(sock, address)
+    msg, fds = _recv_offer(sock, address, HEADER_SIZE)
+    if msg[:4] == SHM_MAGIC:
+        arena = _arena_from(msg, fds, address)
+        try:
+            await read_answer(sock, address)
+        except BaseException:
+            _drop_arena(arena)
+            raise
+        return arena
+    _close_fds(fds)
+    await read_answer(sock, address, head=msg)
+    await _readable(loop, sock)
+    return _take_preamble(sock, address)
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(sock.fileno(), _set_once, ready)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+def _arena_from(msg: bytes, fds: list[int], address: str) -> Arena:
     try:
         if len(msg) != PREAMBLE.size or len(fds) != 1:
             raise TransportError(f"{address}: not a kvpool shared-memory peer")
@@ -169,9 +246,7 @@ def _take_preamble(sock: socket.socket, address: str) -> Arena:
         except (OSError, ValueError) as e:
             raise TransportError(f"{address}: cannot map the arena: {e}") from None
     finally:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                socket.close(fd)
+        _close_fds(fds)
 
 
 def _unix_socket() -> socket.socket:
@@ -209,7 +284,7 @@ class ShmConnection(FrameConnection):
 class ShmTransport:
     scheme = "shm"
 
-    async def open(self, address: str, timeout_s: float) -> FrameConnection:
+    async def open(self, address: str, timeout_s: float, token: bytes = b"") -> FrameConnection:
         name = parse_shm_address(address)
         loop = asyncio.get_running_loop()
         sock = _unix_socket()
@@ -217,13 +292,7 @@ class ShmTransport:
         try:
             async with asyncio.timeout(timeout_s):
                 await loop.sock_connect(sock, "\0" + name)
-                ready: asyncio.Future[None] = loop.create_future()
-                loop.add_reader(sock.fileno(), _set_once, ready)
-                try:
-                    await ready
-                finally:
-                    loop.remove_reader(sock.fileno())
-            arena = _take_preamble(sock, address)
+                arena = await _take_offer(sock, token, address)
         except TimeoutError:
             sock.close()
             raise DeadlineExceededError(f"{address}: connect timed out") from None
@@ -237,13 +306,15 @@ class ShmTransport:
         conn.attach(sock)
         return conn
 
-    def open_blocking(self, address: str, timeout_s: float) -> BlockingConnection:
+    def open_blocking(
+        self, address: str, timeout_s: float, token: bytes = b""
+    ) -> BlockingConnection:
         name = parse_shm_address(address)
         sock = _unix_socket()
         try:
             sock.settimeout(max(0.001, timeout_s))
             sock.connect("\0" + name)
-            arena = _take_preamble(sock, address)
+            arena = _take_offer_blocking(sock, token, address, timeout_s)
         except TimeoutError:
             sock.close()
             raise DeadlineExceededError(f"{address}: connect timed out") from None

@@ -27,6 +27,7 @@ from kvpool.errors import (
     DeadlineExceededError,
     ProtocolVersionError,
     TransportError,
+    UnauthenticatedError,
 )
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.wire import (
@@ -37,6 +38,7 @@ from kvpool.proto.wire import (
     Status,
     version_mismatch_message,
 )
+from kvpool.transports.auth import authenticate, authenticate_blocking
 from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
 from kvpool.transports.calls import Call, parse_table
 from kvpool.transports.frames import FrameReader
@@ -305,6 +307,12 @@ class FrameConnection:
                 )
             )
             return
+        if header.status == Status.UNAUTHORIZED:  # the node closes the connection next
+            error = UnauthenticatedError(
+                f"{self.address}: {Response(header, key, payload).message() or 'refused'}"
+            )
+            self._fail_all(error)
+            return
         if header.status == Status.VERSION_MISMATCH:
             pending.future.set_exception(
                 ProtocolVersionError(
@@ -340,10 +348,18 @@ class TcpConnection(FrameConnection):
     """A :class:`FrameConnection` to a node's ``tcp://`` data port."""
 
     @classmethod
-    async def open(cls, host: str, port: int, *, timeout_s: float) -> TcpConnection:
+    async def open(
+        cls, host: str, port: int, *, timeout_s: float, token: bytes = b""
+    ) -> TcpConnection:
         address = f"tcp://{host}:{port}"
         conn = cls(address)
-        conn.attach(await connect_tcp(host, port, address=address, timeout_s=timeout_s))
+        sock = await connect_tcp(host, port, address=address, timeout_s=timeout_s)
+        try:
+            await authenticate(sock, token, address, timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        conn.attach(sock)
         return conn
 
 
@@ -431,9 +447,9 @@ class ConnectionPool:
         self._conns.clear()
 
 
-async def open_tcp_address(address: str, timeout_s: float) -> FrameConnection:
+async def open_tcp_address(address: str, timeout_s: float, token: bytes = b"") -> FrameConnection:
     host, port = parse_tcp_address(address)
-    return await TcpConnection.open(host, port, timeout_s=timeout_s)
+    return await TcpConnection.open(host, port, timeout_s=timeout_s, token=token)
 
 
 def parse_tcp_address(address: str) -> tuple[str, int]:
@@ -567,10 +583,17 @@ class TcpTransport:
 
     scheme = "tcp"
 
-    async def open(self, address: str, timeout_s: float) -> FrameConnection:
-        return await open_tcp_address(address, timeout_s)
+    async def open(self, address: str, timeout_s: float, token: bytes = b"") -> FrameConnection:
+        return await open_tcp_address(address, timeout_s, token)
 
-    def open_blocking(self, address: str, timeout_s: float) -> BlockingConnection:
+    def open_blocking(
+        self, address: str, timeout_s: float, token: bytes = b""
+    ) -> BlockingConnection:
         host, port = parse_tcp_address(address)
         sock = connect_tcp_blocking(host, port, address=address, timeout_s=timeout_s)
+        try:
+            authenticate_blocking(sock, token, address, timeout_s)
+        except BaseException:
+            sock.close()
+            raise
         return BlockingConnection(sock, address, timeout_s=timeout_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -239,6 +240,8 @@ def test_bad_config_exits_2_with_a_clear_message(tmp_path: Path) -> None:
         capture_output=True,
         check=False,
         timeout=30,
+        # a cluster token: without one a wildcard address is refused before anything else
+        env={**os.environ, "KVPOOL_CLUSTER_TOKEN": "a-test-cluster-token-0123456789"},
     )
     assert out.returncode == 2
     assert b"advertise_host" in out.stderr
