@@ -8,14 +8,19 @@ settles at ``r * tau``, so ``rate = value / tau``. A key is *hot* once its rate 
 ``hot_reads_per_s``, and stays hot until it falls below ``hot_reads_per_s * cool_ratio``
 (hysteresis, so a key at the threshold does not flap).
 
+Counts come from the store nodes, where every read lands (a client serves repeated lookups from
+its cache, so a master sees few of them): each heartbeat carries the node's most-read keys since
+the last one (:meth:`HotDetector.add`).
+
 Prefix chains: the index does not store parent links, so the detector takes them from the
-lookups themselves — keys looked up in one request are treated as a chain, key *i*'s parent
-being key *i - 1* (an engine looks up a prompt's blocks in order, ``kvpool.keys`` chains them
-the same way). A hot key brings its ancestors along.
+lookups the master answers (:meth:`HotDetector.link`): keys looked up in one request are
+treated as a chain, key *i*'s parent being key *i - 1* (an engine looks up a prompt's blocks in
+order, ``kvpool.keys`` chains them the same way). A hot key brings its ancestors along.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -52,19 +57,25 @@ class HotDetector:
         return value * math.exp(-max(0.0, now - t) / self._tau_s)
 
     def record(self, keys: Sequence[str], now: float) -> None:
-        """One lookup of ``keys`` (in request order: a chain)."""
-        previous: str | None = None
+        """One read of each of ``keys``, looked up together (in request order: a chain)."""
+        self.link(keys)
         for key in keys:
-            value = self._decayed(key, now) + 1.0
-            self._counts[key] = (value, now)
-            self._counts.move_to_end(key)
-            if previous is not None and previous != key:
-                self._parents[key] = previous
-                self._parents.move_to_end(key)
-            previous = key
+            self.add(key, 1, now)
+
+    def add(self, key: str, reads: int, now: float) -> None:
+        """``reads`` more reads of ``key`` (a node's heartbeat reports its counts)."""
+        self._counts[key] = (self._decayed(key, now) + reads, now)
+        self._counts.move_to_end(key)
         while len(self._counts) > self._max_keys:
             old, _ = self._counts.popitem(last=False)  # least recently read
             self._hot.pop(old, None)
+
+    def link(self, keys: Sequence[str]) -> None:
+        """Keys looked up together, in order: each one's parent is the key before it."""
+        for previous, key in itertools.pairwise(keys):
+            if previous != key:
+                self._parents[key] = previous
+                self._parents.move_to_end(key)
         while len(self._parents) > self._max_keys:
             self._parents.popitem(last=False)
 

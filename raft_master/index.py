@@ -430,14 +430,9 @@ class BlockIndex:
         """key → replicas wanted, for every pinned key (a copy)."""
         return dict(self._pins)
 
-    def replicas_of(self, key: str) -> tuple[int, int, tuple[int, ...]] | None:
-        """``(write_id, size_bytes, replicas)`` of an entry, every listed member (live or
-        not), or None."""
-        record = self._entries.get(key)
-        if record is None:
-            return None
-        _, write_id, size_bytes, _, _, replicas = unpack_record(record)
-        return write_id, size_bytes, replicas
+    def entry_record(self, key: str) -> bytes | None:
+        """The packed record of ``key`` (every listed member, live or not), or None."""
+        return self._entries.get(key)
 
     def _register_member(self, cmd: RegisterMember) -> RegisterMemberResult:
         existing_id = self._member_of_node.get(cmd.node_id)

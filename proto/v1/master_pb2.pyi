@@ -515,6 +515,7 @@ class HeartbeatRequest(_message.Message):
     HITS_TOTAL_FIELD_NUMBER: _builtins.int
     MISSES_TOTAL_FIELD_NUMBER: _builtins.int
     EVICTIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    HOT_BLOCKS_FIELD_NUMBER: _builtins.int
     member_id: _builtins.int
     capacity_bytes: _builtins.int
     used_bytes: _builtins.int
@@ -523,6 +524,10 @@ class HeartbeatRequest(_message.Message):
     hits_total: _builtins.int
     misses_total: _builtins.int
     evictions_total: _builtins.int
+    @_builtins.property
+    def hot_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___HotBlock]:
+        """The blocks read most on this node since its last heartbeat (hot-block detection)."""
+
     def __init__(
         self,
         *,
@@ -534,14 +539,37 @@ class HeartbeatRequest(_message.Message):
         hits_total: _builtins.int = ...,
         misses_total: _builtins.int = ...,
         evictions_total: _builtins.int = ...,
+        hot_blocks: _abc.Iterable[Global___HotBlock] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_count", b"block_count", "capacity_bytes", b"capacity_bytes", "evictions_total", b"evictions_total", "hits_total", b"hits_total", "member_id", b"member_id", "misses_total", b"misses_total", "staged_count", b"staged_count", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_count", b"block_count", "capacity_bytes", b"capacity_bytes", "evictions_total", b"evictions_total", "hits_total", b"hits_total", "hot_blocks", b"hot_blocks", "member_id", b"member_id", "misses_total", b"misses_total", "staged_count", b"staged_count", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class HotBlock(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    READS_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    reads: _builtins.int
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        reads: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "reads", b"reads"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HotBlock: _TypeAlias = HotBlock  # noqa: Y015
 
 @_typing.final
 class HeartbeatResponse(_message.Message):
