@@ -35,7 +35,7 @@ import grpc
 
 from kvpool.config import MasterConfig
 from kvpool.errors import KVPoolError
-from kvpool.grpcutil import create_channel
+from kvpool.grpcutil import create_channel, unary
 from kvpool.logs import get_logger
 from kvpool.proto.ring import HashRing, RingMember
 from kvpool.proto.v1 import node_pb2, node_pb2_grpc
@@ -321,9 +321,14 @@ class ReplicaLoop:
                 timeout_s=COPY_RPC_TIMEOUT_S / 2,
             )
             try:
-                response = await self._stub(src[1]).CopyBlocks(request, timeout=COPY_RPC_TIMEOUT_S)
-            except grpc.aio.AioRpcError as e:
-                self._log.warning("copy_rpc_failed", source=source, error=e.code().name)
+                response = await unary(
+                    self._stub(src[1]).CopyBlocks,
+                    request,
+                    timeout_s=COPY_RPC_TIMEOUT_S,
+                    address=src[1],
+                )
+            except KVPoolError as e:
+                self._log.warning("copy_rpc_failed", source=source, error=e.message)
                 self.copy_failures_total += len(tasks)
                 return []
             done = [t for t, ok in zip(tasks, response.copied, strict=False) if ok]
@@ -402,9 +407,14 @@ class ReplicaLoop:
             if address is None or not address[1]:
                 continue
             try:
-                await self._stub(address[1]).UpdateBlocks(request, timeout=COPY_RPC_TIMEOUT_S)
-            except grpc.aio.AioRpcError as e:
-                self._log.info("update_blocks_failed", member_id=m, error=e.code().name)
+                await unary(
+                    self._stub(address[1]).UpdateBlocks,
+                    request,
+                    timeout_s=COPY_RPC_TIMEOUT_S,
+                    address=address[1],
+                )
+            except KVPoolError as e:
+                self._log.info("update_blocks_failed", member_id=m, error=e.message)
                 continue
             delivered.extend((m, ref) for ref in request.pin)
         return delivered
