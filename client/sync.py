@@ -251,11 +251,11 @@ class Client:
         replicated in the index (survives a master failover). True per key pinned, False when
         the index has no such key; raises PinQuotaExceededError above the masters' pin_quota,
         and other failures as typed errors."""
-        return self._call(self._core.pin(keys, replicas), lambda: [], True)
+        return self._call(self._core.pin(keys, replicas), list, True)
 
     def unpin(self, keys: Sequence[str]) -> list[bool]:
         """End pins (True per key the index has)."""
-        return self._call(self._core.pin(keys, 0), lambda: [], True)
+        return self._call(self._core.pin(keys, 0), list, True)
 
     def prefix_match(self, keys: Sequence[str]) -> int:
         """How many leading keys of a chain are cached (0 on failure)."""
