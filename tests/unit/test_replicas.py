@@ -296,3 +296,33 @@ def test_token_bucket_limits_the_rate() -> None:
 def test_detector_refuses_nonsense(bad: float) -> None:
     with pytest.raises(ValueError, match="must be positive"):
         HotDetector(hot_reads_per_s=bad)
+
+
+# --- the chaos checker of replica counts ------------------------------------------------------
+
+
+def test_the_replicas_checker_flags_keys_under_target() -> None:
+    from kvpool.chaos.check_replicas import check
+    from kvpool.chaos.final_state import FinalState, IndexEntry, NodeState
+    from kvpool.chaos.history import CheckContext, History
+
+    nodes = [NodeState(member_id=m, node_id=f"n{m}", incarnation=1) for m in (1, 2, 3)]
+    final = FinalState(
+        t=1.0,
+        nodes=nodes,
+        nodes_known=True,
+        entries={
+            "a": IndexEntry(1, 11, (1, 2)),
+            "b": IndexEntry(2, 12, (3,)),
+            "c": None,  # lost: check_lost's business
+        },
+    )
+    history = History([])
+    bad = check(history, CheckContext(final_state=final, replica_target=2))
+    assert not bad.ok
+    assert bad.counters["under_target"] == 1
+    assert "'b'" in bad.details[0]
+    good = check(history, CheckContext(final_state=final, replica_target=1))
+    assert good.ok
+    assert not good.skipped
+    assert check(history, CheckContext(final_state=final)).skipped
