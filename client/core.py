@@ -145,7 +145,7 @@ class ClientCore:
             config.masters, attempt_timeout_s=attempt_s, routing=self.routing
         )
         self.links = Links(config.transport)
-        self._placement = Placement()
+        self._placement = Placement(is_local=self.links.is_local)
         self._data = DataPlane(
             pool,
             self._node_failed,

@@ -252,7 +252,11 @@ class ReplicaLoop:
                 plan.drained.append(d)
             for key in keys:
                 consider(key, 1, "drain")
-        for dead in ix.dead_members_with_keys():
+        dead_members = ix.dead_members_with_keys()
+        if self._hopeless:
+            gone = set(dead_members)
+            self._hopeless = {(m, k) for m, k in self._hopeless if m in gone}
+        for dead in dead_members:
             for key in ix.member_keys(dead, SCAN_KEYS_PER_MEMBER):
                 if (dead, key) in self._hopeless:
                     continue

@@ -110,8 +110,6 @@ class NodeAdmin(node_pb2_grpc.NodeAdminServicer):
                 first_key=failed[0][0],
                 error=failed[0][1],
             )
-        if request.pinned:
-            pass  # the master pins the target's copies itself once they are indexed
         return node_pb2.CopyBlocksResponse(copied=[not e for e in errors])
 
     async def UpdateBlocks(  # noqa: N802 (the gRPC method name)

@@ -104,6 +104,30 @@ def test_a_hot_key_gains_replicas_and_survives_its_holder_dying(
     )
 
 
+def test_a_hot_key_that_cools_down_is_released_to_its_put_count(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = cluster_factory(
+        masters=1, nodes=3, cpu_cache_size="128MiB", extra_master_flags=FAST_MASTER
+    )
+    key = "hot/cooling/0"
+    with Client(cluster.master_addresses, timeout_s=5.0) as kv:
+        assert kv.put(key, _value(key))
+        started = time.monotonic()
+        while replica_status(cluster, [key]).replicas[0] < 3:
+            for _ in range(20):
+                assert kv.get(key) == _value(key)
+            assert time.monotonic() - started < 20, "the hot key did not reach 3 replicas"
+        # No more reads: the decayed rate halves every second; below 10 reads/s it is released.
+        wait_until(
+            "the cooled key back at 1 replica",
+            lambda: replica_status(cluster, [key]).replicas == [1],
+            timeout_s=15,
+        )
+        assert replica_status(cluster, [key]).releases_total == 2
+        assert kv.get(key) == _value(key)
+
+
 def test_pins_keep_replicas_and_have_a_quota(cluster_factory: ClusterFactory) -> None:
     cluster = cluster_factory(
         masters=1,
@@ -126,6 +150,22 @@ def test_pins_keep_replicas_and_have_a_quota(cluster_factory: ClusterFactory) ->
         assert replica_status(cluster, keys).pinned_bytes == 2 * 2 * 16384
         assert kv.unpin(keys[:1]) == [True]
         assert replica_status(cluster, keys).pinned_bytes == 2 * 16384
+
+
+def test_a_pinned_block_outlives_eviction_pressure(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(
+        masters=1, nodes=1, cpu_cache_size="16MiB", extra_node_flags=["--max-block-size", "1MiB"]
+    )
+    with Client(cluster.master_addresses, timeout_s=5.0) as kv:
+        size = 256 << 10
+        assert kv.put("pinned/0", _value("pinned/0", size))
+        assert kv.put("unpinned/0", _value("unpinned/0", size))
+        assert kv.pin(["pinned/0"], replicas=1) == [True]
+        time.sleep(1.0)  # the replica loop tells the node within a round (0.2 s)
+        for i in range(100):  # 25 MiB through a 16 MiB tier
+            kv.put(f"flood/{i}", _value(f"flood/{i}", size))
+        assert kv.get("unpinned/0") is None  # evicted: the pressure was real
+        assert kv.get("pinned/0") == _value("pinned/0", size)
 
 
 def test_replica_counts_return_to_target_after_a_node_kill(

@@ -326,3 +326,25 @@ def test_the_replicas_checker_flags_keys_under_target() -> None:
     assert good.ok
     assert not good.skipped
     assert check(history, CheckContext(final_state=final)).skipped
+
+
+# --- reads spread, same host first ------------------------------------------------------------
+
+
+def test_reads_prefer_a_replica_on_this_host_and_otherwise_spread() -> None:
+    from kvpool.client.placement import MemberInfo, Placement
+
+    placement = Placement(is_local=lambda address: address == "tcp://here:1")
+    members = [
+        MemberInfo(1, "a", "tcp://far:1", 1 << 30),
+        MemberInfo(2, "b", "tcp://here:1", 1 << 30),
+        MemberInfo(3, "c", "tcp://far:3", 1 << 30),
+    ]
+    placement.update(members, 1, now_s=0.0)
+    firsts = {placement.read_order([1, 2, 3], 0.0, start)[0] for start in range(3)}
+    assert firsts == {2}
+    # the local replica failed recently: it goes last; the others are spread by `start`
+    placement.node_failed(2, now_s=0.0)
+    orders = [placement.read_order([1, 2, 3], 0.5, start) for start in range(3)]
+    assert all(order[-1] == 2 for order in orders)
+    assert {order[0] for order in orders} == {1, 3}
