@@ -129,8 +129,9 @@ async def heartbeat_forever(client: MasterClient, member_id: int) -> None:
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMasterGroup]:
-    # Nodes registered here do not heartbeat: keep them live for the whole module.
-    settings = {**FAST_RAFT, "node_timeout_s": 120.0}
+    # Nodes registered here do not heartbeat: keep them live for the whole module (a node
+    # declared down is a Raft command, and would move the revisions the tests compare).
+    settings = {**FAST_RAFT, "node_timeout_s": 3600.0}  # a slow, loaded machine: > 2 min
     g = LocalMasterGroup(tmp_path_factory.mktemp("masters"), 3, settings=settings)
     try:
         g.start()
