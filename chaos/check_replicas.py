@@ -32,7 +32,11 @@ def check(history: History, context: CheckContext) -> CheckResult:
                 f"{key!r} (write {entry.write_id:#x}) has {len(replicas)} live replica(s) "
                 f"{replicas}; want {want}"
             )
-    counters = {"keys": held, "under_target": findings.count, "live_nodes": len(live)}
+    counters: dict[str, float] = {
+        "keys": held,
+        "under_target": findings.count,
+        "live_nodes": len(live),
+    }
     if findings:
         return CheckResult(
             NAME,
