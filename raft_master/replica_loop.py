@@ -198,7 +198,7 @@ class ReplicaLoop:
             self._cooling.update(cooled)
             self._cooling.difference_update(hot)
             self.hot.prune(now)
-        plan = self._replicator.read(self._plan)
+        plan = self._replicator.read(self.plan)
         self.repairing = plan.repairing
         self.under_target = plan.under_target
         await self._copy(plan, now)
@@ -213,7 +213,8 @@ class ReplicaLoop:
 
     # --- planning (under the index lock: no awaits) ---------------------------------------------
 
-    def _plan(self, ix: BlockIndex) -> Plan:
+    def plan(self, ix: BlockIndex) -> Plan:
+        """This round's work, read from the index (under its lock: no awaits)."""
         plan = Plan()
         live = ix.live_members()
         for rec in live:

@@ -348,3 +348,54 @@ def test_reads_prefer_a_replica_on_this_host_and_otherwise_spread() -> None:
     orders = [placement.read_order([1, 2, 3], 0.5, start) for start in range(3)]
     assert all(order[-1] == 2 for order in orders)
     assert {order[0] for order in orders} == {1, 3}
+
+
+# --- the replica loop's planning over a real index, and the purge hold ----------------------
+
+
+def test_the_loop_plans_repair_pins_and_drain_and_holds_the_purge() -> None:
+    import asyncio
+
+    from kvpool.config import MasterConfig
+    from kvpool.raft_master.failure import FailureDetector, FailureLoop
+    from kvpool.raft_master.replica_loop import ReplicaLoop
+
+    from .test_index import FakeReplicator
+
+    index = BlockIndex()
+    a, b, c, d = (register(index, n) for n in "abcd")
+    put(index, "two", 1, (a, b))  # loses b: repair from a
+    put(index, "one", 2, (b,))  # loses its only replica: nothing to copy from
+    put(index, "pinned", 3, (c,))
+    put(index, "drained", 4, (d,))
+    index.apply(SetPins(rid(), ("pinned",), 2, 0))
+    index.apply(MarkMemberDown(rid(), b, "test"))
+    replicator = FakeReplicator(index)
+    cfg = MasterConfig(in_memory=True, raft_secret="x")
+    loop = ReplicaLoop(cfg, replicator)  # type: ignore[arg-type]
+    loop.draining.add(d)
+    plan = loop.plan(index)
+    by_key = {t.block.key: t for t in plan.copies}
+    assert set(by_key) == {"two", "pinned", "drained"}
+    assert (by_key["two"].source, by_key["two"].replaces, by_key["two"].reason) == (a, b, "repair")
+    assert by_key["two"].target == c  # a holds it, b is dead, d drains: takes no new copy
+    assert (by_key["pinned"].source, by_key["pinned"].replaces) == (c, 0)
+    assert (by_key["drained"].source, by_key["drained"].replaces) == (d, d)
+    assert plan.repairing == {b}
+    assert plan.pin == [(c, plan.pin[0][1])]
+    assert plan.pin[0][1].key == "pinned"
+    # While b's blocks await repair, the failure loop keeps b's entries (no purge).
+    loop.repairing = plan.repairing
+    now = [100.0]
+    failure = FailureLoop(
+        replicator,  # type: ignore[arg-type]
+        FailureDetector(5.0),
+        commit_timeout_s=1.0,
+        clock=lambda: now[0],
+        hold_purge=loop.hold_purge,
+    )
+    asyncio.run(failure.step())
+    assert b in index.dead_members_with_keys()
+    loop.repairing = set()
+    asyncio.run(failure.step())
+    assert b not in index.dead_members_with_keys()
