@@ -48,6 +48,9 @@ class HotDetector:
         self._counts: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (value, t)
         self._parents: OrderedDict[str, str] = OrderedDict()
         self._hot: dict[str, None] = {}
+        # keys whose counter reached the cooling threshold when last read: only these (and the
+        # hot ones) can be hot now, since counters only decay between reads
+        self._candidates: dict[str, None] = {}
 
     def _decayed(self, key: str, now: float) -> float:
         entry = self._counts.get(key)
@@ -64,11 +67,15 @@ class HotDetector:
 
     def add(self, key: str, reads: int, now: float) -> None:
         """``reads`` more reads of ``key`` (a node's heartbeat reports its counts)."""
-        self._counts[key] = (self._decayed(key, now) + reads, now)
+        value = self._decayed(key, now) + reads
+        self._counts[key] = (value, now)
         self._counts.move_to_end(key)
+        if value / self._tau_s >= self.hot_reads_per_s * self._cool_ratio:
+            self._candidates[key] = None
         while len(self._counts) > self._max_keys:
             old, _ = self._counts.popitem(last=False)  # least recently read
             self._hot.pop(old, None)
+            self._candidates.pop(old, None)
 
     def link(self, keys: Sequence[str]) -> None:
         """Keys looked up together, in order: each one's parent is the key before it."""
@@ -88,10 +95,12 @@ class HotDetector:
         keys that stopped being hot since the last call."""
         hot: dict[str, None] = {}
         cool_below = self.hot_reads_per_s * self._cool_ratio
-        for key in list(self._counts):
+        for key in list(self._candidates):
             r = self.rate(key, now)
             if r >= self.hot_reads_per_s or (key in self._hot and r >= cool_below):
                 hot[key] = None
+            elif r < cool_below:
+                del self._candidates[key]  # decayed below both thresholds: read again first
         with_chains: dict[str, None] = {}
         for key in hot:
             chain = [key]
@@ -103,7 +112,7 @@ class HotDetector:
                 parent = self._parents.get(parent)
             for k in reversed(chain):
                 with_chains[k] = None
-        cooled = [k for k in self._hot if k not in with_chains]
+        cooled = [k for k in self._hot if k not in with_chains]  # cost: candidates + hot only
         self._hot = with_chains
         return list(with_chains), cooled
 
@@ -111,16 +120,23 @@ class HotDetector:
         self._counts.pop(key, None)
         self._parents.pop(key, None)
         self._hot.pop(key, None)
+        self._candidates.pop(key, None)
 
-    def prune(self, now: float, below_reads_per_s: float = 0.01) -> int:
-        """Forget keys read less often than ``below_reads_per_s`` (and not hot); how many."""
-        gone = [
-            k for k in self._counts if k not in self._hot and self.rate(k, now) < below_reads_per_s
-        ]
-        for k in gone:
-            del self._counts[k]
-            self._parents.pop(k, None)
-        return len(gone)
+    def prune(self, now: float, below_reads_per_s: float = 0.01, limit: int = 5000) -> int:
+        """Forget the least recently read keys while they are read less often than
+        ``below_reads_per_s`` (and not hot), at most ``limit``; how many. Stops at the first
+        one that is not, so a call costs what it removes."""
+        gone = 0
+        while self._counts and gone < limit:
+            key = next(iter(self._counts))
+            if key in self._hot or key in self._candidates:
+                break
+            if self.rate(key, now) >= below_reads_per_s:
+                break
+            del self._counts[key]
+            self._parents.pop(key, None)
+            gone += 1
+        return gone
 
     def __len__(self) -> int:
         return len(self._counts)
