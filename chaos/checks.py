@@ -21,6 +21,7 @@ from kvpool.chaos import (
     check_fallback,
     check_lost,
     check_monotonic,
+    check_replicas,
     check_wrong,
 )
 from kvpool.chaos.history import CheckContext, CheckResult, History
@@ -33,6 +34,7 @@ CHECKERS: dict[str, Checker] = {
     check_fallback.NAME: check_fallback.check,
     check_monotonic.NAME: check_monotonic.check,
     check_convergence.NAME: check_convergence.check,
+    check_replicas.NAME: check_replicas.check,
 }
 """Every checker by name, in report order."""
 

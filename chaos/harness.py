@@ -299,6 +299,23 @@ class ChaosHarness:
     def pause(self, name: str) -> None:
         self.cluster.pause(name)
 
+    def drain(self, name: str, timeout_s: float) -> int:
+        """Ask the leader to move every block off node ``name`` and declare it left; the
+        blocks still only there when it answered (0: drained)."""
+        from kvpool.grpcutil import create_sync_channel, unary_sync
+        from kvpool.proto.v1 import master_pb2, master_pb2_grpc
+
+        channel = create_sync_channel(self.cluster.wait_for_leader())
+        try:
+            response = unary_sync(
+                master_pb2_grpc.MasterStub(channel).DrainNode,
+                master_pb2.DrainNodeRequest(node_id=self.node_id_of(name), wait=True),
+                timeout_s=timeout_s,
+            )
+        finally:
+            channel.close()
+        return int(response.blocks_left)
+
     def resume(self, name: str) -> None:
         self.cluster.resume(name)
 

@@ -480,6 +480,7 @@ class CheckContext:
     converge_within_s: float = 30.0
     hit_rate_target: float = 0.9
     hit_rate_within_s: float = 30.0
+    replica_target: int = 0  # every indexed key must end with this many live replicas (0: off)
     max_details: int = 20
 
 

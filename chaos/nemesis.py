@@ -54,9 +54,10 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "clock": (SINGLE_SELECTORS, ("offset_s",)),
     "rolling-restart": (("all-masters",), ("catch_up_timeout_s",)),
+    "drain": (("node",), ("timeout_s",)),
 }
 ISOLATE_FROM = ("masters", "nodes", "clients", "all")
-HEALABLE = frozenset({"kill", "pause", "isolate", "split", "link", "clock"})
+HEALABLE = frozenset({"kill", "pause", "isolate", "split", "link", "clock", "drain"})
 
 
 class NemesisError(KVPoolError):
@@ -139,6 +140,7 @@ FAULTS: dict[str, Fault] = {
         Fault.make("clock", "any", "clock-forward", offset_s=3600),
         Fault.make("clock", "any", "clock-back", offset_s=-3600),
         Fault.make("rolling-restart", "all-masters", "rolling-restart"),
+        Fault.make("drain", "node", "drain-node", timeout_s=20.0),
     )
 }
 """The named faults scenarios are built from."""
@@ -254,6 +256,7 @@ class FaultTarget(Protocol):
     def pause(self, name: str) -> None: ...
     def resume(self, name: str) -> None: ...
     def wait_caught_up(self, timeout_s: float) -> bool: ...
+    def drain(self, name: str, timeout_s: float) -> int: ...
     def cut(self, pairs: Sequence[tuple[str, str]]) -> None: ...
     def uncut(self, pairs: Sequence[tuple[str, str]]) -> None: ...
     def set_link(self, name: str, behaviour: LinkBehaviour) -> None: ...
@@ -351,6 +354,15 @@ class Nemesis:
                 h.jump_clock(t, offset_s)
         elif kind == "rolling-restart":
             return self._rolling_restart(fault, targets, view, details)
+        elif kind == "drain":
+            # hand the node's blocks to others, then stop it (SIGTERM); the heal restarts it
+            timeout_s = float(fault.params.get("timeout_s", 20.0))
+            for t in targets:
+                left = h.drain(t, timeout_s)
+                details["blocks_left"] = left
+                h.terminate(t)
+                if left:
+                    return "failed", f"{t}: {left} blocks not handed over within {timeout_s} s"
         return "ok", ""
 
     def _partition_pairs(self, fault: Fault, targets: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -411,7 +423,7 @@ class Nemesis:
     def _do_heal(self, event: FaultEvent, details: dict[str, Any]) -> None:
         h = self.harness
         view = h.view()
-        if event.kind == "kill":
+        if event.kind in ("kill", "drain"):
             for t in event.targets:
                 if t in view.down:
                     h.restart(t)
@@ -427,7 +439,9 @@ class Nemesis:
         elif event.kind == "clock":
             for t in event.targets:
                 h.jump_clock(t, 0.0)
-        details["leader_after"] = h.view().leader if event.kind in ("kill", "pause") else None
+        details["leader_after"] = (
+            h.view().leader if event.kind in ("kill", "pause", "drain") else None
+        )
 
     def heal_all(self) -> list[FaultEvent]:
         """Heal every active fault, the latest first."""

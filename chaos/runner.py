@@ -318,7 +318,7 @@ def run_scenario(
         harness = ChaosHarness(
             root / "cluster",
             masters=3,
-            nodes=2,
+            nodes=scenario.nodes,
             network=network,
             proxies=scenario.proxies,
             fake_clocks=scenario.fake_clocks,
@@ -448,6 +448,7 @@ def _judge(
         converge_within_s=CONVERGE_WITHIN_S,
         hit_rate_target=scenario.hit_rate_target,
         hit_rate_within_s=HIT_RATE_WITHIN_S,
+        replica_target=scenario.replica_target,
     )
     return run_all(history, context), history
 

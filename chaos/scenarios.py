@@ -57,6 +57,8 @@ class Scenario:
     mix: str = ""
     default_seed: int = 1
     min_duration_s: float = 8.0
+    nodes: int = 2
+    replica_target: int = 0  # checker `replicas`: live replicas every indexed key ends with
 
     def schedule(self, duration_s: float, seed: int) -> list[Step]:
         """The faults of a run of ``duration_s`` seconds, as a pure function of the seed."""
@@ -97,7 +99,8 @@ def _scenarios(items: Sequence[Scenario]) -> dict[str, Scenario]:
     return out
 
 
-_EVERYTHING = tuple(FAULTS)
+_HOT_FLAGS = ("--hot-reads-per-s", "5", "--hot-half-life-s", "2s", "--hot-max-replicas", "3")
+_EVERYTHING = tuple(f for f in FAULTS if f != "drain-node")  # drains: their own scenario
 
 SCENARIOS: dict[str, Scenario] = _scenarios(
     [
@@ -240,6 +243,36 @@ SCENARIOS: dict[str, Scenario] = _scenarios(
             hit_rate_target=0.4,
             catches="SSD blocks served wrong or lost after a kill; a warm restart that claims "
             "blocks the index no longer names; demotion racing a kill",
+        ),
+        Scenario(
+            "node-kill-hot-load",
+            "kill -9 a store node of three under a read-heavy load on few keys, written with "
+            "2 replicas and raised to 3 while hot; restart it. Reads of a hot key must keep "
+            "hitting, and every key must end with at least its 2 replicas (repair)",
+            ("kill-node",),
+            hold_s=3.0,
+            recover_s=3.0,
+            nodes=3,
+            keys=24,
+            mix="put=1,get=12,batch=2",
+            workload_args=("--replicas", "2", "--size-max", "64KiB"),
+            extra_master_flags=_HOT_FLAGS,
+            replica_target=2,
+            catches="reads of a hot block that miss when one holder dies; blocks left under "
+            "their replica count after a node loss (no repair, or repair from a dead source)",
+        ),
+        Scenario(
+            "node-drain",
+            "drain a store node of three under load (its blocks handed to the others), stop "
+            "it, restart it empty; nothing acknowledged may be lost",
+            ("drain-node",),
+            hold_s=2.0,
+            recover_s=3.0,
+            nodes=3,
+            workload_args=("--replicas", "1", "--size-max", "64KiB"),
+            replica_target=1,
+            catches="blocks lost by a drain (released before their copy was indexed); a "
+            "drained node still named by the index",
         ),
         Scenario(
             "random-mix",

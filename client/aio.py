@@ -117,6 +117,15 @@ class AsyncClient:
     ) -> list[int | None]:
         return await self._core.batch_get_into(keys, buffers, strict=strict, max_tier=max_tier)
 
+    async def pin(self, keys: Sequence[str], replicas: int = 1) -> list[bool]:
+        """Pin keys at ``replicas`` copies: never evicted, kept at that count, replicated in
+        the index. True per key pinned, False when absent; PinQuotaExceededError over quota."""
+        return await self._core.pin(keys, replicas)
+
+    async def unpin(self, keys: Sequence[str]) -> list[bool]:
+        """End pins (True per key the index has)."""
+        return await self._core.pin(keys, 0)
+
     async def prefix_match(self, keys: Sequence[str], *, strict: bool | None = None) -> int:
         return await self._core.prefix_match(keys, strict=strict)
 

@@ -61,6 +61,7 @@ from kvpool.errors import (
     InternalError,
     InvalidArgumentError,
     KVPoolError,
+    PinQuotaExceededError,
     StaleRingError,
     UnavailableError,
 )
@@ -101,6 +102,10 @@ def tier_limit(max_tier: str) -> int:
         raise InvalidArgumentError(
             f"max_tier: expected one of gpu, cpu, ssd or any, got {max_tier!r}"
         ) from None
+
+
+PIN_OK = master_pb2.PIN_STATUS_OK
+PIN_QUOTA = master_pb2.PIN_STATUS_QUOTA_EXCEEDED
 
 
 class RevisionFloor:
@@ -150,7 +155,7 @@ class ClientCore:
             security=self.security,
         )
         self.links = Links(config.transport)
-        self._placement = Placement()
+        self._placement = Placement(is_local=self.links.is_local)
         self._data = DataPlane(
             pool,
             self._node_failed,
@@ -352,6 +357,39 @@ class ClientCore:
             "remove", lambda d: self._remove([key], d), self._strict(strict)
         )
         return removed is not None and removed[0]
+
+    async def pin(self, keys: Sequence[str], replicas: int = 1) -> list[bool]:
+        """Pin keys at ``replicas`` copies (0: unpin): never evicted, kept at that count by the
+        masters, recorded in the replicated index. Per key: True when pinned (unpinned), False
+        when the index has no such key. Raises PinQuotaExceededError when the masters' pin
+        quota would be exceeded (the keys that fit are pinned), and any other failure as its
+        typed error: pinning is an explicit request, never a silent miss."""
+        pairs = validate_keys(keys)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise InvalidArgumentError(f"replicas: expected an int >= 0, got {replicas!r}")
+        if not pairs:
+            return []
+        request = master_pb2.PinRequest(
+            request_id=os.urandom(16), keys=[k for k, _ in pairs], replicas=replicas
+        )
+
+        async def call(deadline: float) -> master_pb2.PinResponse:
+            response: master_pb2.PinResponse = await self._masters.call(
+                "Pin", request, deadline=deadline, leader_only=True
+            )
+            self.floor.raise_to(response.revision)
+            return response
+
+        response = await self._within_deadline("pin", call)
+        statuses = list(response.statuses)
+        over = [k for (k, _), s in zip(pairs, statuses, strict=True) if s == PIN_QUOTA]
+        if over:
+            raise PinQuotaExceededError(
+                f"pin quota exceeded: {len(over)} of {len(pairs)} keys not pinned (first: "
+                f"{over[0]!r}); pinned {response.pinned_bytes} of {response.quota_bytes} bytes "
+                "(size x replicas); unpin some keys or raise the masters' pin_quota"
+            )
+        return [s == PIN_OK for s in statuses]
 
     async def prefix_match(self, keys: Sequence[str], *, strict: bool | None = None) -> int:
         """How many leading keys of ``keys`` the index holds (0 on failure)."""

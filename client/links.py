@@ -110,6 +110,12 @@ class Links:
         self.learn(address, fallback)
         return fallback
 
+    def is_local(self, address: str) -> bool:
+        """Reads from ``address`` go through shared memory (the node is on this host and
+        offered it): such a replica is read first."""
+        offer = self._offers.get(address)
+        return offer is not None and bool(offer.shm_address) and self.transport != "tcp"
+
     def wants_hello(self, address: str) -> bool:
         return address.startswith("tcp://") and self.transport != "tcp"
 

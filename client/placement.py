@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpool.errors import NoNodesError
@@ -62,7 +62,14 @@ class MemberInfo:
 class Placement:
     """The client's view of the live members and the ring built over them."""
 
-    def __init__(self, *, min_refresh_interval_s: float = 0.5, suspect_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        min_refresh_interval_s: float = 0.5,
+        suspect_s: float = 2.0,
+        is_local: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.is_local: Callable[[str], bool] = is_local or (lambda address: False)
         self._min_refresh_interval_s = min_refresh_interval_s
         self._suspect_s = suspect_s
         self._suspect_until: dict[int, float] = {}
@@ -106,14 +113,24 @@ class Placement:
         return [members[mid] for mid in ring.place(key, replicas)]
 
     def read_order(self, replicas: Sequence[int], now_s: float, start: int = 0) -> list[int]:
-        """The order to try ``replicas`` in: rotated by ``start`` (callers pick it at random to
-        spread reads of a hot block over its replicas), members that failed recently last."""
+        """The order to try ``replicas`` in: members that failed recently last; before them,
+        replicas on this host (``is_local``: read through shared memory) first; the rest
+        rotated by ``start`` (callers pick it at random to spread reads of a hot block over
+        its replicas)."""
         n = len(replicas)
         if n <= 1:
             return list(replicas)
         start %= n
         rotated = [*replicas[start:], *replicas[:start]]
-        return sorted(rotated, key=lambda m: self._suspect_until.get(m, -math.inf) > now_s)
+        local = self.is_local
+        members = self._members
+
+        def rank(m: int) -> tuple[bool, bool]:
+            suspect = self._suspect_until.get(m, -math.inf) > now_s
+            info = members.get(m)
+            return suspect, not (info is not None and local(info.data_address))
+
+        return sorted(rotated, key=rank)
 
     # --- events -------------------------------------------------------------------------------
 

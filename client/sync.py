@@ -279,6 +279,17 @@ class Client:
         or None. The bytes are copied once, into the buffers."""
         return self._path.batch_get_into(keys, buffers, strict=strict, max_tier=max_tier)
 
+    def pin(self, keys: Sequence[str], replicas: int = 1) -> list[bool]:
+        """Pin keys at ``replicas`` copies: never evicted, kept at that count by the masters,
+        replicated in the index (survives a master failover). True per key pinned, False when
+        the index has no such key; raises PinQuotaExceededError above the masters' pin_quota,
+        and other failures as typed errors."""
+        return self._call(self._core.pin(keys, replicas), list, True)
+
+    def unpin(self, keys: Sequence[str]) -> list[bool]:
+        """End pins (True per key the index has)."""
+        return self._call(self._core.pin(keys, 0), list, True)
+
     def prefix_match(self, keys: Sequence[str]) -> int:
         """How many leading keys of a chain are cached (0 on failure)."""
         return self._call(self._core.prefix_match(keys), lambda: 0, None)

@@ -189,6 +189,22 @@ class MasterConfig(ServerSecurityConfig, LogConfig):
         "gRPC address (host:port) other processes dial to reach this master "
         "(default: listen, with the port actually bound)",
     )
+    hot_reads_per_s: float = opt(
+        50.0, "a block read more often than this (reads/s, all nodes) gains replicas; 0 = off"
+    )
+    hot_half_life_s: float = opt(5.0, "half-life of the decayed read counters", "duration")
+    hot_max_replicas: int = opt(3, "replicas a hot block is raised to (capped by live nodes)")
+    pin_quota: int = opt(
+        1 << 30,
+        "most bytes pinned, counted as size x replicas over pinned keys; 0 = no bound",
+        "size",
+    )
+    repair_blocks_per_s: float = opt(
+        2000.0, "most blocks copied per second for repair, drain, pins and hot blocks; 0 = no bound"
+    )
+    repair_bytes_per_s: int = opt(
+        256 << 20, "most bytes copied per second by the same; 0 = no bound", "size"
+    )
     ready_file: str = opt("", "write a JSON file with the bound addresses once serving", flag=True)
     rpc_listen: str = opt(
         "auto",
@@ -265,6 +281,13 @@ class MasterConfig(ServerSecurityConfig, LogConfig):
             errors.append("restore_grace_s: must not be negative")
         if not -1 <= self.metrics_port <= 65535:
             errors.append("metrics_port: must be -1 (off), 0 (any free port) or a port number")
+        for name in ("hot_reads_per_s", "pin_quota", "repair_blocks_per_s", "repair_bytes_per_s"):
+            if getattr(self, name) < 0:
+                errors.append(f"{name}: must not be negative")
+        if self.hot_half_life_s <= 0:
+            errors.append("hot_half_life_s: must be positive")
+        if self.hot_max_replicas < 1:
+            errors.append("hot_max_replicas: must be at least 1")
         return errors
 
 

@@ -172,6 +172,14 @@ class UnknownMemberError(KVPoolError):
     grpc_status = grpc.StatusCode.NOT_FOUND
 
 
+class PinQuotaExceededError(InvalidArgumentError):
+    """Pinning these keys would exceed the masters' pin quota (``pin_quota``: bytes, counted as
+    size x replicas over pinned keys). Unpin something, pin fewer replicas, or raise the quota."""
+
+    code = "PIN_QUOTA_EXCEEDED"
+    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 # --- data errors: become a miss unless strict ---------------------------------------------------
 
 

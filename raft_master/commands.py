@@ -129,6 +129,37 @@ class ClaimReplicas:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaChange:
+    """Add ``add_member`` and/or remove ``remove_member`` (0: none) as replicas of ``key``,
+    only while the entry holds exactly ``write_id``."""
+
+    key: str
+    write_id: int
+    add_member: int = 0
+    remove_member: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeReplicas:
+    """Replica moves decided by the leader: a copy made (hot, pin, repair, drain), a dead or
+    draining replica replaced, an extra replica released after cooling."""
+
+    request_id: bytes
+    changes: tuple[ReplicaChange, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SetPins:
+    """Pin keys at ``replicas`` copies (0: unpin). ``quota_bytes`` bounds sum(size * replicas)
+    over pinned keys (0: unbounded); it travels in the command so every master decides alike."""
+
+    request_id: bytes
+    keys: tuple[str, ...]
+    replicas: int
+    quota_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """Several commands in one Raft entry (group commit); each keeps its request id and result.
 
@@ -146,6 +177,8 @@ SimpleCommand: TypeAlias = (
     | MarkMemberDown
     | RegisterMaster
     | ClaimReplicas
+    | ChangeReplicas
+    | SetPins
 )
 Command: TypeAlias = SimpleCommand | Batch
 
@@ -212,6 +245,24 @@ class ClaimReplicasResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ChangeReplicasResult:
+    applied: tuple[bool, ...]  # per change: the entry changed as asked
+    revision: int
+
+
+PIN_OK = int(master_pb2.PIN_STATUS_OK)
+PIN_ABSENT = int(master_pb2.PIN_STATUS_ABSENT)
+PIN_QUOTA_EXCEEDED = int(master_pb2.PIN_STATUS_QUOTA_EXCEEDED)
+
+
+@dataclass(frozen=True, slots=True)
+class SetPinsResult:
+    statuses: tuple[int, ...]  # per key: PIN_OK, PIN_ABSENT or PIN_QUOTA_EXCEEDED
+    pinned_bytes: int
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
 class BatchResult:
     results: tuple[Result, ...]
 
@@ -231,6 +282,8 @@ Result: TypeAlias = (
     | MarkMemberDownResult
     | RegisterMasterResult
     | ClaimReplicasResult
+    | ChangeReplicasResult
+    | SetPinsResult
     | BatchResult
     | ErrorResult
 )
@@ -308,6 +361,20 @@ def _to_proto(command: Command) -> raft_pb2.RaftCommand:
                 checksum=b.checksum,
                 tier=b.tier,
             )
+    elif isinstance(command, ChangeReplicas):
+        msg.change_replicas.SetInParent()
+        for c in command.changes:
+            msg.change_replicas.changes.add(
+                key=c.key,
+                write_id=c.write_id,
+                add_member=c.add_member,
+                remove_member=c.remove_member,
+            )
+    elif isinstance(command, SetPins):
+        msg.set_pins.SetInParent()
+        msg.set_pins.keys.extend(command.keys)
+        msg.set_pins.replicas = command.replicas
+        msg.set_pins.quota_bytes = command.quota_bytes
     elif isinstance(command, Batch):
         msg.batch.SetInParent()
         for sub in command.commands:
@@ -363,6 +430,17 @@ def _from_proto(msg: raft_pb2.RaftCommand, *, nested: bool) -> Command:
                 for b in cr.blocks
             ),
         )
+    if kind == "change_replicas":
+        return ChangeReplicas(
+            rid,
+            tuple(
+                ReplicaChange(c.key, c.write_id, c.add_member, c.remove_member)
+                for c in msg.change_replicas.changes
+            ),
+        )
+    if kind == "set_pins":
+        sp = msg.set_pins
+        return SetPins(rid, tuple(sp.keys), sp.replicas, sp.quota_bytes)
     if kind == "batch":
         if nested:
             raise CommandDecodeError("a Batch must not contain a Batch")
@@ -384,9 +462,12 @@ _TAG_REGISTER_MEMBER = 4
 _TAG_MARK_MEMBER_DOWN = 5
 _TAG_REGISTER_MASTER = 6
 _TAG_CLAIM_REPLICAS = 7
+_TAG_CHANGE_REPLICAS = 8
+_TAG_SET_PINS = 9
 _U32_U64 = struct.Struct("<IQ")
 _BOOL_U64 = struct.Struct("<?Q")
 _U64 = struct.Struct("<Q")
+_U64_U64 = struct.Struct("<QQ")
 
 
 def encode_result(result: Result) -> bytes:
@@ -420,6 +501,12 @@ def encode_result(result: Result) -> bytes:
                 bits[i // 8] |= 1 << (i % 8)
         head = _U32_U64.pack(len(result.accepted), result.revision)
         return bytes([_TAG_CLAIM_REPLICAS]) + head + bytes(bits)
+    if isinstance(result, ChangeReplicasResult):
+        head = _U32_U64.pack(len(result.applied), result.revision)
+        return bytes([_TAG_CHANGE_REPLICAS]) + head + bytes(result.applied)
+    if isinstance(result, SetPinsResult):
+        head = _U64_U64.pack(result.pinned_bytes, result.revision)
+        return bytes([_TAG_SET_PINS]) + head + bytes(result.statuses)
     raise TypeError(f"{type(result).__name__} is not stored")
 
 
@@ -457,4 +544,11 @@ def decode_result(data: bytes) -> Result:
         bits = body[_U32_U64.size :]
         accepted = tuple(bool(bits[i // 8] >> (i % 8) & 1) for i in range(count))
         return ClaimReplicasResult(accepted, revision)
+    if tag == _TAG_CHANGE_REPLICAS:
+        count, revision = _U32_U64.unpack_from(body)
+        flags = body[_U32_U64.size : _U32_U64.size + count]
+        return ChangeReplicasResult(tuple(bool(b) for b in flags), revision)
+    if tag == _TAG_SET_PINS:
+        pinned_bytes, revision = _U64_U64.unpack_from(body)
+        return SetPinsResult(tuple(body[_U64_U64.size :]), pinned_bytes, revision)
     raise ValueError(f"unknown stored result tag {tag}")

@@ -8,8 +8,10 @@ proposes ``MarkMemberDown(member, "heartbeat_timeout")`` for expired members and
 members' replicas with ``DropReplicas`` commands of at most :data:`PURGE_CHUNK_KEYS` keys read
 from the reverse index — once a member has been dead for ``restore_grace_s`` on this leader's
 clock: a node that restarts with its SSD tier claims its blocks back (``ClaimReplicas`` with
-restore), which needs the entries to still be there. Lookups never name a dead member, so the
-grace costs memory, never a wrong answer.
+restore), which needs the entries to still be there, and not while the replica loop is still
+re-replicating that member's blocks (``hold_purge``: repair reads each block's pre-loss replica
+count from them). Lookups never name a dead member, so the grace costs memory, never a wrong
+answer.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class FailureLoop:
         logger: Any = None,
         period_s: float = LOOP_PERIOD_S,
         restore_grace_s: float = 0.0,
+        hold_purge: Callable[[int], bool] | None = None,
     ) -> None:
         self._replicator = replicator
         self._established = established or replicator.is_ready
@@ -122,6 +125,7 @@ class FailureLoop:
         self._log = logger or get_logger("kvpool.raft_master.failure")
         self._period_s = period_s
         self._restore_grace_s = restore_grace_s
+        self._hold_purge = hold_purge or (lambda member_id: False)
         self._dead_since: dict[int, float] = {}  # dead member -> when this leader saw it so
         self.declared_down: list[int] = []  # member ids this loop declared down (tests, stats)
         self._term: int | None = None  # the term of the leadership the detector measures
@@ -183,7 +187,9 @@ class FailureLoop:
         dead = self._replicator.read(lambda ix: ix.dead_members_with_keys())
         self._dead_since = {m: self._dead_since.get(m, started) for m in dead}
         due = {
-            m for m, since in self._dead_since.items() if started - since >= self._restore_grace_s
+            m
+            for m, since in self._dead_since.items()
+            if started - since >= self._restore_grace_s and not self._hold_purge(m)
         }
 
         def next_chunk(ix: BlockIndex) -> tuple[int, list[str]] | None:

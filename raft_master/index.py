@@ -12,6 +12,8 @@ State:
 - members: member id (u32, from a counter starting at 1) → :class:`MemberRecord`; node id →
   current member id; member id → its keys (a ``dict[str, None]``, insertion-ordered, so a dead
   member's replicas can be purged in chunks).
+- pins: key → replica count wanted (the entry's ``pinned`` flag mirrors it; a pin outlives an
+  overwrite of its key and ends with the key's removal).
 - masters: Raft address → gRPC address (for NOT_LEADER redirects).
 - ``revision``: +1 per committed put entry and per other command that changed something;
   versions are drawn from it, so they increase strictly per key and globally.
@@ -30,10 +32,15 @@ from dataclasses import replace
 from typing import Any, assert_never, cast
 
 from kvpool.raft_master.commands import (
+    PIN_ABSENT,
+    PIN_OK,
+    PIN_QUOTA_EXCEEDED,
     PUT_COMMITTED,
     PUT_NO_LIVE_REPLICA,
     Batch,
     BatchResult,
+    ChangeReplicas,
+    ChangeReplicasResult,
     ClaimReplicas,
     ClaimReplicasResult,
     CommandDecodeError,
@@ -53,6 +60,8 @@ from kvpool.raft_master.commands import (
     RemoveKeys,
     RemoveKeysResult,
     Result,
+    SetPins,
+    SetPinsResult,
     SimpleCommand,
     decode,
     decode_result,
@@ -102,6 +111,7 @@ class BlockIndex:
         self._member_of_node: dict[str, int] = {}
         self._member_keys: dict[int, dict[str, None]] = {}
         self._masters: dict[str, str] = {}
+        self._pins: dict[str, int] = {}
         self._revision = 0
         self._ring_version = 0
         self._next_member_id = 1
@@ -157,6 +167,10 @@ class BlockIndex:
             return self._register_master(command)
         if isinstance(command, ClaimReplicas):
             return self._claim_replicas(command)
+        if isinstance(command, ChangeReplicas):
+            return self._change_replicas(command)
+        if isinstance(command, SetPins):
+            return self._set_pins(command)
         assert_never(command)
 
     def _remember(self, request_id: bytes, stored: bytes) -> None:
@@ -184,7 +198,12 @@ class BlockIndex:
                 for m in record_replicas(old):
                     self._unlink(m, item.key)
             self._entries[item.key] = pack_record(
-                version, item.write_id, item.size_bytes, item.checksum, kept
+                version,
+                item.write_id,
+                item.size_bytes,
+                item.checksum,
+                kept,
+                pinned=item.key in self._pins,
             )
             for m in kept:
                 self._member_keys[m][item.key] = None
@@ -229,6 +248,7 @@ class BlockIndex:
             _, write_id, _, _, _, replicas = unpack_record(record)
             for m in replicas:
                 self._unlink(m, key)
+            self._pins.pop(key, None)
             removed.append(True)
             blocks.append(RemovedBlock(key, write_id, replicas))
         if blocks:
@@ -260,6 +280,7 @@ class BlockIndex:
                 )
             else:
                 del self._entries[key]
+                self._pins.pop(key, None)
             self._unlink(member_id, key)
             dropped += 1
         forgotten = self._forget_if_dead(member_id)
@@ -313,6 +334,105 @@ class BlockIndex:
         if changed:
             self._revision += 1
         return ClaimReplicasResult(tuple(accepted), self._revision)
+
+    def _change_replicas(self, cmd: ChangeReplicas) -> ChangeReplicasResult:
+        """Each change applies only to exactly its write id; an added member must be live and
+        new to the entry; a removal never leaves the entry without a live replica."""
+        applied: list[bool] = []
+        for ch in cmd.changes:
+            record = self._entries.get(ch.key)
+            if record is None or (not ch.add_member and not ch.remove_member):
+                applied.append(False)
+                continue
+            version, write_id, size_bytes, checksum, pinned, replicas = unpack_record(record)
+            if write_id != ch.write_id:
+                applied.append(False)
+                continue
+            rest = list(replicas)
+            if ch.remove_member:
+                if ch.remove_member not in rest:
+                    applied.append(False)
+                    continue
+                rest.remove(ch.remove_member)
+            if ch.add_member:
+                if not self._is_live(ch.add_member) or ch.add_member in rest:
+                    applied.append(False)
+                    continue
+                rest.append(ch.add_member)
+            if not any(self._is_live(m) for m in rest):
+                applied.append(False)
+                continue
+            self._entries[ch.key] = pack_record(
+                version,
+                write_id,
+                size_bytes,
+                checksum,
+                rest,
+                pinned=pinned,
+                tier=record_tier(record),
+            )
+            if ch.add_member:
+                self._member_keys[ch.add_member][ch.key] = None
+            if ch.remove_member:
+                self._unlink(ch.remove_member, ch.key)
+            applied.append(True)
+        if any(applied):
+            self._revision += 1
+        return ChangeReplicasResult(tuple(applied), self._revision)
+
+    def pinned_bytes(self) -> int:
+        """sum(size * replicas wanted) over pinned keys."""
+        total = 0
+        for key, n in self._pins.items():
+            record = self._entries.get(key)
+            if record is not None:
+                total += unpack_record(record)[2] * n
+        return total
+
+    def _set_pins(self, cmd: SetPins) -> SetPinsResult:
+        statuses: list[int] = []
+        used = self.pinned_bytes()
+        changed = False
+        for key in cmd.keys:
+            record = self._entries.get(key)
+            if record is None:
+                statuses.append(PIN_ABSENT)
+                continue
+            size_bytes = unpack_record(record)[2]
+            before = self._pins.get(key, 0)
+            after_used = used - size_bytes * before + size_bytes * cmd.replicas
+            if cmd.replicas > before and cmd.quota_bytes and after_used > cmd.quota_bytes:
+                statuses.append(PIN_QUOTA_EXCEEDED)
+                continue
+            used = after_used
+            if cmd.replicas:
+                self._pins[key] = cmd.replicas
+            else:
+                self._pins.pop(key, None)
+            version, write_id, size_bytes, checksum, pinned, replicas = unpack_record(record)
+            if pinned != bool(cmd.replicas) or before != cmd.replicas:
+                changed = True
+                self._entries[key] = pack_record(
+                    version,
+                    write_id,
+                    size_bytes,
+                    checksum,
+                    replicas,
+                    pinned=bool(cmd.replicas),
+                    tier=record_tier(record),
+                )
+            statuses.append(PIN_OK)
+        if changed:
+            self._revision += 1
+        return SetPinsResult(tuple(statuses), used, self._revision)
+
+    def pins(self) -> dict[str, int]:
+        """key → replicas wanted, for every pinned key (a copy)."""
+        return dict(self._pins)
+
+    def entry_record(self, key: str) -> bytes | None:
+        """The packed record of ``key`` (every listed member, live or not), or None."""
+        return self._entries.get(key)
 
     def _register_member(self, cmd: RegisterMember) -> RegisterMemberResult:
         existing_id = self._member_of_node.get(cmd.node_id)
@@ -468,6 +588,7 @@ class BlockIndex:
             "member_of_node": self._member_of_node,
             "member_keys": self._member_keys,
             "masters": self._masters,
+            "pins": self._pins,
             "revision": self._revision,
             "ring_version": self._ring_version,
             "next_member_id": self._next_member_id,
@@ -493,6 +614,7 @@ class BlockIndex:
         index._member_of_node = state["member_of_node"]
         index._member_keys = state["member_keys"]
         index._masters = state["masters"]
+        index._pins = state.get("pins", {})  # absent in snapshots written before pins
         index._revision = state["revision"]
         index._ring_version = state["ring_version"]
         index._next_member_id = state["next_member_id"]
@@ -512,6 +634,7 @@ class BlockIndex:
             list(self._member_of_node.items()),
             [(m, list(keys)) for m, keys in self._member_keys.items()],
             list(self._masters.items()),
+            list(self._pins.items()),
             self._revision,
             self._ring_version,
             self._next_member_id,
@@ -545,3 +668,8 @@ class BlockIndex:
             if rec.live:
                 assert self._member_of_node.get(rec.node_id) == m, f"live member {m} unmapped"
         assert len(self._dedupe) <= self._dedupe_capacity
+        for key, n in self._pins.items():
+            assert n >= 1, f"pin of {key!r} wants {n} replicas"
+            held = self._entries.get(key)
+            assert held is not None, f"pin names absent key {key!r}"
+            assert unpack_record(held)[4], f"pinned {key!r} lacks its pinned flag"

@@ -4,17 +4,19 @@ index, applied index, log size, readiness, follower lag; index entries, revision
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import Metric
 
-from kvpool.metrics import gauge
+from kvpool.metrics import counter, gauge
 from kvpool.raft_master.service import MasterService
 
 ROLES = ("leader", "follower", "candidate")
 
 
-def master_families(service: MasterService) -> Iterator[Metric]:
-    """Every family a master serves besides the RPC latency histogram."""
+def master_families(service: MasterService, replicas: Any = None) -> Iterator[Metric]:
+    """Every family a master serves besides the RPC latency histogram (``replicas``: the
+    :class:`~kvpool.raft_master.replica_loop.ReplicaLoop`, whose work the leader counts)."""
     status = service.master_status()
     raft = service.replicator.status()
     role = gauge("kvpool_raft_role", "1 for this master's current Raft role", ["role"])
@@ -45,6 +47,20 @@ def master_families(service: MasterService) -> Iterator[Metric]:
     yield _one("kvpool_index_revision", "index revision (every change bumps it)", status.revision)
     members = service.replicator.read(lambda ix: len(ix.live_members()))
     yield _one("kvpool_index_live_nodes", "store nodes the index counts as live", members)
+    if replicas is not None:
+        for name, attr, doc in (
+            ("kvpool_replica_repairs", "copies_total", "replicas copied by this master's loop"),
+            ("kvpool_replica_copy_failures", "copy_failures_total", "replica copies that failed"),
+            ("kvpool_replica_releases", "releases_total", "extra replicas released"),
+        ):
+            family = counter(name, doc)
+            family.add_metric([], float(getattr(replicas, attr, 0)))
+            yield family
+        yield _one(
+            "kvpool_replica_under_target_blocks",
+            "blocks below their replica target at the last pass (leader)",
+            getattr(replicas, "under_target", 0),
+        )
 
 
 def _one(name: str, doc: str, value: float) -> Metric:

@@ -37,9 +37,11 @@ from kvpool.metrics import MetricsServer, register_collector, start_metrics
 from kvpool.proto.v1 import master_pb2_grpc
 from kvpool.raft_master.failure import FailureDetector, FailureLoop
 from kvpool.raft_master.master_metrics import master_families
+from kvpool.raft_master.replica_loop import ReplicaLoop
+from kvpool.raft_master.replica_rpc import ReplicaRpc
 from kvpool.raft_master.replication import Replicator, StartupError, StuckFollowerWatch
 from kvpool.raft_master.rpc_port import RpcPort
-from kvpool.raft_master.service import MasterService
+from kvpool.raft_master.service import MasterService, check_keys, check_request_id
 from kvpool.tracing import setup_tracing
 
 MONITOR_PERIOD_S = 0.1
@@ -137,12 +139,26 @@ class MasterProcess:
         self.service = MasterService(
             cfg, self.replicator, self.detector, grpc_address=cfg.advertise_address or cfg.listen
         )
+        self.replica_loop = ReplicaLoop(
+            cfg, self.replicator, established=self.service.leader_established
+        )
+        self.service.replicas = self.replica_loop
+        self.service.replica_rpc = ReplicaRpc(
+            cfg,
+            self.replicator,
+            self.replica_loop,
+            require_leader=self.service.require_leader,
+            propose=self.service.propose,
+            check_keys=check_keys,
+            check_request_id=check_request_id,
+        )
         self.failure_loop = FailureLoop(
             self.replicator,
             self.detector,
             commit_timeout_s=cfg.commit_timeout_s,
             established=self.service.leader_established,
             restore_grace_s=cfg.restore_grace_s,
+            hold_purge=self.replica_loop.hold_purge,
         )
         self.stuck_watch = StuckFollowerWatch(cfg.stuck_follower_s)
         self._stop: asyncio.Event | None = None
@@ -213,12 +229,14 @@ class MasterProcess:
                 loop.create_task(self._monitor(), name="monitor"),
                 loop.create_task(self._maintain(), name="maintain"),
                 loop.create_task(self.failure_loop.run(), name="failure"),
+                loop.create_task(self.replica_loop.run(), name="replicas"),
             ]
             try:
                 await self._stop.wait()
             finally:
                 self.log.info("master_stopping", exit_code=self._exit_code)
                 await self._shutdown(tasks)
+                await self.replica_loop.close()
             self.log.info("master_stopped", exit_code=self._exit_code)
             return self._exit_code
         except BaseException:
@@ -261,7 +279,9 @@ class MasterProcess:
         if self._metrics is not None:
             shown = f"[{host}]" if ":" in host else host
             self.metrics_address = f"{shown}:{self._metrics.port}"
-            self._unregister = register_collector(partial(master_families, self.service))
+            self._unregister = register_collector(
+                partial(master_families, self.service, self.replica_loop)
+            )
 
     async def _stop_metrics(self) -> None:
         if self._unregister is not None:

@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc.aio
 
@@ -130,6 +130,28 @@ class NodeStats:
     evictions_total: int = 0
 
 
+class ReplicaHooks(Protocol):
+    """What the service needs of the replica loop (:mod:`kvpool.raft_master.replica_loop`)."""
+
+    def reads_reported(self, counts: list[tuple[str, int]]) -> None: ...
+
+    def looked_up(self, keys: list[str]) -> None: ...
+
+
+class ReplicaCalls(Protocol):
+    """The replica calls (:mod:`kvpool.raft_master.replica_rpc`)."""
+
+    async def pin(self, request: master_pb2.PinRequest, context: Any) -> master_pb2.PinResponse: ...
+
+    async def drain(
+        self, request: master_pb2.DrainNodeRequest, context: Any
+    ) -> master_pb2.DrainNodeResponse: ...
+
+    async def status(
+        self, request: master_pb2.ReplicaStatusRequest, context: Any
+    ) -> master_pb2.ReplicaStatusResponse: ...
+
+
 class MasterService(master_pb2_grpc.MasterServicer):
     """Implements ``kvpool.v1.Master`` over one :class:`Replicator`."""
 
@@ -158,6 +180,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self.rpc_address = ""  # the frame RPC port, when offered (see rpc_port.py)
         self._established_term: int | None = None
         self._announce_in_flight = False
+        self.replicas: ReplicaHooks | None = None  # the replica loop, set by the server
+        self.replica_rpc: ReplicaCalls | None = None  # Pin, DrainNode, ReplicaStatus
 
     # --- leadership -----------------------------------------------------------------------
 
@@ -180,6 +204,14 @@ class MasterService(master_pb2_grpc.MasterServicer):
     def _require_leader(self) -> None:
         if not self.replicator.is_leader():
             raise self._not_leader()
+
+    def require_leader(self) -> None:
+        """Raise NotLeaderError (naming the leader when known) unless this master leads."""
+        self._require_leader()
+
+    async def propose(self, command: SimpleCommand, context: Any = None) -> Result:
+        """Replicate one command within the caller's deadline."""
+        return await self._propose(command, context)
 
     def leader_established(self) -> bool:
         """Leader, and an entry proposed in this term has been applied here: the local index
@@ -333,6 +365,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
             lambda ix: ((rec := ix.member(member_id)) is not None and rec.live, ix.ring_version)
         )
         if known:
+            if request.hot_blocks and self.replicas is not None:
+                self.replicas.reads_reported([(b.key, b.reads) for b in request.hot_blocks])
             self.detector.heartbeat(member_id, self._clock())
             self._node_stats[member_id] = NodeStats(
                 capacity_bytes=request.capacity_bytes,
@@ -413,6 +447,28 @@ class MasterService(master_pb2_grpc.MasterServicer):
             self._log.info("node_left", node=record.node_id, member_id=request.member_id)
         return master_pb2.LeaveNodeResponse(ring_version=result.ring_version)
 
+    # --- replicas (delegated) -------------------------------------------------------------------
+
+    def _replica_calls(self) -> ReplicaCalls:
+        if self.replica_rpc is None:
+            raise UnavailableError("this master serves no replica calls")
+        return self.replica_rpc
+
+    async def Pin(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.PinRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.PinResponse:
+        return await self._replica_calls().pin(request, context)
+
+    async def DrainNode(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.DrainNodeRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.DrainNodeResponse:
+        return await self._replica_calls().drain(request, context)
+
+    async def ReplicaStatus(  # noqa: N802 - gRPC method name
+        self, request: master_pb2.ReplicaStatusRequest, context: grpc.aio.ServicerContext
+    ) -> master_pb2.ReplicaStatusResponse:
+        return await self._replica_calls().status(request, context)
+
     # --- reads ------------------------------------------------------------------------------------
 
     async def _wait_for_revision(self, min_revision: int, context: Any) -> None:
@@ -442,6 +498,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
     ) -> master_pb2.LookupResponse:
         keys = check_keys(request.keys, allow_empty=True)
         await self._wait_for_revision(request.min_revision, context)
+        if self.replicas is not None and len(keys) > 1:
+            self.replicas.looked_up(keys)
 
         def read(ix: BlockIndex) -> tuple[Any, list[MemberRecord], int, int]:
             views = ix.lookup(keys)

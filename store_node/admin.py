@@ -1,12 +1,20 @@
 """The node's admin service (``kvpool.v1.NodeAdmin``): capacity, fill and counters over gRPC,
-one ``TierStats`` per tier (CPU first, then GPU and SSD when present)."""
+one ``TierStats`` per tier (CPU first, then GPU and SSD when present); and the replica work the
+master asks of a node: copy blocks to another node (``CopyBlocks``: read from this node's own
+data server, checked, then PUT + PUBLISH on the target, so every tier and read lease works as for
+any reader), pin or unpin blocks, drop released replicas (``UpdateBlocks``)."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
+from kvpool.client.replicate import BlockRef, copy_blocks
+from kvpool.logs import get_logger
 from kvpool.proto.v1 import node_pb2, node_pb2_grpc
 from kvpool.store_node.block_store import BlockStore
+from kvpool.transports.tcp import ConnectionPool
+
+MAX_COPY_TIMEOUT_S = 30.0
 
 SERVICE_NAME = "kvpool.v1.NodeAdmin"
 
@@ -28,9 +36,16 @@ class NodeIdentity(Protocol):
 
 
 class NodeAdmin(node_pb2_grpc.NodeAdminServicer):
-    def __init__(self, store: BlockStore, identity: NodeIdentity) -> None:
+    def __init__(self, store: BlockStore, identity: NodeIdentity, *, logger: Any = None) -> None:
         self._store = store
         self._identity = identity
+        self._pool: ConnectionPool | None = None
+        self._log = logger or get_logger("kvpool.node.admin")
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
 
     def stats(self) -> node_pb2.GetStatsResponse:
         stats = self._store.stats()
@@ -69,3 +84,43 @@ class NodeAdmin(node_pb2_grpc.NodeAdminServicer):
         self, request: node_pb2.GetStatsRequest, context: Any
     ) -> node_pb2.GetStatsResponse:
         return self.stats()
+
+    async def CopyBlocks(  # noqa: N802 (the gRPC method name)
+        self, request: node_pb2.CopyBlocksRequest, context: Any
+    ) -> node_pb2.CopyBlocksResponse:
+        if self._pool is None:
+            self._pool = ConnectionPool(size=2)
+        refs = [
+            BlockRef(b.key, b.write_id, b.version, b.size_bytes, b.checksum) for b in request.blocks
+        ]
+        timeout_s = min(request.timeout_s or 5.0, MAX_COPY_TIMEOUT_S)
+        errors = await copy_blocks(
+            self._pool,
+            self._identity.data_address,
+            request.target_data_address,
+            refs,
+            timeout_s=timeout_s,
+        )
+        failed = [(r.key, e) for r, e in zip(refs, errors, strict=True) if e]
+        if failed:
+            self._log.warning(
+                "copy_failed",
+                target=request.target_data_address,
+                blocks=len(failed),
+                first_key=failed[0][0],
+                error=failed[0][1],
+            )
+        return node_pb2.CopyBlocksResponse(copied=[not e for e in errors])
+
+    async def UpdateBlocks(  # noqa: N802 (the gRPC method name)
+        self, request: node_pb2.UpdateBlocksRequest, context: Any
+    ) -> node_pb2.UpdateBlocksResponse:
+        changed = 0
+        for b in request.pin:
+            changed += self._store.set_pinned(b.key, b.write_id, True)
+        for b in request.unpin:
+            changed += self._store.set_pinned(b.key, b.write_id, False)
+        for b in request.drop:
+            if b.write_id:  # never "every write of the key": only the released one
+                changed += self._store.delete(b.key, b.write_id)
+        return node_pb2.UpdateBlocksResponse(changed=changed)

@@ -91,6 +91,7 @@ class BlockStore:
             raise ValueError("need 0 < low_watermark < high_watermark <= 1")
         self.tier = tier
         self.policy = policy
+        self._reads: dict[str, int] = {}  # key -> reads since take_read_counts (hot blocks)
         self.max_block_size = max_block_size
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
@@ -230,6 +231,7 @@ class BlockStore:
             copy, promote = self.tiers.lease_for_read(block, max_level)
             if copy is not None:
                 self.counters.hits += 1
+                self._reads[key] = self._reads.get(key, 0) + 1
                 self.counters.get_bytes += block.size_bytes
                 return ReadResult(Status.OK, block=block, copy=copy, promote=promote)
             reason = MissReason.SLOW_TIER
@@ -243,6 +245,13 @@ class BlockStore:
             reason = MissReason.ABSENT
         self.counters.misses[reason] += 1
         return ReadResult(Status.MISS, reason)
+
+    def take_read_counts(self, limit: int) -> list[tuple[str, int]]:
+        """The ``limit`` keys read most since the last call, with their reads; resets."""
+        reads, self._reads = self._reads, {}
+        if len(reads) <= limit:
+            return list(reads.items())
+        return sorted(reads.items(), key=lambda kv: kv[1], reverse=True)[:limit]
 
     def finish_read(self, result: ReadResult, outcome: ReadOutcome) -> None:
         """A read of a copy that is not sent from where it lies (SSD, GPU) is over: its lease

@@ -57,6 +57,10 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 T = TypeVar("T")
 
 
+HOT_BLOCKS_PER_HEARTBEAT = 256
+"""Most read counts one heartbeat carries (the keys read most since the last one)."""
+
+
 def new_incarnation() -> int:
     """A random, non-zero 64-bit incarnation."""
     return secrets.randbits(64) or 1
@@ -256,6 +260,10 @@ class NodeRegistration:
             hits_total=stats.hits,
             misses_total=stats.misses_total,
             evictions_total=stats.evictions,
+            hot_blocks=[
+                master_pb2.HotBlock(key=k, reads=min(n, 0xFFFFFFFF))
+                for k, n in self._store.take_read_counts(HOT_BLOCKS_PER_HEARTBEAT)
+            ],
         )
         timeout_s = min(self._cfg.request_timeout_s, max(self.heartbeat_interval_s, 0.5))
         try:

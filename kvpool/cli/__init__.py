@@ -150,6 +150,18 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dir", help="keep the cluster's data and logs here [a temp dir]")
     b.add_argument("--json", action="store_true", help="print JSON")
     b = bsub.add_parser(
+        "replicas",
+        help="hot-block replication time, repair time after a node kill, hit rate through a "
+        "node kill with and without hot replicas",
+    )
+    b.add_argument("--blocks", type=int, default=10_000, help="blocks to repair [10000]")
+    b.add_argument("--block-size", type=int, default=4096, help="bytes per block [4096]")
+    b.add_argument("--rounds", type=int, default=5, help="hot blocks timed [5]")
+    b.add_argument("--window", type=float, default=10.0, help="seconds read after the kill [10]")
+    b.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke runs)")
+    b.add_argument("--dir", help="keep the clusters' data and logs here [a temp dir]")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b = bsub.add_parser(
         "index",
         help="the master: memory per 1 M entries, apply rate, compaction stall, commit rates",
     )
@@ -409,6 +421,11 @@ def _bench(args: argparse.Namespace) -> int:
         print_result(bench_tracing(args.rounds, args.gets, args.dir), args.json)
         return EXIT_OK
 
+    if args.bench_command == "replicas":
+        from kvpool.cli.bench_replicas import main_bench
+
+        print_result(main_bench(args), args.json)
+        return EXIT_OK
     if args.bench_command == "cluster":
         result = bench_cluster(rounds=args.rounds, kills=args.kills, directory=args.dir)
     elif args.bench_command == "tiers":
@@ -485,6 +502,11 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["node", "drain"]:  # `kvpool node` itself runs a node: drain is its action
+        from kvpool.cli.bench_replicas import main_drain
+
+        return main_drain(argv[2:])
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "forward_unknown", False):

@@ -50,6 +50,29 @@ PUT_STATUS_NO_LIVE_REPLICA: PutStatus.ValueType  # 2
 """every replica named is on a member the index knows is down"""
 Global___PutStatus: _TypeAlias = PutStatus  # noqa: Y015
 
+class _PinStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PinStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PinStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PIN_STATUS_UNSPECIFIED: _PinStatus.ValueType  # 0
+    PIN_STATUS_OK: _PinStatus.ValueType  # 1
+    PIN_STATUS_ABSENT: _PinStatus.ValueType  # 2
+    """no such key in the index"""
+    PIN_STATUS_QUOTA_EXCEEDED: _PinStatus.ValueType  # 3
+    """pinning it would exceed the master's pin_quota"""
+
+class PinStatus(_PinStatus, metaclass=_PinStatusEnumTypeWrapper): ...
+
+PIN_STATUS_UNSPECIFIED: PinStatus.ValueType  # 0
+PIN_STATUS_OK: PinStatus.ValueType  # 1
+PIN_STATUS_ABSENT: PinStatus.ValueType  # 2
+"""no such key in the index"""
+PIN_STATUS_QUOTA_EXCEEDED: PinStatus.ValueType  # 3
+"""pinning it would exceed the master's pin_quota"""
+Global___PinStatus: _TypeAlias = PinStatus  # noqa: Y015
+
 @_typing.final
 class PutEntry(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -492,6 +515,7 @@ class HeartbeatRequest(_message.Message):
     HITS_TOTAL_FIELD_NUMBER: _builtins.int
     MISSES_TOTAL_FIELD_NUMBER: _builtins.int
     EVICTIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    HOT_BLOCKS_FIELD_NUMBER: _builtins.int
     member_id: _builtins.int
     capacity_bytes: _builtins.int
     used_bytes: _builtins.int
@@ -500,6 +524,10 @@ class HeartbeatRequest(_message.Message):
     hits_total: _builtins.int
     misses_total: _builtins.int
     evictions_total: _builtins.int
+    @_builtins.property
+    def hot_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___HotBlock]:
+        """The blocks read most on this node since its last heartbeat (hot-block detection)."""
+
     def __init__(
         self,
         *,
@@ -511,14 +539,37 @@ class HeartbeatRequest(_message.Message):
         hits_total: _builtins.int = ...,
         misses_total: _builtins.int = ...,
         evictions_total: _builtins.int = ...,
+        hot_blocks: _abc.Iterable[Global___HotBlock] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_count", b"block_count", "capacity_bytes", b"capacity_bytes", "evictions_total", b"evictions_total", "hits_total", b"hits_total", "member_id", b"member_id", "misses_total", b"misses_total", "staged_count", b"staged_count", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_count", b"block_count", "capacity_bytes", b"capacity_bytes", "evictions_total", b"evictions_total", "hits_total", b"hits_total", "hot_blocks", b"hot_blocks", "member_id", b"member_id", "misses_total", b"misses_total", "staged_count", b"staged_count", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class HotBlock(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    READS_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    reads: _builtins.int
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        reads: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "reads", b"reads"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HotBlock: _TypeAlias = HotBlock  # noqa: Y015
 
 @_typing.final
 class HeartbeatResponse(_message.Message):
@@ -915,3 +966,178 @@ class ClusterStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterStatusResponse: _TypeAlias = ClusterStatusResponse  # noqa: Y015
+
+@_typing.final
+class PinRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.bytes
+    replicas: _builtins.int
+    """0 = unpin"""
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.bytes = ...,
+        keys: _abc.Iterable[_builtins.str] | None = ...,
+        replicas: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "replicas", b"replicas", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinRequest: _TypeAlias = PinRequest  # noqa: Y015
+
+@_typing.final
+class PinResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUSES_FIELD_NUMBER: _builtins.int
+    PINNED_BYTES_FIELD_NUMBER: _builtins.int
+    QUOTA_BYTES_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    pinned_bytes: _builtins.int
+    """sum(size * replicas) over pinned keys after this call"""
+    quota_bytes: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def statuses(self) -> _containers.RepeatedScalarFieldContainer[Global___PinStatus.ValueType]: ...
+    def __init__(
+        self,
+        *,
+        statuses: _abc.Iterable[Global___PinStatus.ValueType] | None = ...,
+        pinned_bytes: _builtins.int = ...,
+        quota_bytes: _builtins.int = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pinned_bytes", b"pinned_bytes", "quota_bytes", b"quota_bytes", "revision", b"revision", "statuses", b"statuses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinResponse: _TypeAlias = PinResponse  # noqa: Y015
+
+@_typing.final
+class DrainNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    wait: _builtins.bool
+    """answer once drained (or the deadline passes)"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        wait: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "wait", b"wait"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainNodeRequest: _TypeAlias = DrainNodeRequest  # noqa: Y015
+
+@_typing.final
+class DrainNodeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    BLOCKS_LEFT_FIELD_NUMBER: _builtins.int
+    LEFT_FIELD_NUMBER: _builtins.int
+    member_id: _builtins.int
+    blocks_left: _builtins.int
+    """blocks still only on the draining node (0: drained)"""
+    left: _builtins.bool
+    """the node was declared left"""
+    def __init__(
+        self,
+        *,
+        member_id: _builtins.int = ...,
+        blocks_left: _builtins.int = ...,
+        left: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_left", b"blocks_left", "left", b"left", "member_id", b"member_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainNodeResponse: _TypeAlias = DrainNodeResponse  # noqa: Y015
+
+@_typing.final
+class ReplicaStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """replica counts of these keys (live replicas)"""
+
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaStatusRequest: _TypeAlias = ReplicaStatusRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    UNDER_TARGET_FIELD_NUMBER: _builtins.int
+    COPIES_TOTAL_FIELD_NUMBER: _builtins.int
+    RELEASES_TOTAL_FIELD_NUMBER: _builtins.int
+    HOT_KEYS_FIELD_NUMBER: _builtins.int
+    PINNED_BYTES_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    under_target: _builtins.int
+    """blocks the leader knows to be under their target count"""
+    copies_total: _builtins.int
+    """copies this leader committed (hot, pin, repair, drain)"""
+    releases_total: _builtins.int
+    """extra replicas released after cooling"""
+    pinned_bytes: _builtins.int
+    leader: _builtins.bool
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """per requested key; 0 = absent"""
+
+    @_builtins.property
+    def hot_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """keys the leader counts as hot now (at most 100)"""
+
+    def __init__(
+        self,
+        *,
+        replicas: _abc.Iterable[_builtins.int] | None = ...,
+        under_target: _builtins.int = ...,
+        copies_total: _builtins.int = ...,
+        releases_total: _builtins.int = ...,
+        hot_keys: _abc.Iterable[_builtins.str] | None = ...,
+        pinned_bytes: _builtins.int = ...,
+        leader: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies_total", b"copies_total", "hot_keys", b"hot_keys", "leader", b"leader", "pinned_bytes", b"pinned_bytes", "releases_total", b"releases_total", "replicas", b"replicas", "under_target", b"under_target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaStatusResponse: _TypeAlias = ReplicaStatusResponse  # noqa: Y015

@@ -89,6 +89,21 @@ class MasterStub:
                 request_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvpool.v1.Master/Pin',
+                request_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.PinResponse.FromString,
+                _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/kvpool.v1.Master/DrainNode',
+                request_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.DrainNodeResponse.FromString,
+                _registered_method=True)
+        self.ReplicaStatus = channel.unary_unary(
+                '/kvpool.v1.Master/ReplicaStatus',
+                request_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ReplicaStatusRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ReplicaStatusResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -172,6 +187,27 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Pin keys at `replicas` copies (never evicted), or unpin them (replicas = 0). Leader only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainNode(self, request, context):
+        """Hand a node's blocks to others, then declare it left. Leader only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplicaStatus(self, request, context):
+        """Replica counts and the replica loop's progress (tests, chaos checkers, benches).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -229,6 +265,21 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ClusterStatusRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.PinRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.PinResponse.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.DrainNodeRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.DrainNodeResponse.SerializeToString,
+            ),
+            'ReplicaStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicaStatus,
+                    request_deserializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ReplicaStatusRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_v1_dot_master__pb2.ReplicaStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,6 +579,87 @@ class Master:
             '/kvpool.v1.Master/ClusterStatus',
             kvpool_dot_proto_dot_v1_dot_master__pb2.ClusterStatusRequest.SerializeToString,
             kvpool_dot_proto_dot_v1_dot_master__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/Pin',
+            kvpool_dot_proto_dot_v1_dot_master__pb2.PinRequest.SerializeToString,
+            kvpool_dot_proto_dot_v1_dot_master__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/DrainNode',
+            kvpool_dot_proto_dot_v1_dot_master__pb2.DrainNodeRequest.SerializeToString,
+            kvpool_dot_proto_dot_v1_dot_master__pb2.DrainNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/ReplicaStatus',
+            kvpool_dot_proto_dot_v1_dot_master__pb2.ReplicaStatusRequest.SerializeToString,
+            kvpool_dot_proto_dot_v1_dot_master__pb2.ReplicaStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

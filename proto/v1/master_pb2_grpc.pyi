@@ -66,6 +66,12 @@ class MasterStub:
     """A store node leaves on purpose (graceful shutdown)."""
     ClusterStatus: _grpc.UnaryUnaryMultiCallable[_master_pb2.ClusterStatusRequest, _master_pb2.ClusterStatusResponse]
     """This master's Raft view plus the node table."""
+    Pin: _grpc.UnaryUnaryMultiCallable[_master_pb2.PinRequest, _master_pb2.PinResponse]
+    """Pin keys at `replicas` copies (never evicted), or unpin them (replicas = 0). Leader only."""
+    DrainNode: _grpc.UnaryUnaryMultiCallable[_master_pb2.DrainNodeRequest, _master_pb2.DrainNodeResponse]
+    """Hand a node's blocks to others, then declare it left. Leader only."""
+    ReplicaStatus: _grpc.UnaryUnaryMultiCallable[_master_pb2.ReplicaStatusRequest, _master_pb2.ReplicaStatusResponse]
+    """Replica counts and the replica loop's progress (tests, chaos checkers, benches)."""
 
 @_typing.type_check_only
 class MasterAsyncStub(MasterStub):
@@ -94,6 +100,12 @@ class MasterAsyncStub(MasterStub):
     """A store node leaves on purpose (graceful shutdown)."""
     ClusterStatus: _aio.UnaryUnaryMultiCallable[_master_pb2.ClusterStatusRequest, _master_pb2.ClusterStatusResponse]  # type: ignore[assignment]
     """This master's Raft view plus the node table."""
+    Pin: _aio.UnaryUnaryMultiCallable[_master_pb2.PinRequest, _master_pb2.PinResponse]  # type: ignore[assignment]
+    """Pin keys at `replicas` copies (never evicted), or unpin them (replicas = 0). Leader only."""
+    DrainNode: _aio.UnaryUnaryMultiCallable[_master_pb2.DrainNodeRequest, _master_pb2.DrainNodeResponse]  # type: ignore[assignment]
+    """Hand a node's blocks to others, then declare it left. Leader only."""
+    ReplicaStatus: _aio.UnaryUnaryMultiCallable[_master_pb2.ReplicaStatusRequest, _master_pb2.ReplicaStatusResponse]  # type: ignore[assignment]
+    """Replica counts and the replica loop's progress (tests, chaos checkers, benches)."""
 
 class MasterServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -185,5 +197,29 @@ class MasterServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_master_pb2.ClusterStatusResponse, _abc.Awaitable[_master_pb2.ClusterStatusResponse]]:
         """This master's Raft view plus the node table."""
+
+    @_abc_1.abstractmethod
+    def Pin(
+        self,
+        request: _master_pb2.PinRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_master_pb2.PinResponse, _abc.Awaitable[_master_pb2.PinResponse]]:
+        """Pin keys at `replicas` copies (never evicted), or unpin them (replicas = 0). Leader only."""
+
+    @_abc_1.abstractmethod
+    def DrainNode(
+        self,
+        request: _master_pb2.DrainNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_master_pb2.DrainNodeResponse, _abc.Awaitable[_master_pb2.DrainNodeResponse]]:
+        """Hand a node's blocks to others, then declare it left. Leader only."""
+
+    @_abc_1.abstractmethod
+    def ReplicaStatus(
+        self,
+        request: _master_pb2.ReplicaStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_master_pb2.ReplicaStatusResponse, _abc.Awaitable[_master_pb2.ReplicaStatusResponse]]:
+        """Replica counts and the replica loop's progress (tests, chaos checkers, benches)."""
 
 def add_MasterServicer_to_server(servicer: MasterServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

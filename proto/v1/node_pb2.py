@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvpool/proto/v1/node.proto\x12\tkvpool.v1\"\x11\n\x0fGetStatsRequest\"\x90\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_count\x18\x04 \x01(\x04\x12\x16\n\x0ehigh_watermark\x18\x05 \x01(\x01\x12\x15\n\rlow_watermark\x18\x06 \x01(\x01\x12\x15\n\rfragmentation\x18\x07 \x01(\x01\x12\x12\n\nhits_total\x18\x08 \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\t \x01(\x04\x12\x17\n\x0f\x64\x65motions_total\x18\n \x01(\x04\x12\x18\n\x10promotions_total\x18\x0b \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x0c \x01(\t\"\x8d\x02\n\x10GetStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\x12\x14\n\x0c\x64\x61ta_address\x18\x04 \x01(\t\x12#\n\x05tiers\x18\x05 \x03(\x0b\x32\x14.kvpool.v1.TierStats\x12\x14\n\x0cstaged_count\x18\x06 \x01(\x04\x12\x12\n\nhits_total\x18\x07 \x01(\x04\x12\x14\n\x0cmisses_total\x18\x08 \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\t \x01(\x04\x12\x12\n\nputs_total\x18\n \x01(\x04\x12\x18\n\x10\x62\x61\x64_frames_total\x18\x0b \x01(\x04\x32P\n\tNodeAdmin\x12\x43\n\x08GetStats\x12\x1a.kvpool.v1.GetStatsRequest\x1a\x1b.kvpool.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvpool/proto/v1/node.proto\x12\tkvpool.v1\"\x11\n\x0fGetStatsRequest\"\x90\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_count\x18\x04 \x01(\x04\x12\x16\n\x0ehigh_watermark\x18\x05 \x01(\x01\x12\x15\n\rlow_watermark\x18\x06 \x01(\x01\x12\x15\n\rfragmentation\x18\x07 \x01(\x01\x12\x12\n\nhits_total\x18\x08 \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\t \x01(\x04\x12\x17\n\x0f\x64\x65motions_total\x18\n \x01(\x04\x12\x18\n\x10promotions_total\x18\x0b \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x0c \x01(\t\"\x8d\x02\n\x10GetStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\x12\x14\n\x0c\x64\x61ta_address\x18\x04 \x01(\t\x12#\n\x05tiers\x18\x05 \x03(\x0b\x32\x14.kvpool.v1.TierStats\x12\x14\n\x0cstaged_count\x18\x06 \x01(\x04\x12\x12\n\nhits_total\x18\x07 \x01(\x04\x12\x14\n\x0cmisses_total\x18\x08 \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\t \x01(\x04\x12\x12\n\nputs_total\x18\n \x01(\x04\x12\x18\n\x10\x62\x61\x64_frames_total\x18\x0b \x01(\x04\"`\n\x08\x42lockRef\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x06\"x\n\x11\x43opyBlocksRequest\x12\x1b\n\x13target_data_address\x18\x01 \x01(\t\x12#\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x13.kvpool.v1.BlockRef\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"$\n\x12\x43opyBlocksResponse\x12\x0e\n\x06\x63opied\x18\x01 \x03(\x08\"~\n\x13UpdateBlocksRequest\x12 \n\x03pin\x18\x01 \x03(\x0b\x32\x13.kvpool.v1.BlockRef\x12\"\n\x05unpin\x18\x02 \x03(\x0b\x32\x13.kvpool.v1.BlockRef\x12!\n\x04\x64rop\x18\x03 \x03(\x0b\x32\x13.kvpool.v1.BlockRef\"\'\n\x14UpdateBlocksResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r2\xec\x01\n\tNodeAdmin\x12\x43\n\x08GetStats\x12\x1a.kvpool.v1.GetStatsRequest\x1a\x1b.kvpool.v1.GetStatsResponse\x12I\n\nCopyBlocks\x12\x1c.kvpool.v1.CopyBlocksRequest\x1a\x1d.kvpool.v1.CopyBlocksResponse\x12O\n\x0cUpdateBlocks\x12\x1e.kvpool.v1.UpdateBlocksRequest\x1a\x1f.kvpool.v1.UpdateBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,6 +37,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIERSTATS']._serialized_end=333
   _globals['_GETSTATSRESPONSE']._serialized_start=336
   _globals['_GETSTATSRESPONSE']._serialized_end=605
-  _globals['_NODEADMIN']._serialized_start=607
-  _globals['_NODEADMIN']._serialized_end=687
+  _globals['_BLOCKREF']._serialized_start=607
+  _globals['_BLOCKREF']._serialized_end=703
+  _globals['_COPYBLOCKSREQUEST']._serialized_start=705
+  _globals['_COPYBLOCKSREQUEST']._serialized_end=825
+  _globals['_COPYBLOCKSRESPONSE']._serialized_start=827
+  _globals['_COPYBLOCKSRESPONSE']._serialized_end=863
+  _globals['_UPDATEBLOCKSREQUEST']._serialized_start=865
+  _globals['_UPDATEBLOCKSREQUEST']._serialized_end=991
+  _globals['_UPDATEBLOCKSRESPONSE']._serialized_start=993
+  _globals['_UPDATEBLOCKSRESPONSE']._serialized_end=1032
+  _globals['_NODEADMIN']._serialized_start=1035
+  _globals['_NODEADMIN']._serialized_end=1271
 # @@protoc_insertion_point(module_scope)

@@ -146,3 +146,133 @@ class GetStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015
+
+@_typing.final
+class BlockRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    WRITE_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    write_id: _builtins.int
+    version: _builtins.int
+    size_bytes: _builtins.int
+    checksum: _builtins.int
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        write_id: _builtins.int = ...,
+        version: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+        checksum: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "key", b"key", "size_bytes", b"size_bytes", "version", b"version", "write_id", b"write_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockRef: _TypeAlias = BlockRef  # noqa: Y015
+
+@_typing.final
+class CopyBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_DATA_ADDRESS_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    target_data_address: _builtins.str
+    pinned: _builtins.bool
+    """the target pins its copies"""
+    timeout_s: _builtins.float
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockRef]: ...
+    def __init__(
+        self,
+        *,
+        target_data_address: _builtins.str = ...,
+        blocks: _abc.Iterable[Global___BlockRef] | None = ...,
+        pinned: _builtins.bool = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "pinned", b"pinned", "target_data_address", b"target_data_address", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CopyBlocksRequest: _TypeAlias = CopyBlocksRequest  # noqa: Y015
+
+@_typing.final
+class CopyBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COPIED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def copied(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """per block: published on the target"""
+
+    def __init__(
+        self,
+        *,
+        copied: _abc.Iterable[_builtins.bool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copied", b"copied"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CopyBlocksResponse: _TypeAlias = CopyBlocksResponse  # noqa: Y015
+
+@_typing.final
+class UpdateBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIN_FIELD_NUMBER: _builtins.int
+    UNPIN_FIELD_NUMBER: _builtins.int
+    DROP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pin(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockRef]: ...
+    @_builtins.property
+    def unpin(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockRef]: ...
+    @_builtins.property
+    def drop(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockRef]: ...
+    def __init__(
+        self,
+        *,
+        pin: _abc.Iterable[Global___BlockRef] | None = ...,
+        unpin: _abc.Iterable[Global___BlockRef] | None = ...,
+        drop: _abc.Iterable[Global___BlockRef] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "pin", b"pin", "unpin", b"unpin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateBlocksRequest: _TypeAlias = UpdateBlocksRequest  # noqa: Y015
+
+@_typing.final
+class UpdateBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGED_FIELD_NUMBER: _builtins.int
+    changed: _builtins.int
+    def __init__(
+        self,
+        *,
+        changed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateBlocksResponse: _TypeAlias = UpdateBlocksResponse  # noqa: Y015

@@ -39,6 +39,16 @@ class NodeAdminStub:
                 request_serializer=kvpool_dot_proto_dot_v1_dot_node__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvpool_dot_proto_dot_v1_dot_node__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.CopyBlocks = channel.unary_unary(
+                '/kvpool.v1.NodeAdmin/CopyBlocks',
+                request_serializer=kvpool_dot_proto_dot_v1_dot_node__pb2.CopyBlocksRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_v1_dot_node__pb2.CopyBlocksResponse.FromString,
+                _registered_method=True)
+        self.UpdateBlocks = channel.unary_unary(
+                '/kvpool.v1.NodeAdmin/UpdateBlocks',
+                request_serializer=kvpool_dot_proto_dot_v1_dot_node__pb2.UpdateBlocksRequest.SerializeToString,
+                response_deserializer=kvpool_dot_proto_dot_v1_dot_node__pb2.UpdateBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAdminServicer:
@@ -51,6 +61,22 @@ class NodeAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyBlocks(self, request, context):
+        """Copy committed blocks from this node to another over the data plane (PUT + PUBLISH of
+        the same write id and version), for replicas the master adds. Bytes never go through
+        the master.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateBlocks(self, request, context):
+        """Set or clear the pin (eviction exemption) of blocks held here; delete released blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +84,16 @@ def add_NodeAdminServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvpool_dot_proto_dot_v1_dot_node__pb2.GetStatsRequest.FromString,
                     response_serializer=kvpool_dot_proto_dot_v1_dot_node__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'CopyBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyBlocks,
+                    request_deserializer=kvpool_dot_proto_dot_v1_dot_node__pb2.CopyBlocksRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_v1_dot_node__pb2.CopyBlocksResponse.SerializeToString,
+            ),
+            'UpdateBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateBlocks,
+                    request_deserializer=kvpool_dot_proto_dot_v1_dot_node__pb2.UpdateBlocksRequest.FromString,
+                    response_serializer=kvpool_dot_proto_dot_v1_dot_node__pb2.UpdateBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +123,60 @@ class NodeAdmin:
             '/kvpool.v1.NodeAdmin/GetStats',
             kvpool_dot_proto_dot_v1_dot_node__pb2.GetStatsRequest.SerializeToString,
             kvpool_dot_proto_dot_v1_dot_node__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.NodeAdmin/CopyBlocks',
+            kvpool_dot_proto_dot_v1_dot_node__pb2.CopyBlocksRequest.SerializeToString,
+            kvpool_dot_proto_dot_v1_dot_node__pb2.CopyBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.NodeAdmin/UpdateBlocks',
+            kvpool_dot_proto_dot_v1_dot_node__pb2.UpdateBlocksRequest.SerializeToString,
+            kvpool_dot_proto_dot_v1_dot_node__pb2.UpdateBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

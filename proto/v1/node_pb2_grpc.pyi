@@ -35,12 +35,26 @@ class NodeAdminStub:
     def __new__(cls, channel: _aio.Channel) -> NodeAdminAsyncStub: ...
     GetStats: _grpc.UnaryUnaryMultiCallable[_node_pb2.GetStatsRequest, _node_pb2.GetStatsResponse]
     """Capacity, fill and counters of this node."""
+    CopyBlocks: _grpc.UnaryUnaryMultiCallable[_node_pb2.CopyBlocksRequest, _node_pb2.CopyBlocksResponse]
+    """Copy committed blocks from this node to another over the data plane (PUT + PUBLISH of
+    the same write id and version), for replicas the master adds. Bytes never go through
+    the master.
+    """
+    UpdateBlocks: _grpc.UnaryUnaryMultiCallable[_node_pb2.UpdateBlocksRequest, _node_pb2.UpdateBlocksResponse]
+    """Set or clear the pin (eviction exemption) of blocks held here; delete released blocks."""
 
 @_typing.type_check_only
 class NodeAdminAsyncStub(NodeAdminStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetStats: _aio.UnaryUnaryMultiCallable[_node_pb2.GetStatsRequest, _node_pb2.GetStatsResponse]  # type: ignore[assignment]
     """Capacity, fill and counters of this node."""
+    CopyBlocks: _aio.UnaryUnaryMultiCallable[_node_pb2.CopyBlocksRequest, _node_pb2.CopyBlocksResponse]  # type: ignore[assignment]
+    """Copy committed blocks from this node to another over the data plane (PUT + PUBLISH of
+    the same write id and version), for replicas the master adds. Bytes never go through
+    the master.
+    """
+    UpdateBlocks: _aio.UnaryUnaryMultiCallable[_node_pb2.UpdateBlocksRequest, _node_pb2.UpdateBlocksResponse]  # type: ignore[assignment]
+    """Set or clear the pin (eviction exemption) of blocks held here; delete released blocks."""
 
 class NodeAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -50,5 +64,24 @@ class NodeAdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_node_pb2.GetStatsResponse, _abc.Awaitable[_node_pb2.GetStatsResponse]]:
         """Capacity, fill and counters of this node."""
+
+    @_abc_1.abstractmethod
+    def CopyBlocks(
+        self,
+        request: _node_pb2.CopyBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_pb2.CopyBlocksResponse, _abc.Awaitable[_node_pb2.CopyBlocksResponse]]:
+        """Copy committed blocks from this node to another over the data plane (PUT + PUBLISH of
+        the same write id and version), for replicas the master adds. Bytes never go through
+        the master.
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateBlocks(
+        self,
+        request: _node_pb2.UpdateBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_pb2.UpdateBlocksResponse, _abc.Awaitable[_node_pb2.UpdateBlocksResponse]]:
+        """Set or clear the pin (eviction exemption) of blocks held here; delete released blocks."""
 
 def add_NodeAdminServicer_to_server(servicer: NodeAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -37,6 +37,8 @@ class RaftCommand(_message.Message):
     REGISTER_MASTER_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
     CLAIM_REPLICAS_FIELD_NUMBER: _builtins.int
+    CHANGE_REPLICAS_FIELD_NUMBER: _builtins.int
+    SET_PINS_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     request_id: _builtins.bytes
     @_builtins.property
@@ -55,6 +57,10 @@ class RaftCommand(_message.Message):
     def batch(self) -> Global___BatchCommand: ...
     @_builtins.property
     def claim_replicas(self) -> Global___ClaimReplicasCommand: ...
+    @_builtins.property
+    def change_replicas(self) -> Global___ChangeReplicasCommand: ...
+    @_builtins.property
+    def set_pins(self) -> Global___SetPinsCommand: ...
     def __init__(
         self,
         *,
@@ -68,12 +74,14 @@ class RaftCommand(_message.Message):
         register_master: Global___RegisterMasterCommand | None = ...,
         batch: Global___BatchCommand | None = ...,
         claim_replicas: Global___ClaimReplicasCommand | None = ...,
+        change_replicas: Global___ChangeReplicasCommand | None = ...,
+        set_pins: Global___SetPinsCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "claim_replicas", b"claim_replicas", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "change_replicas", b"change_replicas", "claim_replicas", b"claim_replicas", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys", "set_pins", b"set_pins"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "claim_replicas", b"claim_replicas", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "format_version", b"format_version", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "change_replicas", b"change_replicas", "claim_replicas", b"claim_replicas", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "format_version", b"format_version", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys", "request_id", b"request_id", "set_pins", b"set_pins"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["commit_puts", "remove_keys", "drop_replicas", "register_member", "mark_member_down", "register_master", "batch", "claim_replicas"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["commit_puts", "remove_keys", "drop_replicas", "register_member", "mark_member_down", "register_master", "batch", "claim_replicas", "change_replicas", "set_pins"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -275,3 +283,88 @@ class ClaimReplicasCommand(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClaimReplicasCommand: _TypeAlias = ClaimReplicasCommand  # noqa: Y015
+
+@_typing.final
+class ReplicaChange(_message.Message):
+    """Replica moves decided by the leader (hot blocks, repair, drain, cooling). Each change
+    applies only when the entry still holds exactly `write_id`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    WRITE_ID_FIELD_NUMBER: _builtins.int
+    ADD_MEMBER_FIELD_NUMBER: _builtins.int
+    REMOVE_MEMBER_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    write_id: _builtins.int
+    add_member: _builtins.int
+    """0: none. Must be live; it holds a copy of exactly this write."""
+    remove_member: _builtins.int
+    """0: none. Never removes the last live replica."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        write_id: _builtins.int = ...,
+        add_member: _builtins.int = ...,
+        remove_member: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_member", b"add_member", "key", b"key", "remove_member", b"remove_member", "write_id", b"write_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaChange: _TypeAlias = ReplicaChange  # noqa: Y015
+
+@_typing.final
+class ChangeReplicasCommand(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaChange]: ...
+    def __init__(
+        self,
+        *,
+        changes: _abc.Iterable[Global___ReplicaChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChangeReplicasCommand: _TypeAlias = ChangeReplicasCommand  # noqa: Y015
+
+@_typing.final
+class SetPinsCommand(_message.Message):
+    """Pin (replicas >= 1) or unpin (replicas = 0) keys. `quota_bytes` is the leader's configured
+    bound on sum(size * replicas) over pinned keys (0 = no bound), carried in the command so that
+    every master decides alike.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    QUOTA_BYTES_FIELD_NUMBER: _builtins.int
+    replicas: _builtins.int
+    quota_bytes: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[_builtins.str] | None = ...,
+        replicas: _builtins.int = ...,
+        quota_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "quota_bytes", b"quota_bytes", "replicas", b"replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetPinsCommand: _TypeAlias = SetPinsCommand  # noqa: Y015

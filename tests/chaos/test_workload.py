@@ -306,6 +306,7 @@ def test_two_workloads_on_a_healthy_cluster_pass_every_checker(
         converge_within_s=20.0,
         hit_rate_target=0.99,
         hit_rate_within_s=20.0,
+        replica_target=1,
     )
     verdict = run_all(history, context)
     assert verdict.ok, verdict.to_text()

@@ -225,6 +225,8 @@ def test_every_process_serves_metrics(traced_cluster: tuple[LocalCluster, Path])
     assert _value(master, "kvpool_raft_ready") == 1
     assert _value(master, "kvpool_index_entries") >= 1
     assert _value(master, "kvpool_index_live_nodes") == 1
+    assert _value(master, "kvpool_replica_repairs_total") >= 0
+    assert _value(master, "kvpool_replica_under_target_blocks") >= 0
     # Lookups arrive on the frame RPC port; sub-millisecond buckets exist.
     assert (
         _value(

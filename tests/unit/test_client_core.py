@@ -294,6 +294,15 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
     async def ClaimReplicas(self, request: Any, context: Any) -> Any:
         raise InternalError("not in the fake")
 
+    async def Pin(self, request: Any, context: Any) -> Any:
+        raise InternalError("not in the fake")
+
+    async def DrainNode(self, request: Any, context: Any) -> Any:
+        raise InternalError("not in the fake")
+
+    async def ReplicaStatus(self, request: Any, context: Any) -> Any:
+        raise InternalError("not in the fake")
+
 
 class FakeCluster:
     """One fake master and ``n_nodes`` fake nodes on a background event-loop thread."""

@@ -285,6 +285,10 @@ class FakeHarness:
         self._call("wait_caught_up")
         return True
 
+    def drain(self, name: str, timeout_s: float) -> int:
+        self._call("drain", name)
+        return 0
+
     def cut(self, pairs: Sequence[tuple[str, str]]) -> None:
         self._call("cut", *(f"{a}|{b}" for a, b in pairs))
 
