@@ -43,8 +43,8 @@ KNOWN_GAPS = {
     "puts on the draining node (issue 6, open: the draining flag is leader soft state, not in "
     "the ring clients place by)",
 }
-"""Scenarios whose minute-long run fails for a known, open reason (strict: an unexpected pass
-fails too, so the entry is removed when the gap is closed)."""
+"""Scenarios whose minute-long run fails for a known, open reason (not strict: a drain that
+happens to fall between write bursts may finish; remove the entry when the gap is closed)."""
 
 
 @pytest.mark.chaos
@@ -52,7 +52,7 @@ fails too, so the entry is removed when the gap is closed)."""
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=True))
+        pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=False))
         if n in KNOWN_GAPS
         else n
         for n in SCENARIOS
