@@ -35,7 +35,7 @@ import grpc
 
 from kvpool.config import MasterConfig
 from kvpool.errors import KVPoolError
-from kvpool.grpcutil import create_channel, unary
+from kvpool.grpcutil import call_metadata, create_channel, unary
 from kvpool.logs import get_logger
 from kvpool.proto.ring import HashRing, RingMember
 from kvpool.proto.v1 import node_pb2, node_pb2_grpc
@@ -103,6 +103,8 @@ class ReplicaLoop:
         period_s: float = PERIOD_S,
     ) -> None:
         self._cfg = cfg
+        self._security = cfg.security()  # the cluster token (and TLS) for the nodes' admin calls
+        self._metadata = call_metadata(self._security)
         self._replicator = replicator
         self._established = established or replicator.is_ready
         self._clock = clock
@@ -295,7 +297,7 @@ class ReplicaLoop:
     def _stub(self, admin_address: str) -> node_pb2_grpc.NodeAdminStub:
         stub = self._stubs.get(admin_address)
         if stub is None:
-            channel = create_channel(admin_address)
+            channel = create_channel(admin_address, self._security)
             self._channels[admin_address] = channel
             stub = node_pb2_grpc.NodeAdminStub(channel)
             self._stubs[admin_address] = stub
@@ -331,6 +333,7 @@ class ReplicaLoop:
                     request,
                     timeout_s=COPY_RPC_TIMEOUT_S,
                     address=src[1],
+                    metadata=self._metadata,
                 )
             except KVPoolError as e:
                 self._log.warning("copy_rpc_failed", source=source, error=e.message)
@@ -417,6 +420,7 @@ class ReplicaLoop:
                     request,
                     timeout_s=COPY_RPC_TIMEOUT_S,
                     address=address[1],
+                    metadata=self._metadata,
                 )
             except KVPoolError as e:
                 self._log.info("update_blocks_failed", member_id=m, error=e.message)

@@ -6,13 +6,14 @@ any reader), pin or unpin blocks, drop released replicas (``UpdateBlocks``)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Protocol
 
 from kvpool.client.replicate import BlockRef, copy_blocks
 from kvpool.logs import get_logger
 from kvpool.proto.v1 import node_pb2, node_pb2_grpc
 from kvpool.store_node.block_store import BlockStore
-from kvpool.transports.tcp import ConnectionPool
+from kvpool.transports.tcp import ConnectionPool, open_tcp_address
 
 MAX_COPY_TIMEOUT_S = 30.0
 
@@ -36,9 +37,14 @@ class NodeIdentity(Protocol):
 
 
 class NodeAdmin(node_pb2_grpc.NodeAdminServicer):
-    def __init__(self, store: BlockStore, identity: NodeIdentity, *, logger: Any = None) -> None:
+    def __init__(
+        self, store: BlockStore, identity: NodeIdentity, *, logger: Any = None, token: bytes = b""
+    ) -> None:
+        """``token``: the cluster token, offered on the data connections of node-to-node copies
+        (this node's own data server and the target's both ask for it)."""
         self._store = store
         self._identity = identity
+        self._token = token
         self._pool: ConnectionPool | None = None
         self._log = logger or get_logger("kvpool.node.admin")
 
@@ -89,7 +95,9 @@ class NodeAdmin(node_pb2_grpc.NodeAdminServicer):
         self, request: node_pb2.CopyBlocksRequest, context: Any
     ) -> node_pb2.CopyBlocksResponse:
         if self._pool is None:
-            self._pool = ConnectionPool(size=2)
+            self._pool = ConnectionPool(
+                size=2, opener=functools.partial(open_tcp_address, token=self._token)
+            )
         refs = [
             BlockRef(b.key, b.write_id, b.version, b.size_bytes, b.checksum) for b in request.blocks
         ]

@@ -177,7 +177,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 cfg, store, masters, data_address=data_address, admin_address="", log=log
             )
             registration.restore_after_start(recovered)
-            admin = NodeAdmin(store, registration, logger=log)
+            admin = NodeAdmin(store, registration, logger=log, token=security.token)
             stack.push_async_callback(admin.close)
             try:
                 handle = await start_server(

@@ -19,16 +19,25 @@ from typing import Any
 
 from kvpool.client.sync import Client
 from kvpool.errors import KVPoolError
-from kvpool.grpcutil import create_sync_channel, unary_sync
+from kvpool.grpcutil import call_metadata, create_sync_channel, unary_sync
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
+from kvpool.security import env_security
 
 
 def _stub_call(address: str, method: str, request: Any, timeout_s: float = 10.0) -> Any:
-    channel = create_sync_channel(address)
+    """One master call, with the cluster token and TLS from the environment (KVPOOL_*)."""
+    security = env_security()
+    channel = create_sync_channel(address, security)
     try:
         stub = master_pb2_grpc.MasterStub(channel)
-        return unary_sync(getattr(stub, method), request, timeout_s=timeout_s, address=address)
+        return unary_sync(
+            getattr(stub, method),
+            request,
+            timeout_s=timeout_s,
+            address=address,
+            metadata=call_metadata(security),
+        )
     finally:
         channel.close()
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvpool import Client
 from kvpool.errors import PinQuotaExceededError
-from kvpool.grpcutil import create_sync_channel, unary_sync
+from kvpool.grpcutil import call_metadata, create_sync_channel, unary_sync
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 
@@ -32,11 +32,14 @@ def _value(key: str, size: int = 16384) -> bytes:
 
 def replica_status(cluster: LocalCluster, keys: list[str]) -> master_pb2.ReplicaStatusResponse:
     leader = cluster.wait_for_leader()
-    channel = create_sync_channel(leader)
+    channel = create_sync_channel(leader, cluster.security)
     try:
         stub = master_pb2_grpc.MasterStub(channel)
         response: master_pb2.ReplicaStatusResponse = unary_sync(
-            stub.ReplicaStatus, master_pb2.ReplicaStatusRequest(keys=keys), timeout_s=5.0
+            stub.ReplicaStatus,
+            master_pb2.ReplicaStatusRequest(keys=keys),
+            timeout_s=5.0,
+            metadata=call_metadata(cluster.security),
         )
         return response
     finally:
@@ -150,6 +153,24 @@ def test_pins_keep_replicas_and_have_a_quota(cluster_factory: ClusterFactory) ->
         assert replica_status(cluster, keys).pinned_bytes == 2 * 2 * 16384
         assert kv.unpin(keys[:1]) == [True]
         assert replica_status(cluster, keys).pinned_bytes == 2 * 16384
+
+
+def test_node_to_node_copies_offer_the_cluster_token(cluster_factory: ClusterFactory) -> None:
+    # With a cluster token every data connection must authenticate, node-to-node copies too:
+    # a pin to 2 replicas is only reached if the holder can read itself and write the target.
+    cluster = cluster_factory(masters=1, nodes=2, cpu_cache_size="64MiB", cluster_token=True)
+    keys = [f"secured-pin/{i}" for i in range(4)]
+    with Client(
+        cluster.master_addresses, timeout_s=5.0, cluster_token_file=cluster.token_file
+    ) as kv:
+        assert all(kv.batch_put([(k, _value(k)) for k in keys]))
+        assert kv.pin(keys, replicas=2) == [True] * len(keys)
+        wait_until(
+            "pinned keys reach 2 replicas on a token cluster",
+            lambda: replica_status(cluster, keys).replicas == [2] * len(keys),
+            timeout_s=15,
+        )
+        assert [kv.get(k) for k in keys] == [_value(k) for k in keys]
 
 
 def test_a_pinned_block_outlives_eviction_pressure(cluster_factory: ClusterFactory) -> None:
