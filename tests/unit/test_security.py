@@ -206,7 +206,7 @@ def test_the_token_is_checked_per_connection_not_per_frame() -> None:
 # --- gRPC: token and TLS --------------------------------------------------------------------------
 
 
-class _Admin:
+class _Admin(node_pb2_grpc.NodeAdminServicer):  # unimplemented RPCs answer UNIMPLEMENTED
     async def GetStats(self, request: Any, context: Any) -> node_pb2.GetStatsResponse:
         return node_pb2.GetStatsResponse()
 
