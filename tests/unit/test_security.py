@@ -207,8 +207,16 @@ def test_the_token_is_checked_per_connection_not_per_frame() -> None:
 
 
 class _Admin:
+    """Every NodeAdmin RPC (the generated registration looks each one up)."""
+
     async def GetStats(self, request: Any, context: Any) -> node_pb2.GetStatsResponse:
         return node_pb2.GetStatsResponse()
+
+    async def CopyBlocks(self, request: Any, context: Any) -> node_pb2.CopyBlocksResponse:
+        return node_pb2.CopyBlocksResponse()
+
+    async def UpdateBlocks(self, request: Any, context: Any) -> node_pb2.UpdateBlocksResponse:
+        return node_pb2.UpdateBlocksResponse()
 
 
 def _certs(tmp: Path) -> dict[str, str]:
