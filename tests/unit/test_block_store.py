@@ -99,6 +99,18 @@ def test_round_trip_returns_exact_bytes_with_version_and_checksum(store: BlockSt
     assert store.stats().hits == 1
 
 
+def test_read_counts_name_the_most_read_keys_then_start_over(store: BlockStore) -> None:
+    for key, reads in (("a", 1), ("b", 3), ("c", 2), ("d", 2)):
+        assert commit(store, key, 1, version=1) == Status.OK
+        for _ in range(reads):
+            assert read(store, key, 1) == data_for(key, 1, 4 * KIB)
+    # The two most read, most first; a tie goes to the key read first.
+    assert store.take_read_counts(2) == [("b", 3), ("c", 2)]
+    assert store.take_read_counts(2) == []  # counted afresh after each report
+    assert read(store, "a", 1) == data_for("a", 1, 4 * KIB)
+    assert store.take_read_counts(2) == [("a", 1)]
+
+
 def test_staged_block_is_invisible_until_published(store: BlockStore) -> None:
     assert stage(store, "k", 1) == Status.OK
     assert read(store, "k", 1) == MissReason.STAGED
