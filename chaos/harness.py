@@ -302,20 +302,17 @@ class ChaosHarness:
     def drain(self, name: str, timeout_s: float) -> int:
         """Ask the leader to move every block off node ``name`` and declare it left; the
         blocks still only there when it answered (0: drained)."""
-        from kvpool.grpcutil import call_metadata, create_sync_channel, unary_sync
+        from kvpool.grpcutil import call_once_sync
         from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 
-        security = self.cluster.security  # the cluster token when it runs in namespaces
-        channel = create_sync_channel(self.cluster.wait_for_leader(), security)
-        try:
-            response = unary_sync(
-                master_pb2_grpc.MasterStub(channel).DrainNode,
-                master_pb2.DrainNodeRequest(node_id=self.node_id_of(name), wait=True),
-                timeout_s=timeout_s,
-                metadata=call_metadata(security),
-            )
-        finally:
-            channel.close()
+        response = call_once_sync(
+            self.cluster.wait_for_leader(),
+            master_pb2_grpc.MasterStub,
+            "DrainNode",
+            master_pb2.DrainNodeRequest(node_id=self.node_id_of(name), wait=True),
+            timeout_s=timeout_s,
+            security=self.cluster.security,  # the cluster token when it runs in namespaces
+        )
         return int(response.blocks_left)
 
     def resume(self, name: str) -> None:

@@ -366,6 +366,31 @@ async def unary(
         raise translate_rpc_error(err, address) from None
 
 
+def call_once_sync(
+    address: str,
+    stub_class: Callable[[grpc.Channel], Any],
+    method: str,
+    request: Req,
+    *,
+    timeout_s: float,
+    security: Security = NO_SECURITY,
+) -> Any:
+    """One unary call on a fresh blocking channel, closed afterwards (tools, tests, the chaos
+    harness): the channel's credentials and the call's metadata (the cluster token) come from
+    the one ``security``, so they cannot disagree."""
+    channel = create_sync_channel(address, security)
+    try:
+        return unary_sync(
+            getattr(stub_class(channel), method),
+            request,
+            timeout_s=timeout_s,
+            address=address,
+            metadata=call_metadata(security),
+        )
+    finally:
+        channel.close()
+
+
 def unary_sync(
     method: Callable[..., Any],
     request: Req,

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpool.client.sync import Client
 from kvpool.errors import KVPoolError
-from kvpool.grpcutil import call_metadata, create_sync_channel, unary_sync
+from kvpool.grpcutil import call_once_sync
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.security import env_security
@@ -27,19 +27,14 @@ from kvpool.security import env_security
 
 def _stub_call(address: str, method: str, request: Any, timeout_s: float = 10.0) -> Any:
     """One master call, with the cluster token and TLS from the environment (KVPOOL_*)."""
-    security = env_security()
-    channel = create_sync_channel(address, security)
-    try:
-        stub = master_pb2_grpc.MasterStub(channel)
-        return unary_sync(
-            getattr(stub, method),
-            request,
-            timeout_s=timeout_s,
-            address=address,
-            metadata=call_metadata(security),
-        )
-    finally:
-        channel.close()
+    return call_once_sync(
+        address,
+        master_pb2_grpc.MasterStub,
+        method,
+        request,
+        timeout_s=timeout_s,
+        security=env_security(),
+    )
 
 
 def replica_counts(cluster: LocalCluster, keys: list[str]) -> list[int]:

@@ -9,7 +9,7 @@ import pytest
 
 from kvpool import Client
 from kvpool.errors import PinQuotaExceededError
-from kvpool.grpcutil import call_metadata, create_sync_channel, unary_sync
+from kvpool.grpcutil import call_once_sync
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 
@@ -31,19 +31,15 @@ def _value(key: str, size: int = 16384) -> bytes:
 
 
 def replica_status(cluster: LocalCluster, keys: list[str]) -> master_pb2.ReplicaStatusResponse:
-    leader = cluster.wait_for_leader()
-    channel = create_sync_channel(leader, cluster.security)
-    try:
-        stub = master_pb2_grpc.MasterStub(channel)
-        response: master_pb2.ReplicaStatusResponse = unary_sync(
-            stub.ReplicaStatus,
-            master_pb2.ReplicaStatusRequest(keys=keys),
-            timeout_s=5.0,
-            metadata=call_metadata(cluster.security),
-        )
-        return response
-    finally:
-        channel.close()
+    response: master_pb2.ReplicaStatusResponse = call_once_sync(
+        cluster.wait_for_leader(),
+        master_pb2_grpc.MasterStub,
+        "ReplicaStatus",
+        master_pb2.ReplicaStatusRequest(keys=keys),
+        timeout_s=5.0,
+        security=cluster.security,
+    )
+    return response
 
 
 def wait_until(what: str, check: Callable[[], bool], timeout_s: float) -> float:
@@ -56,24 +52,25 @@ def wait_until(what: str, check: Callable[[], bool], timeout_s: float) -> float:
 
 
 def live_node_ids(cluster: LocalCluster) -> set[str]:
-    channel = create_sync_channel(cluster.wait_for_leader())
-    try:
-        stub = master_pb2_grpc.MasterStub(channel)
-        response = unary_sync(stub.GetMembers, master_pb2.GetMembersRequest(), timeout_s=5.0)
-    finally:
-        channel.close()
+    response = call_once_sync(
+        cluster.wait_for_leader(),
+        master_pb2_grpc.MasterStub,
+        "GetMembers",
+        master_pb2.GetMembersRequest(),
+        timeout_s=5.0,
+    )
     return {m.node_id for m in response.members}
 
 
 def holder_names(kv: Client, cluster: LocalCluster, key: str) -> list[str]:
     """Node names holding ``key`` (as the index lists them), via a lookup."""
-    leader = cluster.wait_for_leader()
-    channel = create_sync_channel(leader)
-    try:
-        stub = master_pb2_grpc.MasterStub(channel)
-        response = unary_sync(stub.Lookup, master_pb2.LookupRequest(keys=[key]), timeout_s=5.0)
-    finally:
-        channel.close()
+    response = call_once_sync(
+        cluster.wait_for_leader(),
+        master_pb2_grpc.MasterStub,
+        "Lookup",
+        master_pb2.LookupRequest(keys=[key]),
+        timeout_s=5.0,
+    )
     names = {m.member_id: m.node_id for m in response.members}
     return [names[m] for m in response.entries[0].replicas]
 
@@ -222,16 +219,13 @@ def test_drain_hands_every_block_over_then_leaves(cluster_factory: ClusterFactor
     with Client(cluster.master_addresses, timeout_s=5.0) as kv:
         assert all(kv.batch_put([(k, _value(k, 4096)) for k in keys]))
         victim = cluster.node_names[0]
-        channel = create_sync_channel(cluster.wait_for_leader())
-        try:
-            stub = master_pb2_grpc.MasterStub(channel)
-            response = unary_sync(
-                stub.DrainNode,
-                master_pb2.DrainNodeRequest(node_id=victim, wait=True),
-                timeout_s=30.0,
-            )
-        finally:
-            channel.close()
+        response = call_once_sync(
+            cluster.wait_for_leader(),
+            master_pb2_grpc.MasterStub,
+            "DrainNode",
+            master_pb2.DrainNodeRequest(node_id=victim, wait=True),
+            timeout_s=30.0,
+        )
         assert response.blocks_left == 0
         assert response.left
         cluster.terminate(victim)
