@@ -9,8 +9,9 @@ caller's buffer after the call returned (nothing reads that socket again).
 Hedged reads (:mod:`kvpool.client.hedge`): after sending a round, the plane waits (``poll``) for
 the nodes to start answering; the keys of nodes still silent after the hedge delay are also
 sent to their next replica, into buffers of their own, and whichever node answers first is read
-first. A slow node's unread answers are dropped when they come (its requests are *posted*), or
-its connection is closed when it is a shared-memory one (its leases end with it).
+first; the connection of a read that lost is closed (no answer of it is read, so none lands in
+a caller's buffer). Opening a connection blocks the thread, so with another replica to go to
+it may take only the hedge delay.
 """
 
 from __future__ import annotations
@@ -134,6 +135,12 @@ class BlockingDataPlane:
             try:
                 conn = open_blocking(shm, timeout_s, self._token)
             except KVPoolError as e:
+                if isinstance(e, DeadlineExceededError):
+                    # Slow or paused, not restarted nor in another namespace: asking again or
+                    # falling back to TCP would only spend the caller's deadline twice.
+                    if first is not None:
+                        first.close()
+                    raise
                 if first is None:  # a remembered offer: the node may have restarted; ask again
                     links.forget(address)
                     first, offer = self._ask(address, timeout_s)
@@ -188,6 +195,10 @@ class BlockingDataPlane:
             round_deadline = now + (deadline - now) / rounds_left
             sent: list[_Sent] = []
             by_node = next_round(queue, members)
+            hedging = self._hedge.worth_it(queue)
+            # Opening a connection is not hedged (it blocks this thread): with another replica
+            # to go to, it may take only the hedge delay.
+            connect_by = min(round_deadline, now + self._hedge.delay_s(0)) if hedging else None
             # One span per node when a round reads from several (one node: the node's span
             # is the caller's child directly).
             per_node = tracing.STATE.enabled and len(by_node) > 1 and tracing.recording()
@@ -206,13 +217,14 @@ class BlockingDataPlane:
                     member,
                     round_deadline,
                     tracing.frame_trace(span) if span else trace,
+                    connect_by=connect_by,
                 )
                 if started is not None:
                     sent.append((*started, span))
                 elif span is not None:
                     span.set_attributes(read_attributes(group))
                     span.end()
-            if sent and self._hedge.worth_it(queue):
+            if sent and hedging:
                 self._hedged_round(sent, members, round_deadline, deadline)
             else:
                 for entry in sent:
@@ -291,7 +303,10 @@ class BlockingDataPlane:
             _serve(poller, finish, round_deadline, lambda: not waiting)
         abandoned = [entry for entry, _ in waiting.values()]
         for conn, plan, _node, span in abandoned:
-            self._abandon(conn, plan)
+            # Closed, not kept with answers owed: on a later call, the owed answer arriving
+            # would look like that call's (the socket readable) and block it unhedged; and a
+            # shared-memory connection's leases end with it.
+            self.discard(plan.address, conn)
             if span is not None:
                 span.set_attributes(read_attributes(plan.items))
                 span.end()
@@ -307,14 +322,6 @@ class BlockingDataPlane:
                         DeadlineExceededError(f"{plan.address}: {it.key!r}: no answer (hedged)"),
                     )
 
-    def _abandon(self, conn: BlockingConnection, plan: NodeRead) -> None:
-        """Stop waiting for a slow node's answers: dropped when they come (a shared-memory
-        connection is closed instead: the leases it would hand out end with it)."""
-        if _arena(conn) is not None:
-            self.discard(plan.address, conn)
-        else:
-            conn.abandon(plan.calls)
-
     def _send_reads(
         self,
         address: str,
@@ -322,14 +329,19 @@ class BlockingDataPlane:
         member: MemberInfo,
         deadline: float,
         trace: bytes = b"",
+        *,
+        connect_by: float | None = None,
     ) -> tuple[BlockingConnection, NodeRead, MemberInfo] | None:
         try:
-            conn = self.connection(address, deadline)
+            conn = self.connection(address, deadline if connect_by is None else connect_by)
         except KVPoolError as e:
             reason, error = transport_failure(e)
             for it in group:
                 it.fail(reason, error)
-            self._on_node_failed(member.member_id)
+            if isinstance(e, DeadlineExceededError) and connect_by is not None:
+                self._on_node_slow(member.member_id)
+            else:
+                self._on_node_failed(member.member_id)
             return None
         plan = NodeRead(address, group, mget="mget" in conn.features, arena=_arena(conn))
         try:

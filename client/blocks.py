@@ -120,6 +120,12 @@ class DataPlane:
             try:
                 conn = await open_connection(shm, timeout_s, self._token)
             except KVPoolError as e:
+                if isinstance(e, DeadlineExceededError):
+                    # Slow or paused, not restarted nor in another namespace: asking again or
+                    # falling back to TCP would only spend the caller's deadline twice.
+                    if first is not None:
+                        first.close()
+                    raise
                 if first is None:  # a remembered offer: the node may have restarted; ask again
                     links.forget(address)
                     first, offer = await self._ask(address, timeout_s)

@@ -186,12 +186,6 @@ class BlockingConnection:
             call.header = header
             self._take_payload(call, header, deadline)
 
-    def abandon(self, calls: Sequence[Call]) -> None:
-        """Stop waiting for the answers of ``calls`` (sent, none of their answers read yet):
-        they are read and dropped on the way to later ones, never into the calls' buffers."""
-        for call in calls:
-            self._posted.add(call.request_id)
-
     def exchange(self, calls: Sequence[Call], deadline: float, *, trace: bytes = b"") -> None:
         self.send(calls, deadline, trace=trace)
         self.receive(calls, deadline)
