@@ -250,6 +250,11 @@ class BlockingDataPlane:
         """Finish a round's reads, hedging the keys of nodes still silent after the hedge
         delay (see the module doc)."""
         delay_s = self._hedge.delay_s(max(round_bytes(e[1].items) for e in sent))
+        if len(sent) == 1:  # the common round: one node; its answer is on the way
+            sock = sent[0][0].socket
+            if select.select([sock], (), (), min(delay_s, round_deadline - time.monotonic()))[0]:
+                self._finish_entry(sent[0], round_deadline)
+                return
         poller = select.poll()
         waiting: dict[int, tuple[_Sent, float]] = {}
         for entry in sent:
