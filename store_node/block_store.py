@@ -247,6 +247,34 @@ class BlockStore:
         self.counters.misses[reason] += 1
         return ReadResult(Status.MISS, reason)
 
+    def get_in_memory(
+        self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY
+    ) -> tuple[Status, int, Copy | None]:
+        """:meth:`get` for a read that can only send bytes from where they lie (MGET): the
+        committed block's CPU copy, leased — ``(OK, CPU, copy)`` —; ``(DEFERRED, 0, None)``
+        when its fastest acceptable copy is on another tier (to be read with a single GET);
+        else the miss :meth:`get` gives. One table lookup for the common case."""
+        block = self._blocks.get((key, write_id))
+        if block is not None and block.state is BlockState.COMMITTED:
+            cpu = block.copies.get(TierLevel.CPU)
+            if not (cpu is not None and cpu.ready):
+                fastest = block.fastest(max_level)
+                if fastest is not None:
+                    return Status.DEFERRED, 0, None
+            elif not max_level or max_level >= TierLevel.CPU:
+                copy, _promote = self.tiers.lease_for_read(block, max_level)
+                assert copy is cpu  # CPU first
+                assert _promote is None  # a CPU read promotes no copy into CPU
+                self.counters.hits += 1
+                self._reads[key] = self._reads.get(key, 0) + 1
+                self.counters.get_bytes += block.size_bytes
+                return Status.OK, TierLevel.CPU, cpu
+        result = self.get(key, write_id, max_level)
+        if result.copy is not None:  # not reached: a leased non-CPU copy would be DEFERRED
+            self.finish_read(result, ReadOutcome.ABANDONED)
+            return Status.DEFERRED, 0, None
+        return result.status, result.reason, None
+
     def take_read_counts(self, limit: int) -> list[tuple[str, int]]:
         """The ``limit`` keys read most since the last call, with their reads; resets."""
         reads, self._reads = self._reads, {}

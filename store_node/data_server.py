@@ -67,7 +67,7 @@ from kvpool.store_node.block_store import (
     ReadOutcome,
     ReadResult,
 )
-from kvpool.store_node.blocks import BlockState, Copy
+from kvpool.store_node.blocks import Copy
 from kvpool.store_node.node_metrics import (
     GET_CPU_LATENCY,
     GET_MISS_LATENCY,
@@ -328,26 +328,25 @@ class DataConnection:
         leased: list[Copy] = []
         data_bytes = 0
         store = self._store
+        get_in_memory, view = store.get_in_memory, store.tier.view
         for rec in records:
             name = _decode_key(rec.key)
             if name is None or rec.write_id == 0:
                 pack(table, pos, Status.BAD_REQUEST, 0, rec.write_id, 0, 0)
-            elif self._on_slow_tier(name, rec.write_id, limit):
-                pack(table, pos, Status.DEFERRED, 0, rec.write_id, 0, 0)
             else:
-                result = store.get(name, rec.write_id, limit)
-                block, copy = result.block, result.copy
-                if copy is None or block is None:
-                    pack(table, pos, result.status, result.reason, rec.write_id, 0, 0)
+                status, flags, copy = get_in_memory(name, rec.write_id, limit)
+                if copy is None:
+                    pack(table, pos, status, flags, rec.write_id, 0, 0)
                 else:
+                    block = copy.block
                     leased.append(copy)
-                    views.append(store.view_copy(copy))
+                    views.append(view(copy.offset, block.size_bytes))
                     data_bytes += block.size_bytes
                     pack(
                         table,
                         pos,
                         Status.OK,
-                        int(TierLevel.CPU),
+                        flags,
                         block.write_id,
                         block.size_bytes,
                         block.checksum,
@@ -370,18 +369,6 @@ class DataConnection:
                     "kvpool.tier": "cpu",
                 }
             )
-
-    def _on_slow_tier(self, key: str, write_id: int, limit: TierLevel) -> bool:
-        """The committed block's fastest acceptable copy is not in CPU memory (the tier worker
-        must read it: the client asks for it with a single GET)."""
-        block = self._store.block(key, write_id)
-        if block is None or block.state is not BlockState.COMMITTED:
-            return False
-        cpu = block.copies.get(TierLevel.CPU)
-        if cpu is not None and cpu.ready:
-            return False  # the common case: served from memory
-        copy = block.fastest(limit)
-        return copy is not None and copy.level is not TierLevel.CPU
 
     def _hello(self, header: Header) -> None:
         stream = self.stream

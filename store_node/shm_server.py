@@ -164,23 +164,19 @@ class ShmConnection(DataConnection):
             name = _decode_key(rec.key)
             if name is None or rec.write_id == 0:
                 SHM_RECORD.pack_into(table, pos, Status.BAD_REQUEST, 0, rec.write_id, 0, 0, 0, 0)
-            elif self._on_slow_tier(name, rec.write_id, limit):
-                SHM_RECORD.pack_into(table, pos, Status.DEFERRED, 0, rec.write_id, 0, 0, 0, 0)
             else:
-                result = store.get(name, rec.write_id, limit)
-                block, copy = result.block, result.copy
-                if block is None or copy is None:
-                    SHM_RECORD.pack_into(
-                        table, pos, result.status, result.reason, rec.write_id, 0, 0, 0, 0
-                    )
+                status, flags, copy = store.get_in_memory(name, rec.write_id, limit)
+                if copy is None:
+                    SHM_RECORD.pack_into(table, pos, status, flags, rec.write_id, 0, 0, 0, 0)
                 else:
+                    block = copy.block
                     lease = next(self._ids)
                     self._leases[lease] = (copy, now)
                     SHM_RECORD.pack_into(
                         table,
                         pos,
                         Status.OK,
-                        int(TierLevel.CPU),
+                        flags,
                         block.write_id,
                         block.size_bytes,
                         block.checksum,

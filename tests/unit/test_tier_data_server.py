@@ -183,3 +183,48 @@ def test_a_reader_that_stops_reading_is_cut_and_its_leases_end() -> None:
             assert server.store.block("big", 1) is None
 
     run(scenario())
+
+
+def test_mget_reads_serve_memory_and_defer_other_tiers(tmp_path: Path) -> None:
+    # BlockStore.get_in_memory, the per-key step of MGET and SHM_GET: a CPU copy is leased and
+    # sent from where it lies; a block whose fastest acceptable copy is on the SSD is DEFERRED
+    # (the client reads it with a single GET); misses keep their reasons.
+    async def scenario() -> None:
+        async with node(tmp_path / "ssd") as (server, conn):
+            keys = [f"m{i}" for i in range(48)]
+            for key in keys:
+                for _ in range(500):
+                    status = await put(conn, key, 64 * KIB)
+                    if status != Status.NO_SPACE:
+                        break
+                    await asyncio.sleep(0.01)
+                assert status == Status.OK
+            assert server.worker is not None
+            await server.worker.idle()
+            store = server.store
+            answers = {k: store.get_in_memory(k, 1) for k in keys}
+            in_memory = [k for k, (s, _f, c) in answers.items() if s == Status.OK]
+            deferred = [k for k, (s, _f, c) in answers.items() if s == Status.DEFERRED]
+            assert in_memory
+            assert deferred
+            assert len(in_memory) + len(deferred) == len(keys)
+            for key in in_memory:
+                status, flags, copy = answers[key]
+                assert flags == TierLevel.CPU
+                assert copy is not None
+                assert copy.leases == 1
+                assert bytes(store.view_copy(copy)) == data_for(key, 64 * KIB)
+                store.release(copy)
+                # A caller that accepts only the GPU tier (none here): a miss, not a CPU copy.
+                assert store.get_in_memory(key, 1, TierLevel.GPU) == (
+                    Status.MISS, MissReason.SLOW_TIER, None,
+                )  # fmt: skip
+            assert store.get_in_memory(deferred[0], 1, TierLevel.CPU) == (
+                Status.MISS, MissReason.SLOW_TIER, None,
+            )  # fmt: skip
+            assert store.get_in_memory("absent", 1) == (Status.MISS, MissReason.ABSENT, None)
+            assert store.get_in_memory(keys[0], 2) == (
+                Status.MISS, MissReason.WRONG_VERSION, None,
+            )  # fmt: skip
+
+    run(scenario())
