@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from kvpool.raft_master.commands import (
     PUT_COMMITTED,
     PUT_NO_LIVE_REPLICA,
@@ -180,3 +182,68 @@ def test_snapshots_carry_the_mark_and_old_snapshots_load_as_not_draining() -> No
     assert loaded.draining_members() == []
     assert [m.member_id for m in loaded.live_members()] == [a, b]
     loaded.check_invariants()
+
+
+# --- the client's placement ---------------------------------------------------------------------
+
+
+def test_placement_puts_nothing_on_a_draining_member_but_still_resolves_it_for_reads() -> None:
+    from kvpool.client.placement import MemberInfo, Placement
+    from kvpool.errors import NoNodesError
+    from kvpool.proto.v1 import common_pb2
+
+    info = MemberInfo.from_proto(
+        common_pb2.Member(member_id=1, node_id="a", data_address="tcp://a:1", draining=True)
+    )
+    assert info.draining
+    draining = MemberInfo(1, "a", "tcp://a:1", 1 << 30, draining=True)
+    others = [MemberInfo(2, "b", "tcp://b:1", 1 << 30), MemberInfo(3, "c", "tcp://c:1", 1 << 30)]
+    placement = Placement()
+    assert placement.update([draining, *others], 5, now_s=0.0)
+    placed = {m.member_id for i in range(300) for m in placement.place(f"k{i}".encode(), 2)}
+    assert placed == {2, 3}
+    assert placement.member(1) == draining  # a lookup's replica on it is still read
+    assert len(placement.members) == 3
+
+    # The mark cleared (a newer ring): it takes puts again.
+    placement.update([MemberInfo(1, "a", "tcp://a:1", 1 << 30), *others], 6, now_s=1.0)
+    placed = {m.member_id for i in range(300) for m in placement.place(f"k{i}".encode(), 1)}
+    assert placed == {1, 2, 3}
+
+    alone = Placement()
+    alone.update([draining], 7, now_s=0.0)
+    with pytest.raises(NoNodesError, match="1 draining"):
+        alone.place(b"k", 1)
+
+
+# --- the leader's replica loop reads the mark from the index --------------------------------------
+
+
+def test_a_new_leaders_replica_loop_carries_a_drain_on_and_declares_the_node_left() -> None:
+    import asyncio
+
+    from kvpool.config import MasterConfig
+    from kvpool.raft_master.replica_loop import ReplicaLoop
+
+    from .test_index import FakeReplicator
+
+    index = BlockIndex()
+    a, b = register(index, "a"), register(index, "b")
+    put(index, "k", 7, (a,))
+    set_draining(index, a)  # asked of the old leader, which then died
+    replicator = FakeReplicator(index)
+    cfg = MasterConfig(in_memory=True, raft_secret="x")
+    loop = ReplicaLoop(cfg, replicator)  # type: ignore[arg-type]  # the new leader's, fresh
+
+    plan = loop.plan(index)
+    assert [(t.block.key, t.source, t.target, t.replaces) for t in plan.copies] == [("k", a, b, a)]
+    assert plan.drained == []
+    asyncio.run(loop.step())  # the copy cannot run here (no admin address): nothing changes
+    assert index.draining_members() == [a]
+
+    index.apply(ChangeReplicas(rid(), (ReplicaChange("k", 7, b, a),)))  # the copy, committed
+    asyncio.run(loop.step())
+    assert index.member(a) is None  # empty: declared left ("drained") and forgotten
+    view = index.lookup(["k"])[0]
+    assert view is not None
+    assert view.replicas == (b,)
