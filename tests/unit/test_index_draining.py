@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 
+from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.raft_master.commands import (
     PUT_COMMITTED,
     PUT_NO_LIVE_REPLICA,
@@ -247,3 +248,23 @@ def test_a_new_leaders_replica_loop_carries_a_drain_on_and_declares_the_node_lef
     view = index.lookup(["k"])[0]
     assert view is not None
     assert view.replicas == (b,)
+
+
+def test_kvpool_status_shows_a_draining_node() -> None:
+    from kvpool.cli.status import render_status, status_document
+    from kvpool.launcher.probe import MasterProbe
+
+    status = master_pb2.ClusterStatusResponse(ring_version=4)
+    status.master.role = "leader"
+    for member_id, node, draining in ((1, "node-1", True), (2, "node-2", False)):
+        status.nodes.add(
+            member=common_pb2.Member(
+                member_id=member_id, node_id=node, live=True, draining=draining
+            )
+        )
+    doc = status_document([MasterProbe("127.0.0.1:1", status)])
+    assert [n["state"] for n in doc["nodes"]] == ["draining", "live"]
+    rows = render_status(doc).splitlines()
+    assert "STATE" in next(r for r in rows if r.startswith("NODE"))
+    assert "draining" in next(r for r in rows if r.startswith("node-1"))
+    assert "draining" not in next(r for r in rows if r.startswith("node-2"))
