@@ -10,6 +10,10 @@ Connections come from a pool per node address; the first one to a node asks HELL
 node is on this host and the ``transport`` setting allows, the pool hands out connections to the
 node's shared memory instead (:mod:`kvpool.client.links`).
 
+A read still unanswered after the hedge delay (:mod:`kvpool.client.hedge`) is also sent to the
+key's next replica, into a buffer of its own; the first good answer wins, the slow read is
+cancelled, and the slow node is tried last for a while.
+
 A payload read into a caller's buffer is never written after the read returns: a request that
 times out while receiving closes its connection, and so does a read that is cancelled.
 """
@@ -20,6 +24,7 @@ import asyncio
 from collections.abc import Callable, Iterable
 
 from kvpool import tracing
+from kvpool.client.hedge import Hedge, HedgePolicy, round_bytes
 from kvpool.client.links import Links, NodeOffer, hello_call, read_hello
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
@@ -71,8 +76,15 @@ class DataPlane:
         pool_size: int = 2,
         connect_timeout_s: float = 1.0,
         token: bytes = b"",
+        hedge: HedgePolicy | None = None,
+        on_node_slow: Callable[[int], None] | None = None,
+        on_hedge: Callable[[int, int], None] | None = None,
     ) -> None:
         self._links = links or Links("auto")
+        self._hedge = hedge or HedgePolicy(enabled=False)
+        self._on_node_slow = on_node_slow or (lambda _mid: None)
+        self._on_hedge = on_hedge or (lambda _sent, _won: None)
+        self._background: set[asyncio.Task[None]] = set()
         self._token = token
         self._pool = pool or ConnectionPool(
             size=pool_size, connect_timeout_s=connect_timeout_s, opener=self._open
@@ -80,6 +92,8 @@ class DataPlane:
         self._on_node_failed = on_node_failed or (lambda _mid: None)
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         await self._pool.close()
 
     # --- connections ----------------------------------------------------------------------
@@ -106,6 +120,12 @@ class DataPlane:
             try:
                 conn = await open_connection(shm, timeout_s, self._token)
             except KVPoolError as e:
+                if isinstance(e, DeadlineExceededError):
+                    # Slow or paused, not restarted nor in another namespace: asking again or
+                    # falling back to TCP would only spend the caller's deadline twice.
+                    if first is not None:
+                        first.close()
+                    raise
                 if first is None:  # a remembered offer: the node may have restarted; ask again
                     links.forget(address)
                     first, offer = await self._ask(address, timeout_s)
@@ -170,12 +190,89 @@ class DataPlane:
             rounds_left = max(len(it.replicas) - it.next for it in queue)
             timeout_s = remaining / rounds_left
             groups = next_round(queue, members)
-            await asyncio.gather(
-                *(self._read_group(address, g, m, timeout_s) for address, (g, m) in groups.items())
-            )
+            if len(groups) and self._hedge.worth_it(queue):
+                await self._hedged_round(groups, members, deadline, timeout_s)
+            else:
+                await asyncio.gather(
+                    *(self._read_group(a, g, m, timeout_s) for a, (g, m) in groups.items())
+                )
             queue = [it for it in queue if not it.ok and it.next < len(it.replicas)]
             if queue and on_retry is not None:
                 on_retry(len(queue))
+
+    async def _hedged_round(
+        self,
+        groups: dict[str, tuple[list[ReadItem], MemberInfo]],
+        members: Callable[[int], MemberInfo | None],
+        deadline: float,
+        timeout_s: float,
+    ) -> None:
+        """One round of reads that may hedge: wait the hedge delay; the keys of nodes that
+        have not answered by then are also read from their next replica (see the module doc)."""
+        loop = asyncio.get_running_loop()
+        first: dict[asyncio.Task[None], tuple[list[ReadItem], MemberInfo]] = {
+            asyncio.ensure_future(self._read_group(a, g, m, timeout_s)): (g, m)
+            for a, (g, m) in groups.items()
+        }
+        delay_s = self._hedge.delay_s(max(round_bytes(g) for g, _ in first.values()))
+        _, slow = await asyncio.wait(first, timeout=min(delay_s, timeout_s))
+        hedge = Hedge(it for task in slow for it in first[task][0])
+        if not slow or not len(hedge):
+            if slow:
+                await asyncio.gather(*slow)
+            return
+        first_of = {id(it): task for task in slow for it in first[task][0]}
+        clones = hedge.clones
+        rounds_left = max(len(c.replicas) - c.next for c in clones)
+        hedge_timeout_s = max(0.0, deadline - loop.time()) / rounds_left
+        second: dict[int, asyncio.Task[None]] = {}
+        for a, (g, m) in next_round(clones, members).items():
+            task = asyncio.ensure_future(self._read_group(a, g, m, hedge_timeout_s))
+            for clone in g:
+                second[id(clone)] = task
+        self._on_hedge(len(hedge), 0)
+        for task in slow:
+            self._on_node_slow(first[task][1].member_id)
+
+        def hedge_done(clone: ReadItem) -> bool:
+            task = second.get(id(clone))
+            return task is None or task.done()
+
+        waiting: set[asyncio.Task[None]] = {*slow, *second.values()}
+        while waiting and not hedge.resolved(lambda it: first_of[id(it)].done(), hedge_done):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            _, waiting = await asyncio.wait(
+                waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+        # Stop the first reads still running before touching their keys' buffers: a read
+        # cancelled while receiving into a caller's buffer cuts its connection, so no byte of
+        # it lands there later. Hedge reads still running write only into their own buffers:
+        # they finish in the background.
+        late = [task for task in slow if not task.done()]
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.gather(*late, return_exceptions=True)
+        for task in set(second.values()):
+            if not task.done():
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        for task in first:
+            if task not in late:
+                task.result()  # an unexpected error is raised here, as gather would
+        won = hedge.settle()
+        self._on_hedge(0, won)
+        for task in late:
+            for it in first[task][0]:
+                if not it.ok:
+                    it.fail(
+                        "timeout",
+                        DeadlineExceededError(
+                            f"{first[task][1].data_address}: {it.key!r}: no answer (hedged)"
+                        ),
+                    )
 
     async def _read_group(
         self, address: str, items: list[ReadItem], member: MemberInfo, timeout_s: float

@@ -30,6 +30,8 @@ def client_families(stats: ClientStats) -> Iterator[Metric]:
         ("kvpool_client_fallbacks", "fallbacks", "get_or_compute calls that computed the value"),
         ("kvpool_client_replica_retries", "replica_retries", "reads moved on to another replica"),
         ("kvpool_client_ring_refreshes", "ring_refreshes", "placement ring refreshes"),
+        ("kvpool_client_hedged_reads", "hedged_reads", "keys also read from a second replica"),
+        ("kvpool_client_hedge_wins", "hedge_wins", "keys the hedged second read served"),
     ):
         family = counter(name, doc)
         family.add_metric([], float(snap[key]))

@@ -37,6 +37,7 @@ from kvpool.client.commits import (
     judge_commit,
     put_entries,
 )
+from kvpool.client.hedge import HedgePolicy
 from kvpool.client.links import Links
 from kvpool.client.masters import MasterClient, MasterRouting
 from kvpool.client.placement import MemberInfo, Placement
@@ -155,6 +156,7 @@ class ClientCore:
             security=self.security,
         )
         self.links = Links(config.transport)
+        self.hedge_policy = HedgePolicy(config.hedge_reads, config.hedge_delay_ms / 1000)
         self._placement = Placement(is_local=self.links.is_local)
         self._data = DataPlane(
             pool,
@@ -163,6 +165,9 @@ class ClientCore:
             pool_size=config.connections_per_node,
             connect_timeout_s=attempt_s,
             token=self.security.token,
+            hedge=self.hedge_policy,
+            on_node_slow=self._node_slow,
+            on_hedge=self._stats_hedged,
         )
         self.cache = LookupCache(config.lookup_cache_size, config.lookup_cache_ttl_s)
         self.floor = RevisionFloor()
@@ -831,6 +836,12 @@ class ClientCore:
 
     def _node_failed(self, member_id: int) -> None:
         self._placement.node_failed(member_id, asyncio.get_running_loop().time())
+
+    def _node_slow(self, member_id: int) -> None:
+        self._placement.node_slow(member_id, asyncio.get_running_loop().time())
+
+    def _stats_hedged(self, sent: int, won: int) -> None:
+        self._stats.hedged(sent, won)
 
     # --- remove -------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ deciding code: the core's lookup and commit bookkeeping, the per-node plans of
 :mod:`kvpool.client.plans`, the placement, the lookup cache, the failure policy — with blocking
 I/O: sync gRPC to the masters (:class:`~kvpool.client.masters.SyncMasterClient`) and a
 :class:`~kvpool.transports.blocking.BlockingConnection` per thread and node (TCP, or the node's
-shared memory).
+shared memory; :mod:`kvpool.client.blocking_plane`).
 
 Every call keeps the client's deadline: kernel socket timeouts bound each read and write, and a
 connection that timed out is closed (no late byte can land in a caller's buffer after the call
@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
 from kvpool.client import core as core_module
-from kvpool.client.blocks import next_round
+from kvpool.client.blocking_plane import BlockingDataPlane
 from kvpool.client.commits import CommitAnswer, PutReceipt, SyncCommitter, put_entries
 from kvpool.client.core import (
     COMMIT_SHARE,
@@ -41,18 +41,13 @@ from kvpool.client.core import (
     into,
     into_each,
 )
-from kvpool.client.links import NodeOffer, hello_call, read_hello
 from kvpool.client.masters import SyncMasterClient
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
     BlockRef,
-    NodeRead,
-    NodeStage,
     PutItem,
     ReadItem,
     new_write_ids,
-    ref_calls,
-    transport_failure,
 )
 from kvpool.client.spans import read_attributes
 from kvpool.client.values import BytesLike, PutItems, WritableBuffer, put_items, validate_key
@@ -66,323 +61,8 @@ from kvpool.errors import (
 )
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import Op
-from kvpool.transports import open_blocking
-from kvpool.transports.blocking import BlockingConnection
-from kvpool.transports.shm import Arena
 
 T = TypeVar("T")
-
-
-class BlockingDataPlane:
-    """Frames to store nodes from the calling thread: one connection per thread and node."""
-
-    def __init__(
-        self,
-        core: ClientCore,
-        on_node_failed: Callable[[int], None],
-        *,
-        connect_timeout_s: float,
-    ) -> None:
-        self._links = core.links
-        self._token = core.security.token
-        self._on_node_failed = on_node_failed
-        self._connect_timeout_s = connect_timeout_s
-        self._local = threading.local()
-        self._all: set[BlockingConnection] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            conns, self._all = self._all, set()
-        for conn in conns:
-            conn.close()
-
-    # --- connections ----------------------------------------------------------------------
-
-    def _conns(self) -> dict[str, BlockingConnection]:
-        conns: dict[str, BlockingConnection] | None = getattr(self._local, "conns", None)
-        if conns is None:
-            conns = {}
-            self._local.conns = conns
-        return conns
-
-    def connection(self, address: str, deadline: float) -> BlockingConnection:
-        conns = self._conns()
-        conn = conns.get(address)
-        if conn is not None and not conn.broken and not conn.closed:
-            return conn
-        if conn is not None:
-            self.discard(address, conn)
-        timeout_s = min(deadline - time.monotonic(), self._connect_timeout_s)
-        if timeout_s <= 0:
-            raise DeadlineExceededError(f"{address}: no time left to connect")
-        conn = self._open(address, timeout_s)
-        with self._lock:
-            if self._closed:
-                conn.close()
-                raise UnavailableError("this kvpool client is closed")
-            self._all.add(conn)
-        conns[address] = conn
-        return conn
-
-    def discard(self, address: str, conn: BlockingConnection) -> None:
-        conns = self._conns()
-        if conns.get(address) is conn:
-            del conns[address]
-        with self._lock:
-            self._all.discard(conn)
-        conn.close()
-
-    def _open(self, address: str, timeout_s: float) -> BlockingConnection:
-        """A connection to ``address``: the node's shared memory where it offers it and the
-        transport setting allows, else the address's own transport."""
-        links = self._links
-        if not address.startswith(("tcp://", "inproc://")):
-            return open_blocking(address, timeout_s, self._token)
-        offer = links.offer(address)
-        first: BlockingConnection | None = None
-        if offer is None:
-            first, offer = self._ask(address, timeout_s)
-        for _attempt in range(2):
-            try:
-                shm = links.shm_for(address, offer) if address.startswith("tcp://") else ""
-            except KVPoolError:
-                if first is not None:
-                    first.close()
-                raise
-            if not shm:
-                break
-            try:
-                conn = open_blocking(shm, timeout_s, self._token)
-            except KVPoolError as e:
-                if first is None:  # a remembered offer: the node may have restarted; ask again
-                    links.forget(address)
-                    first, offer = self._ask(address, timeout_s)
-                    continue
-                if links.transport == "shm":
-                    first.close()
-                    raise
-                offer = links.unreachable(address, offer, e)  # another namespace: TCP it is
-                break
-            conn.features = frozenset({"mget", "shm", *(["trace"] if offer.trace else [])})
-            if first is not None:
-                first.close()
-            return conn
-        if first is None:
-            first = open_blocking(address, timeout_s, self._token)
-        first.features = frozenset(
-            [*(["mget"] if offer.mget else []), *(["trace"] if offer.trace else [])]
-        )
-        return first
-
-    def _ask(self, address: str, timeout_s: float) -> tuple[BlockingConnection, NodeOffer]:
-        """A first connection to ``address`` and what the node offers on it (remembered)."""
-        conn = open_blocking(address, timeout_s, self._token)
-        offer = _hello(conn, timeout_s)
-        self._links.learn(address, offer)
-        return conn, offer
-
-    # --- reads ----------------------------------------------------------------------------
-
-    def read(
-        self,
-        items: list[ReadItem],
-        members: Callable[[int], MemberInfo | None],
-        deadline: float,
-        on_retry: Callable[[int], None] | None = None,
-    ) -> None:
-        """Read every item from its replicas, in rounds (as the event-loop data plane)."""
-        queue = [it for it in items if not it.ok and it.replicas]
-        for it in items:
-            if not it.replicas:
-                it.fail(
-                    "node_down",
-                    UnavailableError(f"block {it.key!r}: the index names no live replica"),
-                )
-        while queue:
-            now = time.monotonic()
-            if now >= deadline:
-                for it in queue:
-                    it.fail("timeout", DeadlineExceededError(f"get {it.key!r}: out of time"))
-                return
-            rounds_left = max(len(it.replicas) - it.next for it in queue)
-            round_deadline = now + (deadline - now) / rounds_left
-            sent: list[tuple[BlockingConnection, NodeRead, MemberInfo, Any]] = []
-            by_node = next_round(queue, members)
-            # One span per node when a round reads from several (one node: the node's span
-            # is the caller's child directly).
-            per_node = tracing.STATE.enabled and len(by_node) > 1 and tracing.recording()
-            trace = tracing.frame_trace() if tracing.STATE.enabled and not per_node else b""
-            for address, (group, member) in by_node.items():
-                span = None
-                if per_node:
-                    span = tracing.tracer().start_span(
-                        "kvpool.client.read",
-                        kind=SpanKind.CLIENT,
-                        attributes={"kvpool.node": address, "kvpool.keys": len(group)},
-                    )
-                started = self._send_reads(
-                    address,
-                    group,
-                    member,
-                    round_deadline,
-                    tracing.frame_trace(span) if span else trace,
-                )
-                if started is not None:
-                    sent.append((*started, span))
-                elif span is not None:
-                    span.set_attributes(read_attributes(group))
-                    span.end()
-            for conn, plan, node, span in sent:
-                self._finish_reads(conn, plan, node, round_deadline)
-                if span is not None:
-                    span.set_attributes(read_attributes(plan.items))
-                    span.end()
-            queue = [it for it in queue if not it.ok and it.next < len(it.replicas)]
-            if queue and on_retry is not None:
-                on_retry(len(queue))
-
-    def _send_reads(
-        self,
-        address: str,
-        group: list[ReadItem],
-        member: MemberInfo,
-        deadline: float,
-        trace: bytes = b"",
-    ) -> tuple[BlockingConnection, NodeRead, MemberInfo] | None:
-        try:
-            conn = self.connection(address, deadline)
-        except KVPoolError as e:
-            reason, error = transport_failure(e)
-            for it in group:
-                it.fail(reason, error)
-            self._on_node_failed(member.member_id)
-            return None
-        plan = NodeRead(address, group, mget="mget" in conn.features, arena=_arena(conn))
-        try:
-            conn.send(plan.calls, deadline, trace=trace)
-        except KVPoolError as e:
-            self._failed(address, conn, plan, member, e)
-            return None
-        return conn, plan, member
-
-    def _finish_reads(
-        self, conn: BlockingConnection, plan: NodeRead, member: MemberInfo, deadline: float
-    ) -> None:
-        try:
-            conn.receive(plan.calls, deadline)
-        except KVPoolError as e:
-            self._failed(plan.address, conn, plan, member, e)
-            return
-        plan.judge()
-        release = plan.release_call()
-        try:
-            if release is not None:
-                conn.notify([release], deadline)
-            if plan.followups:
-                conn.exchange(plan.followups, deadline)
-        except KVPoolError as e:
-            self.discard(plan.address, conn)
-            for call in plan.followups:
-                call.error = e
-        if plan.followups:
-            plan.judge_followups()
-
-    def _failed(
-        self,
-        address: str,
-        conn: BlockingConnection,
-        plan: NodeRead,
-        member: MemberInfo,
-        error: KVPoolError,
-    ) -> None:
-        self.discard(address, conn)
-        plan.fail_all(error)
-        if not isinstance(error, DeadlineExceededError):
-            self._on_node_failed(member.member_id)
-
-    # --- writes ---------------------------------------------------------------------------
-
-    def stage(self, items: list[PutItem], deadline: float) -> None:
-        """PUT every item to each of its targets (all nodes at once)."""
-        if time.monotonic() >= deadline:
-            for it in items:
-                it.error = DeadlineExceededError(f"put {it.key!r}: out of time before sending")
-            return
-        groups: dict[str, list[tuple[PutItem, MemberInfo]]] = {}
-        for it in items:
-            for member in it.targets:
-                groups.setdefault(member.data_address, []).append((it, member))
-        sent: list[tuple[BlockingConnection, NodeStage]] = []
-        for address, group in groups.items():
-            try:
-                conn = self.connection(address, deadline)
-            except KVPoolError as e:
-                error = e if isinstance(e, DeadlineExceededError) else None
-                for it, _ in group:
-                    it.error = error or UnavailableError(e.message)
-                self._on_node_failed(group[0][1].member_id)
-                continue
-            plan = NodeStage(address, group, _arena(conn))
-            try:
-                conn.send(plan.calls, deadline)
-            except KVPoolError as e:
-                self.discard(address, conn)
-                plan.fail_all(e, self._on_node_failed)
-                continue
-            sent.append((conn, plan))
-        for conn, plan in sent:
-            try:
-                conn.receive(plan.calls, deadline)
-            except KVPoolError as e:
-                self.discard(plan.address, conn)
-                plan.fail_all(e, self._on_node_failed)
-                continue
-            plan.judge()
-            if plan.commit is not None:
-                try:
-                    conn.exchange([plan.commit], deadline)
-                except KVPoolError as e:
-                    self.discard(plan.address, conn)
-                    plan.commit.error = e
-                plan.judge_commit()
-
-    def send_refs(self, op: Op, refs: list[BlockRef], deadline: float) -> None:
-        """PUBLISH or DELETE, waiting for the answers (failures are ignored)."""
-        groups: dict[str, list[BlockRef]] = {}
-        for ref in refs:
-            groups.setdefault(ref.member.data_address, []).append(ref)
-        sent = []
-        for address, group in groups.items():
-            calls = ref_calls(op, group)
-            try:
-                conn = self.connection(address, deadline)
-                conn.send(calls, deadline)
-            except KVPoolError:
-                continue
-            sent.append((address, conn, calls))
-        for address, conn, calls in sent:
-            try:
-                conn.receive(calls, deadline)
-            except KVPoolError:
-                self.discard(address, conn)
-
-
-def _arena(conn: BlockingConnection) -> Arena | None:
-    arena = getattr(conn, "arena", None)
-    return arena if isinstance(arena, Arena) else None
-
-
-def _hello(conn: BlockingConnection, timeout_s: float) -> NodeOffer:
-    call = hello_call()
-    try:
-        conn.exchange([call], time.monotonic() + timeout_s)
-    except KVPoolError:
-        conn.close()
-        raise
-    return read_hello(call, conn.sockname, conn.peername)
 
 
 class SyncPath:
@@ -397,7 +77,10 @@ class SyncPath:
             core.routing, attempt_timeout_s=core.attempt_timeout_s, security=core.security
         )
         self._data = BlockingDataPlane(
-            core, self._node_failed, connect_timeout_s=core.attempt_timeout_s
+            core,
+            self._node_failed,
+            connect_timeout_s=core.attempt_timeout_s,
+            on_node_slow=lambda mid: core.placement.node_slow(mid, time.monotonic()),
         )
         self._committer = SyncCommitter(self._commit_rpc, lambda: core_module.MAX_COMMIT_ENTRIES)
         self._members_lock = threading.Lock()

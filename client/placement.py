@@ -175,6 +175,12 @@ class Placement:
         self.observe_ring_version(ring_version)
         self._stale = True
 
+    def node_slow(self, member_id: int, now_s: float) -> None:
+        """A read from this member was slow enough to be hedged: read its replicas last for
+        ``suspect_s`` (no membership refresh: a slow node is still a member)."""
+        with self._lock:
+            self._suspect_until[member_id] = now_s + self._suspect_s
+
     def node_failed(self, member_id: int, now_s: float) -> None:
         """A data-plane request to this member failed: it may have left the ring."""
         with self._lock:

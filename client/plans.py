@@ -125,6 +125,11 @@ class ReadItem:
     def reasons(self) -> list[str]:
         return self._reasons or []
 
+    @property
+    def errors(self) -> list[KVPoolError]:
+        """The error behind each of :attr:`reasons`."""
+        return self._errors or []
+
     def fail(self, reason: str, error: KVPoolError) -> None:
         if self._reasons is None or self._errors is None:
             self._reasons, self._errors = [], []

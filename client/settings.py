@@ -19,6 +19,8 @@ def make_config(
     transport: str = "auto",
     lookup_cache_size: int = 65536,
     lookup_cache_ttl_s: float = 30.0,
+    hedge_reads: bool = True,
+    hedge_delay_ms: float = 10.0,
     metrics_port: int = -1,
     metrics_host: str = "127.0.0.1",
     cluster_token: str = "",
@@ -64,6 +66,12 @@ def make_config(
         errors.append(
             f"lookup_cache_ttl_s: expected a number of seconds, got {lookup_cache_ttl_s!r}"
         )
+    if not isinstance(hedge_reads, bool):
+        errors.append(  # type: ignore[unreachable]  # callers without type checks
+            f"hedge_reads: expected True or False, got {hedge_reads!r}"
+        )
+    if isinstance(hedge_delay_ms, bool) or not isinstance(hedge_delay_ms, int | float):
+        errors.append(f"hedge_delay_ms: expected a number of milliseconds, got {hedge_delay_ms!r}")
     for name, value in (
         ("replicas", replicas),
         ("max_value_size", max_value_size),
@@ -83,6 +91,8 @@ def make_config(
             transport=transport,
             lookup_cache_size=lookup_cache_size,
             lookup_cache_ttl_s=float(lookup_cache_ttl_s),
+            hedge_reads=hedge_reads,
+            hedge_delay_ms=float(hedge_delay_ms),
             metrics_port=metrics_port,
             metrics_host=metrics_host,
             **security,

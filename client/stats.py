@@ -54,6 +54,8 @@ class ClientStats:
         self._fallbacks = 0
         self._replica_retries = 0
         self._ring_refreshes = 0
+        self._hedged = 0
+        self._hedge_wins = 0
 
     def hit(self, n: int = 1) -> None:
         with self._lock:
@@ -76,6 +78,11 @@ class ClientStats:
         with self._lock:
             self._replica_retries += n
 
+    def hedged(self, sent: int, won: int) -> None:
+        with self._lock:
+            self._hedged += sent
+            self._hedge_wins += won
+
     def ring_refreshed(self) -> None:
         with self._lock:
             self._ring_refreshes += 1
@@ -83,7 +90,9 @@ class ClientStats:
     def snapshot(self) -> dict[str, Any]:
         """A copy: ``hits``, ``misses`` (total), ``misses_by_reason``, ``puts_ok``,
         ``puts_failed``, ``fallbacks`` (get_or_compute computed the value), ``replica_retries``
-        (reads that moved on to another replica), ``ring_refreshes``."""
+        (reads that moved on to another replica), ``ring_refreshes``, ``hedged_reads`` (keys
+        also asked of a second replica because the first was slow), ``hedge_wins`` (keys the
+        second replica served)."""
         with self._lock:
             return {
                 "hits": self._hits,
@@ -94,4 +103,6 @@ class ClientStats:
                 "fallbacks": self._fallbacks,
                 "replica_retries": self._replica_retries,
                 "ring_refreshes": self._ring_refreshes,
+                "hedged_reads": self._hedged,
+                "hedge_wins": self._hedge_wins,
             }

@@ -95,6 +95,8 @@ class Client:
         transport: str = "auto",
         lookup_cache_size: int = 65536,
         lookup_cache_ttl_s: float = 30.0,
+        hedge_reads: bool = True,
+        hedge_delay_ms: float = 10.0,
         metrics_port: int = -1,
         cluster_token: str = "",
         cluster_token_file: str = "",
@@ -111,6 +113,8 @@ class Client:
         masters over TLS checked against this CA (``tls_cert_file``/``tls_key_file``: a client
         certificate). Unset, these default to the ``KVPOOL_CLUSTER_TOKEN``,
         ``KVPOOL_CLUSTER_TOKEN_FILE`` and ``KVPOOL_TLS_*`` environment variables.
+        ``hedge_reads``: a read whose replica has not answered after ``hedge_delay_ms`` (plus
+        1 ms per MB read) is also sent to the key's next replica; the first good answer wins.
         ``metrics_port``: serve this client's Prometheus /metrics on 127.0.0.1 (0: any free
         port, see :attr:`metrics_address`; -1: off)."""
         config = make_config(
@@ -122,6 +126,8 @@ class Client:
             transport=transport,
             lookup_cache_size=lookup_cache_size,
             lookup_cache_ttl_s=lookup_cache_ttl_s,
+            hedge_reads=hedge_reads,
+            hedge_delay_ms=hedge_delay_ms,
             metrics_port=metrics_port,
             cluster_token=cluster_token,
             cluster_token_file=cluster_token_file,

@@ -476,6 +476,13 @@ class ClientConfig(SecurityConfig):
     lookup_cache_ttl_s: float = opt(
         30.0, "longest a cached index entry is used without asking the masters", "duration"
     )
+    hedge_reads: bool = opt(
+        True, "read a key from a second replica too when the first is slow (see hedge_delay_ms)"
+    )
+    hedge_delay_ms: float = opt(
+        10.0,
+        "how long a read waits for its replica before hedging, plus 1 ms per MB it reads",
+    )
     metrics_port: int = opt(
         -1, "Prometheus /metrics of this client: -1 = off (default), 0 = any free port, or a port"
     )
@@ -496,6 +503,8 @@ class ClientConfig(SecurityConfig):
             errors.append(f"max_tier: expected gpu, cpu, ssd or any, got {self.max_tier!r}")
         if self.timeout_s <= 0:
             errors.append("timeout_s: must be positive")
+        if self.hedge_delay_ms < 0:
+            errors.append("hedge_delay_ms: must not be negative")
         if self.replicas < 1:
             errors.append("replicas: must be at least 1")
         if self.max_value_size <= 0:

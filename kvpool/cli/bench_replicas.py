@@ -3,7 +3,8 @@
 The bench starts local clusters and measures: how long a block read in a loop takes to reach
 ``hot_max_replicas``; how long the masters take to bring N blocks back to 2 replicas after a
 node is killed (from the node being declared down); the hit rate of a hot read loop through a
-node kill, with hot replicas off and on.
+node kill, with hot replicas off and on; the latency of gets while one replica's node is paused,
+with hedged reads off and on.
 """
 
 from __future__ import annotations
@@ -156,6 +157,50 @@ def bench_kill_hit_rate(directory: Path, hot: bool, seconds: float) -> dict[str,
     }
 
 
+def bench_paused_replica(directory: Path, hedge: bool, seconds: float) -> dict[str, Any]:
+    """Single gets of 20 keys at 2 replicas on 2 nodes while one node is paused (SIGSTOP, for
+    less than the node timeout: not declared down), with hedged reads on or off: latency and
+    hit rate."""
+    keys = [f"bench/paused/{i}" for i in range(20)]
+    size = 64 << 10
+    latencies: list[float] = []
+    hits = 0
+    with (
+        LocalCluster(directory, masters=1, nodes=2, cpu_cache_size="128MiB") as cluster,
+        Client(cluster.master_addresses, timeout_s=1.0, replicas=2, hedge_reads=hedge) as kv,
+    ):
+        kv.batch_put([(k, _value(k, size)) for k in keys])
+        for k in keys:  # warm: connections open, entries cached
+            kv.get(k)
+        victim = cluster.node_names[0]
+        cluster.pause(victim)
+        try:
+            end = time.monotonic() + min(seconds, cluster.node_timeout_s * 0.6)
+            i = 0
+            while time.monotonic() < end:
+                key = keys[i % len(keys)]
+                i += 1
+                started = time.monotonic()
+                value = kv.get(key)
+                latencies.append(time.monotonic() - started)
+                hits += value == _value(key, size)
+        finally:
+            cluster.resume(victim)
+        stats = kv.stats
+    latencies.sort()
+    n = len(latencies)
+    return {
+        "hedged_reads": hedge,
+        "gets": n,
+        "hit_rate": round(hits / n, 4) if n else None,
+        "p50_ms": round(latencies[n // 2] * 1e3, 2) if n else None,
+        "p99_ms": round(latencies[min(n - 1, int(n * 0.99))] * 1e3, 2) if n else None,
+        "max_ms": round(latencies[-1] * 1e3, 2) if n else None,
+        "hedges": stats["hedged_reads"],
+        "hedge_wins": stats["hedge_wins"],
+    }
+
+
 def main_bench(args: argparse.Namespace) -> dict[str, Any]:
     blocks, rounds, window = args.blocks, args.rounds, args.window
     if args.quick:
@@ -168,6 +213,10 @@ def main_bench(args: argparse.Namespace) -> dict[str, Any]:
             "hit_rate_through_node_kill": {
                 "without_hot_replicas": bench_kill_hit_rate(base / "cold", False, window),
                 "with_hot_replicas": bench_kill_hit_rate(base / "warm", True, window),
+            },
+            "gets_with_a_paused_replica": {
+                "not_hedged": bench_paused_replica(base / "paused-plain", False, window),
+                "hedged": bench_paused_replica(base / "paused-hedged", True, window),
             },
         }
 

@@ -231,3 +231,27 @@ def test_drain_hands_every_block_over_then_leaves(cluster_factory: ClusterFactor
         cluster.terminate(victim)
         assert kv.batch_get(keys) == [_value(k, 4096) for k in keys]
         assert set(replica_status(cluster, keys).replicas) == {1}
+
+
+def test_a_paused_replica_costs_a_hedge_not_a_deadline(cluster_factory: ClusterFactory) -> None:
+    # SIGSTOP one of two nodes (for less than the node timeout: it stays in the index): every
+    # get of keys held on both keeps hitting, each within a small part of its 2 s deadline.
+    cluster = cluster_factory(masters=1, nodes=2, cpu_cache_size="64MiB")
+    keys = [f"paused/{i}" for i in range(10)]
+    with Client(cluster.master_addresses, timeout_s=2.0, replicas=2) as kv:
+        assert all(kv.batch_put([(k, _value(k)) for k in keys]))
+        assert [kv.get(k) for k in keys] == [_value(k) for k in keys]
+        victim = cluster.node_names[0]
+        cluster.pause(victim)
+        try:
+            worst = 0.0
+            for _ in range(10):
+                for k in keys:
+                    started = time.monotonic()
+                    assert kv.get(k) == _value(k)
+                    worst = max(worst, time.monotonic() - started)
+        finally:
+            cluster.resume(victim)
+        assert worst < 0.5, f"a get waited {worst:.3f} s for the paused node"
+        assert kv.stats["hedged_reads"] >= 1
+        assert kv.stats["misses"] == 0

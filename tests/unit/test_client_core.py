@@ -104,17 +104,17 @@ class FakeNodeProtocol(FrameServerProtocol):
             if node.corrupt and data:
                 data = bytes([data[0] ^ 0xFF]) + data[1:]
             checksum = block.checksum ^ 1 if node.wrong_header_checksum else block.checksum
-            self.send(
-                Header(
-                    op=header.op,
-                    request_id=header.request_id,
-                    write_id=header.write_id,
-                    payload_len=len(data),
-                    checksum=checksum,
-                ),
-                b"",
-                data,
+            answer = Header(
+                op=header.op,
+                request_id=header.request_id,
+                write_id=header.write_id,
+                payload_len=len(data),
+                checksum=checksum,
             )
+            if node.delay_s:  # a slow node: answers, late
+                asyncio.get_running_loop().call_later(node.delay_s, self.send, answer, b"", data)
+            else:
+                self.send(answer, b"", data)
         else:
             self.send(reply)
 
@@ -130,6 +130,7 @@ class FakeNode:
     corrupt: bool = False
     wrong_header_checksum: bool = False
     no_space: bool = False
+    delay_s: float = 0.0
     port: int = 0
     server: asyncio.Server | None = None
 

@@ -1,0 +1,493 @@
+"""The synchronous client's data plane: block frames to store nodes in the calling thread.
+
+One :class:`~kvpool.transports.blocking.BlockingConnection` per thread and node (TCP, or the
+node's shared memory where it offers it); the same per-node plans and judging as the event-loop
+data plane (:mod:`kvpool.client.blocks`, :mod:`kvpool.client.plans`). Kernel socket timeouts
+bound each read and write; a connection that timed out is closed, so no late byte can land in a
+caller's buffer after the call returned (nothing reads that socket again).
+
+Hedged reads (:mod:`kvpool.client.hedge`): after sending a round, the plane waits (``poll``) for
+the nodes to start answering; the keys of nodes still silent after the hedge delay are also
+sent to their next replica, into buffers of their own, and whichever node answers first is read
+first; the connection of a read that lost is closed (no answer of it is read, so none lands in
+a caller's buffer). Opening a connection blocks the thread, so with another replica to go to
+it may take only the hedge delay.
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry.trace import SpanKind
+
+from kvpool import tracing
+from kvpool.client.blocks import next_round
+from kvpool.client.core import ClientCore
+from kvpool.client.hedge import Hedge, HedgePolicy, round_bytes
+from kvpool.client.links import NodeOffer, hello_call, read_hello
+from kvpool.client.placement import MemberInfo
+from kvpool.client.plans import (
+    BlockRef,
+    NodeRead,
+    NodeStage,
+    PutItem,
+    ReadItem,
+    ref_calls,
+    transport_failure,
+)
+from kvpool.client.spans import read_attributes
+from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
+from kvpool.proto.wire import Op
+from kvpool.transports import open_blocking
+from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.shm import Arena
+
+
+class BlockingDataPlane:
+    """Frames to store nodes from the calling thread: one connection per thread and node."""
+
+    def __init__(
+        self,
+        core: ClientCore,
+        on_node_failed: Callable[[int], None],
+        *,
+        connect_timeout_s: float,
+        on_node_slow: Callable[[int], None] | None = None,
+    ) -> None:
+        self._links = core.links
+        self._hedge: HedgePolicy = core.hedge_policy
+        self._on_hedge = core.counters.hedged
+        self._on_node_slow = on_node_slow or (lambda _mid: None)
+        self._token = core.security.token
+        self._on_node_failed = on_node_failed
+        self._connect_timeout_s = connect_timeout_s
+        self._local = threading.local()
+        self._all: set[BlockingConnection] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._all = self._all, set()
+        for conn in conns:
+            conn.close()
+
+    # --- connections ----------------------------------------------------------------------
+
+    def _conns(self) -> dict[str, BlockingConnection]:
+        conns: dict[str, BlockingConnection] | None = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = {}
+            self._local.conns = conns
+        return conns
+
+    def connection(self, address: str, deadline: float) -> BlockingConnection:
+        conns = self._conns()
+        conn = conns.get(address)
+        if conn is not None and not conn.broken and not conn.closed:
+            return conn
+        if conn is not None:
+            self.discard(address, conn)
+        timeout_s = min(deadline - time.monotonic(), self._connect_timeout_s)
+        if timeout_s <= 0:
+            raise DeadlineExceededError(f"{address}: no time left to connect")
+        conn = self._open(address, timeout_s)
+        with self._lock:
+            if self._closed:
+                conn.close()
+                raise UnavailableError("this kvpool client is closed")
+            self._all.add(conn)
+        conns[address] = conn
+        return conn
+
+    def discard(self, address: str, conn: BlockingConnection) -> None:
+        conns = self._conns()
+        if conns.get(address) is conn:
+            del conns[address]
+        with self._lock:
+            self._all.discard(conn)
+        conn.close()
+
+    def _open(self, address: str, timeout_s: float) -> BlockingConnection:
+        """A connection to ``address``: the node's shared memory where it offers it and the
+        transport setting allows, else the address's own transport."""
+        links = self._links
+        if not address.startswith(("tcp://", "inproc://")):
+            return open_blocking(address, timeout_s, self._token)
+        offer = links.offer(address)
+        first: BlockingConnection | None = None
+        if offer is None:
+            first, offer = self._ask(address, timeout_s)
+        for _attempt in range(2):
+            try:
+                shm = links.shm_for(address, offer) if address.startswith("tcp://") else ""
+            except KVPoolError:
+                if first is not None:
+                    first.close()
+                raise
+            if not shm:
+                break
+            try:
+                conn = open_blocking(shm, timeout_s, self._token)
+            except KVPoolError as e:
+                if isinstance(e, DeadlineExceededError):
+                    # Slow or paused, not restarted nor in another namespace: asking again or
+                    # falling back to TCP would only spend the caller's deadline twice.
+                    if first is not None:
+                        first.close()
+                    raise
+                if first is None:  # a remembered offer: the node may have restarted; ask again
+                    links.forget(address)
+                    first, offer = self._ask(address, timeout_s)
+                    continue
+                if links.transport == "shm":
+                    first.close()
+                    raise
+                offer = links.unreachable(address, offer, e)  # another namespace: TCP it is
+                break
+            conn.features = frozenset({"mget", "shm", *(["trace"] if offer.trace else [])})
+            if first is not None:
+                first.close()
+            return conn
+        if first is None:
+            first = open_blocking(address, timeout_s, self._token)
+        first.features = frozenset(
+            [*(["mget"] if offer.mget else []), *(["trace"] if offer.trace else [])]
+        )
+        return first
+
+    def _ask(self, address: str, timeout_s: float) -> tuple[BlockingConnection, NodeOffer]:
+        """A first connection to ``address`` and what the node offers on it (remembered)."""
+        conn = open_blocking(address, timeout_s, self._token)
+        offer = _hello(conn, timeout_s)
+        self._links.learn(address, offer)
+        return conn, offer
+
+    # --- reads ----------------------------------------------------------------------------
+
+    def read(
+        self,
+        items: list[ReadItem],
+        members: Callable[[int], MemberInfo | None],
+        deadline: float,
+        on_retry: Callable[[int], None] | None = None,
+    ) -> None:
+        """Read every item from its replicas, in rounds (as the event-loop data plane)."""
+        queue = [it for it in items if not it.ok and it.replicas]
+        for it in items:
+            if not it.replicas:
+                it.fail(
+                    "node_down",
+                    UnavailableError(f"block {it.key!r}: the index names no live replica"),
+                )
+        while queue:
+            now = time.monotonic()
+            if now >= deadline:
+                for it in queue:
+                    it.fail("timeout", DeadlineExceededError(f"get {it.key!r}: out of time"))
+                return
+            rounds_left = max(len(it.replicas) - it.next for it in queue)
+            round_deadline = now + (deadline - now) / rounds_left
+            sent: list[_Sent] = []
+            by_node = next_round(queue, members)
+            hedging = self._hedge.worth_it(queue)
+            # Opening a connection is not hedged (it blocks this thread): with another replica
+            # to go to, it may take only the hedge delay.
+            connect_by = min(round_deadline, now + self._hedge.delay_s(0)) if hedging else None
+            # One span per node when a round reads from several (one node: the node's span
+            # is the caller's child directly).
+            per_node = tracing.STATE.enabled and len(by_node) > 1 and tracing.recording()
+            trace = tracing.frame_trace() if tracing.STATE.enabled and not per_node else b""
+            for address, (group, member) in by_node.items():
+                span = None
+                if per_node:
+                    span = tracing.tracer().start_span(
+                        "kvpool.client.read",
+                        kind=SpanKind.CLIENT,
+                        attributes={"kvpool.node": address, "kvpool.keys": len(group)},
+                    )
+                started = self._send_reads(
+                    address,
+                    group,
+                    member,
+                    round_deadline,
+                    tracing.frame_trace(span) if span else trace,
+                    connect_by=connect_by,
+                )
+                if started is not None:
+                    sent.append((*started, span))
+                elif span is not None:
+                    span.set_attributes(read_attributes(group))
+                    span.end()
+            if sent and hedging:
+                self._hedged_round(sent, members, round_deadline, deadline)
+            else:
+                for entry in sent:
+                    self._finish_entry(entry, round_deadline)
+            queue = [it for it in queue if not it.ok and it.next < len(it.replicas)]
+            if queue and on_retry is not None:
+                on_retry(len(queue))
+
+    def _finish_entry(self, entry: _Sent, deadline: float) -> None:
+        conn, plan, node, span = entry
+        self._finish_reads(conn, plan, node, deadline)
+        if span is not None:
+            span.set_attributes(read_attributes(plan.items))
+            span.end()
+
+    def _hedged_round(
+        self,
+        sent: list[_Sent],
+        members: Callable[[int], MemberInfo | None],
+        round_deadline: float,
+        deadline: float,
+    ) -> None:
+        """Finish a round's reads, hedging the keys of nodes still silent after the hedge
+        delay (see the module doc)."""
+        delay_s = self._hedge.delay_s(max(round_bytes(e[1].items) for e in sent))
+        if len(sent) == 1:  # the common round: one node; its answer is on the way
+            sock = sent[0][0].socket
+            if select.select([sock], (), (), min(delay_s, round_deadline - time.monotonic()))[0]:
+                self._finish_entry(sent[0], round_deadline)
+                return
+        poller = select.poll()
+        waiting: dict[int, tuple[_Sent, float]] = {}
+        for entry in sent:
+            fd = entry[0].socket.fileno()
+            waiting[fd] = (entry, round_deadline)
+            poller.register(fd, select.POLLIN)
+        done: set[int] = set()  # ids of the items and clones whose read is over
+
+        def finish(fd: int) -> None:
+            entry, entry_deadline = waiting.pop(fd)
+            poller.unregister(fd)
+            self._finish_entry(entry, entry_deadline)
+            done.update(id(it) for it in entry[1].items)
+
+        _serve(poller, finish, min(time.monotonic() + delay_s, round_deadline), lambda: not waiting)
+        if not waiting:
+            return
+        slow = [entry for entry, _ in waiting.values()]
+        hedge = Hedge(it for e in slow for it in e[1].items)
+        busy = {e[1].address for e in slow}  # asked already: a hedge there would wait too
+        groups = next_round(hedge.clones, members)
+        for address in busy & groups.keys():
+            clones, _member = groups.pop(address)
+            hedge.forget(clones)
+        if len(hedge):
+            self._on_hedge(len(hedge), 0)
+            for e in slow:
+                self._on_node_slow(e[2].member_id)
+            now = time.monotonic()
+            rounds_left = max(len(c.replicas) - c.next for c in hedge.clones) + 1
+            hedge_deadline = now + (deadline - now) / rounds_left
+            for address, (clones, member) in groups.items():
+                started = self._send_reads(address, clones, member, hedge_deadline)
+                if started is None:
+                    done.update(id(c) for c in clones)
+                    continue
+                fd = started[0].socket.fileno()
+                waiting[fd] = ((*started, None), hedge_deadline)
+                poller.register(fd, select.POLLIN)
+            limit = max(round_deadline, hedge_deadline)
+            _serve(
+                poller,
+                finish,
+                limit,
+                lambda: (
+                    not waiting
+                    or hedge.resolved(lambda it: id(it) in done, lambda c: id(c) in done)
+                ),
+            )
+        else:
+            _serve(poller, finish, round_deadline, lambda: not waiting)
+        abandoned = [entry for entry, _ in waiting.values()]
+        for conn, plan, _node, span in abandoned:
+            # Closed, not kept with answers owed: on a later call, the owed answer arriving
+            # would look like that call's (the socket readable) and block it unhedged; and a
+            # shared-memory connection's leases end with it.
+            self.discard(plan.address, conn)
+            if span is not None:
+                span.set_attributes(read_attributes(plan.items))
+                span.end()
+        self._on_hedge(0, hedge.settle())
+        firsts = {id(e[1]) for e in slow}
+        for _conn, plan, _node, _span in abandoned:
+            if id(plan) not in firsts:
+                continue
+            for it in plan.items:
+                if not it.ok:
+                    it.fail(
+                        "timeout",
+                        DeadlineExceededError(f"{plan.address}: {it.key!r}: no answer (hedged)"),
+                    )
+
+    def _send_reads(
+        self,
+        address: str,
+        group: list[ReadItem],
+        member: MemberInfo,
+        deadline: float,
+        trace: bytes = b"",
+        *,
+        connect_by: float | None = None,
+    ) -> tuple[BlockingConnection, NodeRead, MemberInfo] | None:
+        try:
+            conn = self.connection(address, deadline if connect_by is None else connect_by)
+        except KVPoolError as e:
+            reason, error = transport_failure(e)
+            for it in group:
+                it.fail(reason, error)
+            if isinstance(e, DeadlineExceededError) and connect_by is not None:
+                self._on_node_slow(member.member_id)
+            else:
+                self._on_node_failed(member.member_id)
+            return None
+        plan = NodeRead(address, group, mget="mget" in conn.features, arena=_arena(conn))
+        try:
+            conn.send(plan.calls, deadline, trace=trace)
+        except KVPoolError as e:
+            self._failed(address, conn, plan, member, e)
+            return None
+        return conn, plan, member
+
+    def _finish_reads(
+        self, conn: BlockingConnection, plan: NodeRead, member: MemberInfo, deadline: float
+    ) -> None:
+        try:
+            conn.receive(plan.calls, deadline)
+        except KVPoolError as e:
+            self._failed(plan.address, conn, plan, member, e)
+            return
+        plan.judge()
+        release = plan.release_call()
+        try:
+            if release is not None:
+                conn.notify([release], deadline)
+            if plan.followups:
+                conn.exchange(plan.followups, deadline)
+        except KVPoolError as e:
+            self.discard(plan.address, conn)
+            for call in plan.followups:
+                call.error = e
+        if plan.followups:
+            plan.judge_followups()
+
+    def _failed(
+        self,
+        address: str,
+        conn: BlockingConnection,
+        plan: NodeRead,
+        member: MemberInfo,
+        error: KVPoolError,
+    ) -> None:
+        self.discard(address, conn)
+        plan.fail_all(error)
+        if not isinstance(error, DeadlineExceededError):
+            self._on_node_failed(member.member_id)
+
+    # --- writes ---------------------------------------------------------------------------
+
+    def stage(self, items: list[PutItem], deadline: float) -> None:
+        """PUT every item to each of its targets (all nodes at once)."""
+        if time.monotonic() >= deadline:
+            for it in items:
+                it.error = DeadlineExceededError(f"put {it.key!r}: out of time before sending")
+            return
+        groups: dict[str, list[tuple[PutItem, MemberInfo]]] = {}
+        for it in items:
+            for member in it.targets:
+                groups.setdefault(member.data_address, []).append((it, member))
+        sent: list[tuple[BlockingConnection, NodeStage]] = []
+        for address, group in groups.items():
+            try:
+                conn = self.connection(address, deadline)
+            except KVPoolError as e:
+                error = e if isinstance(e, DeadlineExceededError) else None
+                for it, _ in group:
+                    it.error = error or UnavailableError(e.message)
+                self._on_node_failed(group[0][1].member_id)
+                continue
+            plan = NodeStage(address, group, _arena(conn))
+            try:
+                conn.send(plan.calls, deadline)
+            except KVPoolError as e:
+                self.discard(address, conn)
+                plan.fail_all(e, self._on_node_failed)
+                continue
+            sent.append((conn, plan))
+        for conn, plan in sent:
+            try:
+                conn.receive(plan.calls, deadline)
+            except KVPoolError as e:
+                self.discard(plan.address, conn)
+                plan.fail_all(e, self._on_node_failed)
+                continue
+            plan.judge()
+            if plan.commit is not None:
+                try:
+                    conn.exchange([plan.commit], deadline)
+                except KVPoolError as e:
+                    self.discard(plan.address, conn)
+                    plan.commit.error = e
+                plan.judge_commit()
+
+    def send_refs(self, op: Op, refs: list[BlockRef], deadline: float) -> None:
+        """PUBLISH or DELETE, waiting for the answers (failures are ignored)."""
+        groups: dict[str, list[BlockRef]] = {}
+        for ref in refs:
+            groups.setdefault(ref.member.data_address, []).append(ref)
+        sent = []
+        for address, group in groups.items():
+            calls = ref_calls(op, group)
+            try:
+                conn = self.connection(address, deadline)
+                conn.send(calls, deadline)
+            except KVPoolError:
+                continue
+            sent.append((address, conn, calls))
+        for address, conn, calls in sent:
+            try:
+                conn.receive(calls, deadline)
+            except KVPoolError:
+                self.discard(address, conn)
+
+
+_Sent = tuple[BlockingConnection, NodeRead, MemberInfo, Any]
+"""A node's reads sent in a round: connection, plan, member, span (or None)."""
+
+
+def _serve(
+    poller: select.poll, finish: Callable[[int], None], limit: float, until: Callable[[], bool]
+) -> None:
+    """Finish each connection ``poller`` reports readable until ``until()`` holds or the
+    monotonic clock reaches ``limit``."""
+    while not until():
+        left = limit - time.monotonic()
+        if left <= 0:
+            return
+        events = poller.poll(max(1, int(left * 1000 + 0.999)))
+        if not events:
+            continue
+        for fd, _mask in events:
+            finish(fd)
+
+
+def _arena(conn: BlockingConnection) -> Arena | None:
+    arena = getattr(conn, "arena", None)
+    return arena if isinstance(arena, Arena) else None
+
+
+def _hello(conn: BlockingConnection, timeout_s: float) -> NodeOffer:
+    call = hello_call()
+    try:
+        conn.exchange([call], time.monotonic() + timeout_s)
+    except KVPoolError:
+        conn.close()
+        raise
+    return read_hello(call, conn.sockname, conn.peername)
