@@ -31,6 +31,7 @@ from typing import Any
 
 from kvpool.config import MasterConfig, load_config, split_hostport
 from kvpool.errors import ConfigError, KVPoolError
+from kvpool.gctune import freeze_after_slow_collections
 from kvpool.grpcutil import ServerHandle, start_server
 from kvpool.logs import bind_process, configure_logging, get_logger
 from kvpool.metrics import MetricsServer, register_collector, start_metrics
@@ -63,6 +64,12 @@ def main(cfg: MasterConfig) -> int:
         return EXIT_STARTUP
     bind_process(role="master", node_id=cfg.raft_listen)
     setup_tracing("master")
+    log = get_logger("kvpool.master")
+    freeze_after_slow_collections(
+        on_freeze=lambda ms, frozen: log.info(
+            "gc_frozen", full_collection_ms=round(ms, 1), frozen=frozen
+        )
+    )
     try:
         return asyncio.run(MasterProcess(cfg).run())
     except (StartupError, ConfigError) as e:

@@ -33,6 +33,7 @@ from typing import Any
 from kvpool.client.masters import MasterClient
 from kvpool.config import NodeConfig, load_config, split_hostport
 from kvpool.errors import ConfigError, KVPoolError
+from kvpool.gctune import freeze_after_slow_collections
 from kvpool.grpcutil import start_server
 from kvpool.logs import bind_process, configure_logging, get_logger
 from kvpool.metrics import register_collector, start_metrics
@@ -369,6 +370,12 @@ def main(cfg: NodeConfig) -> int:
         print("kvpool node: invalid configuration:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
     setup_tracing("node")
+    log = get_logger("kvpool.node")
+    freeze_after_slow_collections(
+        on_freeze=lambda ms, frozen: log.info(
+            "gc_frozen", full_collection_ms=round(ms, 1), frozen=frozen
+        )
+    )
     try:
         return asyncio.run(serve(cfg))
     except StartupError as e:

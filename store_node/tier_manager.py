@@ -436,6 +436,13 @@ class TierManager:
             self._free(copy)
 
     def _free(self, copy: Copy) -> None:
+        # A detached block keeps its copies listed for reads still holding it; once a copy's
+        # memory is freed, unlist it: no read may find freed memory, and the block↔copy
+        # reference cycle is broken, so the pair is freed by reference counting (the node
+        # freezes long-lived objects out of the cyclic collector, kvpool.gctune).
+        block = copy.block
+        if block.copies.get(copy.level) is copy:
+            del block.copies[copy.level]
         if copy.level is SSD:
             self._free_ssd(copy)
         else:

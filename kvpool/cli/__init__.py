@@ -200,6 +200,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--clients", help="client process counts [1,2]")
     b.add_argument("--modes", help="single,batch [both]")
     b.add_argument("--peers", help="redis,mooncake [both]; none: kvpool and the limits only")
+    b.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="the client processes (every client measured) freeze what survives a slow full "
+        "garbage collection (kvpool.gctune), as an engine may",
+    )
     b.add_argument("--kvpool-masters", type=int, default=3, help="masters (Raft group) [3]")
     b.add_argument("--kvpool-nodes", type=int, default=1, help="store nodes [1]")
     b.add_argument(

@@ -86,6 +86,8 @@ class PeersOptions:
     """auto: kvpool.Client on every transport, and kvpool.AsyncClient on the first one when
     there is one; sync, async: only that client; both: both on every transport."""
     mooncake_segment_bytes: int = 1 << 30
+    gc_freeze: bool = False
+    """The client processes freeze what survives a slow full collection (kvpool.gctune)."""
     arena_bytes: int = 64 * MiB
     timeout_s: float = 10.0
     directory: str | None = None
@@ -370,7 +372,7 @@ class PeersBench:
         )
         redis = RedisServer(root / "redis")
         mooncake = MooncakeServers(root / "mooncake", segment_bytes=opts.mooncake_segment_bytes)
-        pool = WorkerPool(root)
+        pool = WorkerPool(root, gc_freeze=opts.gc_freeze)
         shield = _InterruptShield()
         with contextlib.ExitStack() as stack:
             # Unwound in reverse, each step even if one before it raised or was interrupted.
@@ -524,6 +526,7 @@ def options_from_args(args: Any) -> PeersOptions:
     overrides["kvpool_masters"] = args.kvpool_masters
     overrides["kvpool_nodes"] = args.kvpool_nodes
     overrides["kvpool_in_memory"] = args.kvpool_in_memory
+    overrides["gc_freeze"] = bool(getattr(args, "gc_freeze", False))
     overrides["directory"] = args.dir
     overrides["seed"] = args.seed
     if args.quick:

@@ -44,6 +44,7 @@ from kvpool.cli.bench_drivers import (
     make_kvpool_driver,
 )
 from kvpool.cli.bench_machine import TcpSink, memcpy_gbps, tcp_send_gbps
+from kvpool.gctune import freeze_after_slow_collections
 
 POISON = 0x5A
 STAMP = struct.Struct("<IIII")
@@ -217,9 +218,14 @@ class Worker:
             self.sink.close()
 
 
-def worker_main(index: int, conn: Connection, barrier: Any, log_path: str) -> None:
-    """The process body: answer commands until ``stop`` or the pipe closes."""
+def worker_main(
+    index: int, conn: Connection, barrier: Any, log_path: str, gc_freeze: bool = False
+) -> None:
+    """The process body: answer commands until ``stop`` or the pipe closes. ``gc_freeze``:
+    freeze what survives a slow full collection (kvpool.gctune), for every client measured."""
     _redirect_output(log_path)
+    if gc_freeze:
+        freeze_after_slow_collections()
     worker = Worker(index, barrier)
     try:
         while True:
@@ -244,8 +250,9 @@ def worker_main(index: int, conn: Connection, barrier: Any, log_path: str) -> No
 class WorkerPool:
     """The benchmark client processes (spawned, so no lock or thread is inherited)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, gc_freeze: bool = False) -> None:
         self.dir = directory
+        self.gc_freeze = gc_freeze
         self.ctx = multiprocessing.get_context("spawn")
         self.barrier = self.ctx.Barrier(2)
         self.conns: list[Connection] = []
@@ -256,7 +263,9 @@ class WorkerPool:
             parent, child = self.ctx.Pipe()
             log = str(self.dir / f"worker-{i}.log")
             proc = self.ctx.Process(
-                target=worker_main, args=(i, child, self.barrier, log), name=f"bench-worker-{i}"
+                target=worker_main,
+                args=(i, child, self.barrier, log, self.gc_freeze),
+                name=f"bench-worker-{i}",
             )
             proc.start()
             child.close()

@@ -233,6 +233,8 @@ def test_a_leased_block_keeps_its_bytes_after_delete_until_released(store: Block
     used = store.tier.used_bytes
     store.release(result.block)
     assert store.tier.used_bytes == used - 4 * KIB
+    # Freed memory is no longer listed, and the block↔copy cycle is gone (freed by refcount).
+    assert result.block.copies == {}
 
 
 def test_replacing_a_leased_committed_block_defers_its_free(store: BlockStore) -> None:
