@@ -12,6 +12,9 @@ with :meth:`Placement.update`. Signals that the cache is out of date:
   ``min_refresh_interval_s`` for this cause, so a node that the index has not declared down yet
   does not cost one GetMembers per put).
 
+A member being drained (``draining`` in GetMembers) is left out of the ring: no new put is placed
+on it. It stays among the members, so the replicas a lookup names on it are still read.
+
 A node that failed is also *suspect* for ``suspect_s``: reads try its replicas last
 (:meth:`Placement.read_order`), so a node that died and is not yet declared down costs little.
 """
@@ -38,6 +41,7 @@ class MemberInfo:
     capacity_bytes: int
     zone: str = ""
     incarnation: int = 0
+    draining: bool = False  # readable; takes no new puts (left out of the placement ring)
 
     @classmethod
     def from_proto(cls, m: common_pb2.Member) -> MemberInfo:
@@ -48,6 +52,7 @@ class MemberInfo:
             capacity_bytes=m.capacity_bytes,
             zone=m.zone,
             incarnation=m.incarnation,
+            draining=m.draining,
         )
 
     def ring_member(self) -> RingMember:
@@ -60,7 +65,8 @@ class MemberInfo:
 
 
 class Placement:
-    """The client's view of the live members and the ring built over them."""
+    """The client's view of the live members and the ring built over the ones that take puts
+    (not draining)."""
 
     def __init__(
         self,
@@ -109,7 +115,11 @@ class Placement:
         with self._lock:
             ring, members = self._ring, self._members
         if ring is None or not len(ring):
-            raise NoNodesError("no live store node is registered with the masters")
+            draining = sum(m.draining for m in members.values())
+            raise NoNodesError(
+                "no live store node is registered with the masters"
+                + (f" that takes puts ({draining} draining)" if draining else "")
+            )
         return [members[mid] for mid in ring.place(key, replicas)]
 
     def read_order(self, replicas: Sequence[int], now_s: float, start: int = 0) -> list[int]:
@@ -148,7 +158,8 @@ class Placement:
             self._stale = ring_version < self._newest_seen
             if current == ring_version and self._ring is not None and fresh == self._members:
                 return False
-            ring = HashRing((m.ring_member() for m in fresh.values()), ring_version)
+            placeable = (m.ring_member() for m in fresh.values() if not m.draining)
+            ring = HashRing(placeable, ring_version)
             self._ring, self._members = ring, fresh
             return True
 

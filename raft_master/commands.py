@@ -160,6 +160,16 @@ class SetPins:
 
 
 @dataclass(frozen=True, slots=True)
+class SetDraining:
+    """Mark a live member draining (``draining=True``: no new replica goes to it; the leader
+    moves its blocks off, then declares it left) or clear the mark."""
+
+    request_id: bytes
+    member_id: int
+    draining: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """Several commands in one Raft entry (group commit); each keeps its request id and result.
 
@@ -179,6 +189,7 @@ SimpleCommand: TypeAlias = (
     | ClaimReplicas
     | ChangeReplicas
     | SetPins
+    | SetDraining
 )
 Command: TypeAlias = SimpleCommand | Batch
 
@@ -263,6 +274,13 @@ class SetPinsResult:
 
 
 @dataclass(frozen=True, slots=True)
+class SetDrainingResult:
+    found: bool  # the member is live (the mark is now as asked)
+    changed: bool  # the mark was not already as asked
+    ring_version: int
+
+
+@dataclass(frozen=True, slots=True)
 class BatchResult:
     results: tuple[Result, ...]
 
@@ -284,6 +302,7 @@ Result: TypeAlias = (
     | ClaimReplicasResult
     | ChangeReplicasResult
     | SetPinsResult
+    | SetDrainingResult
     | BatchResult
     | ErrorResult
 )
@@ -375,6 +394,10 @@ def _to_proto(command: Command) -> raft_pb2.RaftCommand:
         msg.set_pins.keys.extend(command.keys)
         msg.set_pins.replicas = command.replicas
         msg.set_pins.quota_bytes = command.quota_bytes
+    elif isinstance(command, SetDraining):
+        msg.set_draining.SetInParent()
+        msg.set_draining.member_id = command.member_id
+        msg.set_draining.draining = command.draining
     elif isinstance(command, Batch):
         msg.batch.SetInParent()
         for sub in command.commands:
@@ -441,6 +464,8 @@ def _from_proto(msg: raft_pb2.RaftCommand, *, nested: bool) -> Command:
     if kind == "set_pins":
         sp = msg.set_pins
         return SetPins(rid, tuple(sp.keys), sp.replicas, sp.quota_bytes)
+    if kind == "set_draining":
+        return SetDraining(rid, msg.set_draining.member_id, msg.set_draining.draining)
     if kind == "batch":
         if nested:
             raise CommandDecodeError("a Batch must not contain a Batch")
@@ -464,10 +489,12 @@ _TAG_REGISTER_MASTER = 6
 _TAG_CLAIM_REPLICAS = 7
 _TAG_CHANGE_REPLICAS = 8
 _TAG_SET_PINS = 9
+_TAG_SET_DRAINING = 10
 _U32_U64 = struct.Struct("<IQ")
 _BOOL_U64 = struct.Struct("<?Q")
 _U64 = struct.Struct("<Q")
 _U64_U64 = struct.Struct("<QQ")
+_BOOL_BOOL_U64 = struct.Struct("<??Q")
 
 
 def encode_result(result: Result) -> bytes:
@@ -507,6 +534,9 @@ def encode_result(result: Result) -> bytes:
     if isinstance(result, SetPinsResult):
         head = _U64_U64.pack(result.pinned_bytes, result.revision)
         return bytes([_TAG_SET_PINS]) + head + bytes(result.statuses)
+    if isinstance(result, SetDrainingResult):
+        body = _BOOL_BOOL_U64.pack(result.found, result.changed, result.ring_version)
+        return bytes([_TAG_SET_DRAINING]) + body
     raise TypeError(f"{type(result).__name__} is not stored")
 
 
@@ -551,4 +581,7 @@ def decode_result(data: bytes) -> Result:
     if tag == _TAG_SET_PINS:
         pinned_bytes, revision = _U64_U64.unpack_from(body)
         return SetPinsResult(tuple(body[_U64_U64.size :]), pinned_bytes, revision)
+    if tag == _TAG_SET_DRAINING:
+        found, changed, ring_version = _BOOL_BOOL_U64.unpack(body)
+        return SetDrainingResult(found, changed, ring_version)
     raise ValueError(f"unknown stored result tag {tag}")

@@ -17,18 +17,19 @@ State:
 - masters: Raft address → gRPC address (for NOT_LEADER redirects).
 - ``revision``: +1 per committed put entry and per other command that changed something;
   versions are drawn from it, so they increase strictly per key and globally.
-- ``ring_version``: +1 per membership change.
+- ``ring_version``: +1 per membership change (a member registered, down, or marked draining or
+  no longer draining: :mod:`kvpool.raft_master.members`).
 - dedupe: request id → stored result, bounded, oldest forgotten first.
 
 Reads (``lookup``, ``prefix_match``…) never return a replica on a member that is not live, and
-report a key whose replicas are all down as not found.
+report a key whose replicas are all down as not found. A draining member is live: its replicas
+are read, but no new replica is committed to it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any, assert_never, cast
 
 from kvpool.raft_master.commands import (
@@ -50,16 +51,15 @@ from kvpool.raft_master.commands import (
     DropReplicasResult,
     ErrorResult,
     MarkMemberDown,
-    MarkMemberDownResult,
     PutOutcome,
     RegisterMaster,
     RegisterMasterResult,
     RegisterMember,
-    RegisterMemberResult,
     RemovedBlock,
     RemoveKeys,
     RemoveKeysResult,
     Result,
+    SetDraining,
     SetPins,
     SetPinsResult,
     SimpleCommand,
@@ -67,6 +67,7 @@ from kvpool.raft_master.commands import (
     decode_result,
     encode_result,
 )
+from kvpool.raft_master.members import MemberTable, member_from_tuple, member_tuple
 from kvpool.raft_master.records import (
     STATE_FORMAT,
     BlockView,
@@ -97,7 +98,7 @@ __all__ = [
 _DEDUPE_OVERHEAD_BYTES = 64  # per stored result: key bytes object + OrderedDict node
 
 
-class BlockIndex:
+class BlockIndex(MemberTable):
     """The replicated block index. Not thread-safe: the replication layer holds a lock around
     ``apply`` and around each read."""
 
@@ -171,6 +172,8 @@ class BlockIndex:
             return self._change_replicas(command)
         if isinstance(command, SetPins):
             return self._set_pins(command)
+        if isinstance(command, SetDraining):
+            return self._set_draining(command)
         assert_never(command)
 
     def _remember(self, request_id: bytes, stored: bytes) -> None:
@@ -187,7 +190,7 @@ class BlockIndex:
             return CommitPutsResult((), self._revision, self._ring_version, stale_ring=True)
         outcomes: list[PutOutcome] = []
         for item in cmd.entries:
-            kept = self._live_replicas(item.replicas)
+            kept = self._placeable_replicas(item.replicas)  # not down, not draining
             if not kept:
                 outcomes.append(PutOutcome(PUT_NO_LIVE_REPLICA, 0, ()))
                 continue
@@ -209,33 +212,6 @@ class BlockIndex:
                 self._member_keys[m][item.key] = None
             outcomes.append(PutOutcome(PUT_COMMITTED, version, kept))
         return CommitPutsResult(tuple(outcomes), self._revision, self._ring_version)
-
-    def _live_replicas(self, replicas: Iterable[int]) -> tuple[int, ...]:
-        kept: list[int] = []
-        for m in replicas:
-            rec = self._members.get(m)
-            if rec is not None and rec.live and m not in kept:
-                kept.append(m)
-        return tuple(kept)
-
-    def _unlink(self, member_id: int, key: str) -> None:
-        """Forget that ``member_id`` holds ``key``; forget a dead member left holding nothing."""
-        keys = self._member_keys.get(member_id)
-        if keys is None:
-            return
-        keys.pop(key, None)
-        if not keys:
-            self._forget_if_dead(member_id)
-
-    def _forget_if_dead(self, member_id: int) -> bool:
-        rec = self._members.get(member_id)
-        if rec is None or rec.live or self._member_keys.get(member_id):
-            return False
-        del self._members[member_id]
-        self._member_keys.pop(member_id, None)
-        if self._member_of_node.get(rec.node_id) == member_id:
-            del self._member_of_node[rec.node_id]
-        return True
 
     def _remove_keys(self, cmd: RemoveKeys) -> RemoveKeysResult:
         removed: list[bool] = []
@@ -355,7 +331,7 @@ class BlockIndex:
                     continue
                 rest.remove(ch.remove_member)
             if ch.add_member:
-                if not self._is_live(ch.add_member) or ch.add_member in rest:
+                if not self._takes_new_replicas(ch.add_member) or ch.add_member in rest:
                     applied.append(False)
                     continue
                 rest.append(ch.add_member)
@@ -434,42 +410,6 @@ class BlockIndex:
         """The packed record of ``key`` (every listed member, live or not), or None."""
         return self._entries.get(key)
 
-    def _register_member(self, cmd: RegisterMember) -> RegisterMemberResult:
-        existing_id = self._member_of_node.get(cmd.node_id)
-        existing = self._members.get(existing_id) if existing_id is not None else None
-        if existing is not None and existing.live and existing.incarnation == cmd.incarnation:
-            return RegisterMemberResult(existing.member_id, self._ring_version)
-        if existing is not None and existing.live:
-            self._members[existing.member_id] = replace(existing, live=False)
-            self._forget_if_dead(existing.member_id)
-        member_id = self._next_member_id
-        self._next_member_id += 1
-        self._members[member_id] = MemberRecord(
-            member_id,
-            cmd.node_id,
-            cmd.incarnation,
-            cmd.data_address,
-            cmd.admin_address,
-            cmd.capacity_bytes,
-            cmd.zone,
-            live=True,
-        )
-        self._member_keys[member_id] = {}
-        self._member_of_node[cmd.node_id] = member_id
-        self._ring_version += 1
-        self._revision += 1
-        return RegisterMemberResult(member_id, self._ring_version)
-
-    def _mark_member_down(self, cmd: MarkMemberDown) -> MarkMemberDownResult:
-        rec = self._members.get(cmd.member_id)
-        if rec is None or not rec.live:
-            return MarkMemberDownResult(False, self._ring_version)
-        self._members[cmd.member_id] = replace(rec, live=False)
-        self._forget_if_dead(cmd.member_id)
-        self._ring_version += 1
-        self._revision += 1
-        return MarkMemberDownResult(True, self._ring_version)
-
     def _register_master(self, cmd: RegisterMaster) -> RegisterMasterResult:
         if self._masters.get(cmd.raft_address) != cmd.grpc_address:
             self._masters[cmd.raft_address] = cmd.grpc_address
@@ -485,10 +425,6 @@ class BlockIndex:
     @property
     def ring_version(self) -> int:
         return self._ring_version
-
-    def _is_live(self, member_id: int) -> bool:
-        rec = self._members.get(member_id)
-        return rec is not None and rec.live
 
     def lookup(self, keys: Iterable[str]) -> list[BlockView | None]:
         """One answer per key: the entry with its live replicas, or None (absent, or every
@@ -519,33 +455,11 @@ class BlockIndex:
             matched += 1
         return matched
 
-    def member(self, member_id: int) -> MemberRecord | None:
-        return self._members.get(member_id)
-
-    def live_members(self) -> list[MemberRecord]:
-        return [m for m in self._members.values() if m.live]
-
-    def member_of_node(self, node_id: str) -> int | None:
-        return self._member_of_node.get(node_id)
-
     def masters(self) -> dict[str, str]:
         return dict(self._masters)
 
     def master_grpc_address(self, raft_address: str) -> str | None:
         return self._masters.get(raft_address)
-
-    def member_keys(self, member_id: int, limit: int) -> list[str]:
-        """Up to ``limit`` keys the index lists on ``member_id``, oldest first."""
-        out: list[str] = []
-        for key in self._member_keys.get(member_id, {}):
-            if len(out) >= limit:
-                break
-            out.append(key)
-        return out
-
-    def dead_members_with_keys(self) -> list[int]:
-        """Members declared down whose replicas are still to be purged from the entries."""
-        return [m for m, keys in self._member_keys.items() if keys and not self._members[m].live]
 
     def status(self) -> IndexStatus:
         live = sum(1 for m in self._members.values() if m.live)
@@ -572,19 +486,7 @@ class BlockIndex:
         return {
             "format": STATE_FORMAT,
             "entries": self._entries,
-            "members": [
-                (
-                    m.member_id,
-                    m.node_id,
-                    m.incarnation,
-                    m.data_address,
-                    m.admin_address,
-                    m.capacity_bytes,
-                    m.zone,
-                    m.live,
-                )
-                for m in self._members.values()
-            ],
+            "members": [member_tuple(m) for m in self._members.values()],
             "member_of_node": self._member_of_node,
             "member_keys": self._member_keys,
             "masters": self._masters,
@@ -610,7 +512,7 @@ class BlockIndex:
             )
         index = cls(dedupe_capacity=dedupe_capacity, dedupe_max_bytes=dedupe_max_bytes)
         index._entries = state["entries"]
-        index._members = {t[0]: MemberRecord(*t) for t in state["members"]}
+        index._members = {t[0]: member_from_tuple(t) for t in state["members"]}
         index._member_of_node = state["member_of_node"]
         index._member_keys = state["member_keys"]
         index._masters = state["masters"]
@@ -656,17 +558,7 @@ class BlockIndex:
                 held = self._entries.get(key)
                 assert held is not None, f"reverse index names absent key {key!r}"
                 assert m in record_replicas(held), f"{key!r} does not list member {m}"
-        for m, rec in self._members.items():
-            assert rec.member_id == m
-            assert m < self._next_member_id
-            assert m in self._member_keys
-            if not rec.live:
-                assert self._member_keys[m], f"dead member {m} without keys not forgotten"
-        for node_id, m in self._member_of_node.items():
-            assert self._members[m].node_id == node_id
-        for m, rec in self._members.items():
-            if rec.live:
-                assert self._member_of_node.get(rec.node_id) == m, f"live member {m} unmapped"
+        self.check_member_invariants()
         assert len(self._dedupe) <= self._dedupe_capacity
         for key, n in self._pins.items():
             assert n >= 1, f"pin of {key!r} wants {n} replicas"

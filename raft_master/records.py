@@ -39,6 +39,7 @@ class MemberRecord:
     capacity_bytes: int
     zone: str
     live: bool
+    draining: bool = False  # live, readable, takes no new replica (a drain is moving it off)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,12 +13,17 @@ detector (:mod:`kvpool.raft_master.hot`). Every ``period_s`` on the leader it:
 3. commits what was copied with one ``ChangeReplicas`` command per round (exact write id: an
    entry overwritten meanwhile is left alone), then releases, then tells nodes to pin/unpin and
    to drop released copies (``NodeAdmin.UpdateBlocks``);
-4. declares a drained member left once the index names it for nothing.
+4. declares a drained member left (``MarkMemberDown`` reason ``"drained"``) once the index
+   names it for nothing.
 
-Soft state (hot counters, what was added while hot, draining members) lives on the leader only
-and is rebuilt after a failover: hot counts from the next heartbeats; extra replicas of a block
-that cooled during a failover stay until evicted (a wasted copy, never a wrong read); a drain
-in progress must be asked again (the CLI waits and re-asks).
+Draining is replicated state: ``DrainNode`` commits ``SetDraining`` and the member record in the
+index carries the mark (:mod:`kvpool.raft_master.members`). Clients leave a draining member out
+of the ring they place puts by, the index commits no new replica to it, and every round reads
+the mark from the index, so a drain carries on through a leader failover by itself.
+
+Soft state (hot counters, what was added while hot) lives on the leader only and is rebuilt
+after a failover: hot counts from the next heartbeats; extra replicas of a block that cooled
+during a failover stay until evicted (a wasted copy, never a wrong read).
 """
 
 from __future__ import annotations
@@ -43,10 +48,12 @@ from kvpool.raft_master.commands import (
     ChangeReplicas,
     ChangeReplicasResult,
     MarkMemberDown,
+    MarkMemberDownResult,
     ReplicaChange,
 )
 from kvpool.raft_master.hot import HotDetector
 from kvpool.raft_master.index import BlockIndex, unpack_record
+from kvpool.raft_master.members import DRAINED
 from kvpool.raft_master.replica_plan import (
     BlockReplicas,
     CopyTask,
@@ -119,7 +126,6 @@ class ReplicaLoop:
         self._hot_keys: list[str] = []
         self._added_hot: dict[str, list[int]] = {}
         self._cooling: set[str] = set()
-        self.draining: set[int] = set()
         self._pins_told: set[tuple[int, str, int]] = set()
         self._hopeless: set[tuple[int, str]] = set()
         self._stubs: dict[str, node_pb2_grpc.NodeAdminStub] = {}
@@ -179,7 +185,6 @@ class ReplicaLoop:
         self._pins_told.clear()
         self._hopeless.clear()
         self.repairing = set()
-        self.draining = set()
 
     async def step(self) -> None:
         if not self._replicator.is_leader():
@@ -207,11 +212,11 @@ class ReplicaLoop:
         await self._release(plan)
         await self._pin(plan)
         for member_id in plan.drained:
-            await self._replicator.propose(
-                MarkMemberDown(os.urandom(16), member_id, "drained"), self._cfg.commit_timeout_s
+            result = await self._replicator.propose(
+                MarkMemberDown(os.urandom(16), member_id, DRAINED), self._cfg.commit_timeout_s
             )
-            self.draining.discard(member_id)
-            self._log.info("node_drained", member_id=member_id)
+            if isinstance(result, MarkMemberDownResult) and result.changed:
+                self._log.info("node_drained", member_id=member_id)
 
     # --- planning (under the index lock: no awaits) ---------------------------------------------
 
@@ -224,8 +229,7 @@ class ReplicaLoop:
         ring = HashRing(
             [RingMember(r.member_id, r.node_id, r.capacity_bytes, r.zone) for r in live]
         )
-        draining = {d for d in self.draining if d in ring.members}
-        self.draining = draining
+        draining = {r.member_id for r in live if r.draining}  # replicated: survives failover
         seen: set[str] = set()
         pins = ix.pins()
 

@@ -103,6 +103,7 @@ def member_pb(rec: MemberRecord) -> common_pb2.Member:
         capacity_bytes=rec.capacity_bytes,
         zone=rec.zone,
         live=rec.live,
+        draining=rec.draining,
     )
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.client.sync import Client
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, UnknownMemberError
 from kvpool.grpcutil import call_once_sync
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
@@ -225,7 +225,9 @@ def main_drain(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kvpool node drain",
         description="Make a store node hand every block it holds to other nodes, then leave "
-        "the cluster (declared left; stop its process afterwards).",
+        "the cluster (declared left; stop its process afterwards). The draining mark is "
+        "replicated: clients stop placing puts on the node at once, and the drain carries on "
+        "through a master failover.",
     )
     parser.add_argument("node_id", help="the node's id (as `kvpool status` lists it)")
     parser.add_argument(
@@ -234,22 +236,40 @@ def main_drain(argv: list[str]) -> int:
         help="master gRPC addresses, comma-separated (any; the leader is found)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait [300]")
+    parser.add_argument(
+        "--cancel",
+        action="store_true",
+        help="stop a drain in progress: clear the mark, the node takes puts again",
+    )
     opts = parser.parse_args(argv)
     masters = [a for a in opts.masters.split(",") if a]
     deadline = time.monotonic() + opts.timeout
     last_error = ""
+    asked = False  # a master accepted the drain: the node is marked draining in the index
     while time.monotonic() < deadline:
         for address in masters:
             try:
                 response = _stub_call(
                     address,
                     "DrainNode",
-                    master_pb2.DrainNodeRequest(node_id=opts.node_id, wait=True),
+                    master_pb2.DrainNodeRequest(
+                        node_id=opts.node_id, wait=not opts.cancel, cancel=opts.cancel
+                    ),
                     timeout_s=max(1.0, min(30.0, deadline - time.monotonic())),
                 )
+            except UnknownMemberError as e:
+                if asked:  # drained and declared left while we re-asked (a failover)
+                    print(f"node {opts.node_id}: left the cluster")
+                    return 0
+                print(f"kvpool node drain: {e.message}", file=sys.stderr)
+                return 1
             except KVPoolError as e:
                 last_error = e.message
                 continue
+            if opts.cancel:
+                print(f"node {opts.node_id}: drain cancelled, {response.blocks_left} blocks on it")
+                return 0
+            asked = True
             print(
                 f"node {opts.node_id}: {response.blocks_left} blocks left"
                 + (", left the cluster" if response.left else "")
@@ -258,5 +278,6 @@ def main_drain(argv: list[str]) -> int:
                 return 0
             break
         time.sleep(0.5)
-    print(f"kvpool node drain: not drained in time ({last_error})", file=sys.stderr)
+    what = "not cancelled" if opts.cancel else "not drained in time"
+    print(f"kvpool node drain: {what} ({last_error})", file=sys.stderr)
     return 1

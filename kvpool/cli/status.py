@@ -96,6 +96,7 @@ def status_document(probes: Sequence[MasterProbe]) -> dict[str, Any]:
                 {
                     "node_id": member.node_id,
                     "member_id": member.member_id,
+                    "state": "draining" if member.draining else "live",
                     "data_address": member.data_address,
                     "admin_address": member.admin_address,
                     "zone": member.zone,
@@ -167,10 +168,20 @@ def render_status(doc: dict[str, Any], *, color: bool = False) -> str:
     if not doc["nodes"]:
         lines.append("no live store nodes")
         return "\n".join(lines)
-    rows = [["NODE", "MEMBER", "DATA ADDRESS", "HIT RATE", "BLOCKS", "TIER", "USED", "FILL"]]
+    rows = [
+        ["NODE", "MEMBER", "STATE", "DATA ADDRESS", "HIT RATE", "BLOCKS", "TIER", "USED", "FILL"]
+    ]
     for n in doc["nodes"]:
         rate = "-" if n.get("hit_rate") is None else f"{n['hit_rate']:.1%}"
-        head = [n["node_id"], str(n["member_id"]), n["data_address"], rate, str(n["blocks"])]
+        state = n.get("state", "live")  # "draining": readable, takes no new puts
+        head = [
+            n["node_id"],
+            str(n["member_id"]),
+            state,
+            n["data_address"],
+            rate,
+            str(n["blocks"]),
+        ]
         tiers = n.get("tiers") or [
             {
                 "name": "all",

@@ -60,6 +60,7 @@ class Member(_message.Message):
     CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
     ZONE_FIELD_NUMBER: _builtins.int
     LIVE_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     member_id: _builtins.int
     node_id: _builtins.str
     incarnation: _builtins.int
@@ -71,6 +72,8 @@ class Member(_message.Message):
     zone: _builtins.str
     """failure domain label; empty when unset"""
     live: _builtins.bool
+    draining: _builtins.bool
+    """being drained: holds blocks (readable), takes no new puts"""
     def __init__(
         self,
         *,
@@ -82,10 +85,11 @@ class Member(_message.Message):
         capacity_bytes: _builtins.int = ...,
         zone: _builtins.str = ...,
         live: _builtins.bool = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_address", b"admin_address", "capacity_bytes", b"capacity_bytes", "data_address", b"data_address", "incarnation", b"incarnation", "live", b"live", "member_id", b"member_id", "node_id", b"node_id", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_address", b"admin_address", "capacity_bytes", b"capacity_bytes", "data_address", b"data_address", "draining", b"draining", "incarnation", b"incarnation", "live", b"live", "member_id", b"member_id", "node_id", b"node_id", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1030,18 +1030,22 @@ class DrainNodeRequest(_message.Message):
 
     NODE_ID_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     wait: _builtins.bool
     """answer once drained (or the deadline passes)"""
+    cancel: _builtins.bool
+    """clear the draining mark instead (the node takes puts again)"""
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         wait: _builtins.bool = ...,
+        cancel: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "node_id", b"node_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1054,21 +1058,25 @@ class DrainNodeResponse(_message.Message):
     MEMBER_ID_FIELD_NUMBER: _builtins.int
     BLOCKS_LEFT_FIELD_NUMBER: _builtins.int
     LEFT_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     member_id: _builtins.int
     blocks_left: _builtins.int
     """blocks still only on the draining node (0: drained)"""
     left: _builtins.bool
     """the node was declared left"""
+    draining: _builtins.bool
+    """the node is marked draining now"""
     def __init__(
         self,
         *,
         member_id: _builtins.int = ...,
         blocks_left: _builtins.int = ...,
         left: _builtins.bool = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_left", b"blocks_left", "left", b"left", "member_id", b"member_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_left", b"blocks_left", "draining", b"draining", "left", b"left", "member_id", b"member_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

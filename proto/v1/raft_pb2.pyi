@@ -39,6 +39,7 @@ class RaftCommand(_message.Message):
     CLAIM_REPLICAS_FIELD_NUMBER: _builtins.int
     CHANGE_REPLICAS_FIELD_NUMBER: _builtins.int
     SET_PINS_FIELD_NUMBER: _builtins.int
+    SET_DRAINING_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     request_id: _builtins.bytes
     @_builtins.property
@@ -61,6 +62,8 @@ class RaftCommand(_message.Message):
     def change_replicas(self) -> Global___ChangeReplicasCommand: ...
     @_builtins.property
     def set_pins(self) -> Global___SetPinsCommand: ...
+    @_builtins.property
+    def set_draining(self) -> Global___SetDrainingCommand: ...
     def __init__(
         self,
         *,
@@ -76,12 +79,13 @@ class RaftCommand(_message.Message):
         claim_replicas: Global___ClaimReplicasCommand | None = ...,
         change_replicas: Global___ChangeReplicasCommand | None = ...,
         set_pins: Global___SetPinsCommand | None = ...,
+        set_draining: Global___SetDrainingCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "change_replicas", b"change_replicas", "claim_replicas", b"claim_replicas", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys", "set_pins", b"set_pins"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "change_replicas", b"change_replicas", "claim_replicas", b"claim_replicas", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys", "set_draining", b"set_draining", "set_pins", b"set_pins"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "change_replicas", b"change_replicas", "claim_replicas", b"claim_replicas", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "format_version", b"format_version", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys", "request_id", b"request_id", "set_pins", b"set_pins"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "body", b"body", "change_replicas", b"change_replicas", "claim_replicas", b"claim_replicas", "commit_puts", b"commit_puts", "drop_replicas", b"drop_replicas", "format_version", b"format_version", "mark_member_down", b"mark_member_down", "register_master", b"register_master", "register_member", b"register_member", "remove_keys", b"remove_keys", "request_id", b"request_id", "set_draining", b"set_draining", "set_pins", b"set_pins"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["commit_puts", "remove_keys", "drop_replicas", "register_member", "mark_member_down", "register_master", "batch", "claim_replicas", "change_replicas", "set_pins"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["commit_puts", "remove_keys", "drop_replicas", "register_member", "mark_member_down", "register_master", "batch", "claim_replicas", "change_replicas", "set_pins", "set_draining"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -368,3 +372,29 @@ class SetPinsCommand(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetPinsCommand: _TypeAlias = SetPinsCommand  # noqa: Y015
+
+@_typing.final
+class SetDrainingCommand(_message.Message):
+    """Mark a live member draining (no new puts are placed on or committed to it; the leader's
+    replica loop moves its blocks to others, then declares it left) or clear the mark.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    member_id: _builtins.int
+    draining: _builtins.bool
+    def __init__(
+        self,
+        *,
+        member_id: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "member_id", b"member_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetDrainingCommand: _TypeAlias = SetDrainingCommand  # noqa: Y015

@@ -38,13 +38,10 @@ def test_scenario_briefly(name: str, tmp_path: Path) -> None:
     _run(name, BRIEF_S, tmp_path)
 
 
-KNOWN_GAPS = {
-    "node-drain": "a drain under a steady write load does not finish: clients keep placing new "
-    "puts on the draining node (issue 6, open: the draining flag is leader soft state, not in "
-    "the ring clients place by)",
-}
-"""Scenarios whose minute-long run fails for a known, open reason (not strict: a drain that
-happens to fall between write bursts may finish; remove the entry when the gap is closed)."""
+KNOWN_GAPS: dict[str, str] = {}
+"""Scenarios whose minute-long run fails for a known, open reason (name → the reason; not
+strict xfails: remove the entry when the gap is closed). ``node-drain`` was one until the
+draining mark was replicated (issue 6)."""
 
 
 @pytest.mark.chaos

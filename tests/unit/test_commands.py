@@ -35,6 +35,8 @@ from kvpool.raft_master.commands import (
     RemoveKeys,
     RemoveKeysResult,
     Result,
+    SetDraining,
+    SetDrainingResult,
     SimpleCommand,
     decode,
     decode_result,
@@ -65,6 +67,7 @@ simple_commands: st.SearchStrategy[SimpleCommand] = st.one_of(
     st.builds(RegisterMember, rid, text, u64, text, text, u64, text),
     st.builds(MarkMemberDown, rid, u32, text),
     st.builds(RegisterMaster, rid, text, text),
+    st.builds(SetDraining, rid, u32, st.booleans()),
 )
 commands = st.one_of(
     simple_commands,
@@ -163,6 +166,7 @@ stored_results: st.SearchStrategy[Result] = st.one_of(
     st.builds(RegisterMemberResult, u32, u64),
     st.builds(MarkMemberDownResult, st.booleans(), u64),
     st.builds(RegisterMasterResult, u64),
+    st.builds(SetDrainingResult, st.booleans(), st.booleans(), u64),
 )
 
 

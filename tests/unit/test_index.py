@@ -35,6 +35,7 @@ from kvpool.raft_master.commands import (
     RegisterMemberResult,
     RemoveKeys,
     RemoveKeysResult,
+    SetDraining,
     SimpleCommand,
     encode,
 )
@@ -355,12 +356,14 @@ class IndexMachine(RuleBasedStateMachine):
         ring = max(0, self.index.ring_version - 1) if stale else self.index.ring_version
         items = tuple(PutItem(k, w, 8, 1, tuple(r)) for k, w, r in entries)
         before = {k: v.version for k, v in zip(KEYS, self.index.lookup(KEYS), strict=True) if v}
+        draining = set(self.index.draining_members())
         result = self.run(CommitPuts(rid(), ring, items))
         assert isinstance(result, CommitPutsResult)
         if not result.stale_ring:
             for item, outcome in zip(items, result.outcomes, strict=True):
                 if outcome.status == PUT_COMMITTED:
                     assert outcome.version > before.get(item.key, 0)
+                    assert not draining & set(outcome.replicas)  # never a new one there
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
     def remove_keys(self, keys: list[str]) -> None:
@@ -385,6 +388,10 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(member=st.integers(1, 11))
     def mark_member_down(self, member: int) -> None:
         self.run(MarkMemberDown(rid(), member, "heartbeat_timeout"))
+
+    @rule(member=st.integers(1, 11), draining=st.booleans())
+    def set_draining(self, member: int, draining: bool) -> None:
+        self.run(SetDraining(rid(), member, draining))
 
     @rule()
     def purge_one_dead_member(self) -> None:

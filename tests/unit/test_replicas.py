@@ -23,6 +23,7 @@ from kvpool.raft_master.commands import (
     RegisterMemberResult,
     RemoveKeys,
     ReplicaChange,
+    SetDraining,
     SetPins,
     SetPinsResult,
     decode,
@@ -373,7 +374,7 @@ def test_the_loop_plans_repair_pins_and_drain_and_holds_the_purge() -> None:
     replicator = FakeReplicator(index)
     cfg = MasterConfig(in_memory=True, raft_secret="x")
     loop = ReplicaLoop(cfg, replicator)  # type: ignore[arg-type]
-    loop.draining.add(d)
+    index.apply(SetDraining(rid(), d, True))  # the replicated mark: no soft state
     plan = loop.plan(index)
     by_key = {t.block.key: t for t in plan.copies}
     assert set(by_key) == {"two", "pinned", "drained"}
