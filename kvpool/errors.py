@@ -172,6 +172,14 @@ class UnknownMemberError(KVPoolError):
     grpc_status = grpc.StatusCode.NOT_FOUND
 
 
+class NodeDrainedError(KVPoolError):
+    """This node process was drained and declared left; it does not rejoin the cluster until
+    its process restarts (a new incarnation)."""
+
+    code = "NODE_DRAINED"
+    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class PinQuotaExceededError(InvalidArgumentError):
     """Pinning these keys would exceed the masters' pin quota (``pin_quota``: bytes, counted as
     size x replicas over pinned keys). Unpin something, pin fewer replicas, or raise the quota."""

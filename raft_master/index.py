@@ -14,6 +14,8 @@ State:
   member's replicas can be purged in chunks).
 - pins: key → replica count wanted (the entry's ``pinned`` flag mirrors it; a pin outlives an
   overwrite of its key and ends with the key's removal).
+- drained: node id → the incarnation a drain declared left, refused if it registers again
+  (bounded, oldest forgotten: :mod:`kvpool.raft_master.members`).
 - masters: Raft address → gRPC address (for NOT_LEADER redirects).
 - ``revision``: +1 per committed put entry and per other command that changed something;
   versions are drawn from it, so they increase strictly per key and globally.
@@ -111,6 +113,7 @@ class BlockIndex(MemberTable):
         self._members: dict[int, MemberRecord] = {}
         self._member_of_node: dict[str, int] = {}
         self._member_keys: dict[int, dict[str, None]] = {}
+        self._drained: dict[str, int] = {}
         self._masters: dict[str, str] = {}
         self._pins: dict[str, int] = {}
         self._revision = 0
@@ -489,6 +492,7 @@ class BlockIndex(MemberTable):
             "members": [member_tuple(m) for m in self._members.values()],
             "member_of_node": self._member_of_node,
             "member_keys": self._member_keys,
+            "drained": self._drained,
             "masters": self._masters,
             "pins": self._pins,
             "revision": self._revision,
@@ -515,6 +519,7 @@ class BlockIndex(MemberTable):
         index._members = {t[0]: member_from_tuple(t) for t in state["members"]}
         index._member_of_node = state["member_of_node"]
         index._member_keys = state["member_keys"]
+        index._drained = state.get("drained", {})  # absent in snapshots written before it
         index._masters = state["masters"]
         index._pins = state.get("pins", {})  # absent in snapshots written before pins
         index._revision = state["revision"]
@@ -535,6 +540,7 @@ class BlockIndex(MemberTable):
             list(self._members.items()),
             list(self._member_of_node.items()),
             [(m, list(keys)) for m, keys in self._member_keys.items()],
+            list(self._drained.items()),
             list(self._masters.items()),
             list(self._pins.items()),
             self._revision,

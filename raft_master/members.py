@@ -12,6 +12,13 @@ dropped from the commit, a ``ChangeReplicas`` adding it is refused), so once the
 replica loop has moved its blocks off it holds nothing and can be declared left
 (``MarkMemberDown`` with reason ``"drained"``, which the index refuses while it holds keys).
 Setting or clearing the mark changes the ring clients place puts by: it bumps ``ring_version``.
+
+A drained node's process may keep running after it left; its next heartbeat finds it unknown and
+it registers again with the same incarnation (one per process start). The table remembers each
+drained node id → incarnation (insertion-ordered, at most :data:`DRAINED_MEMORY`, oldest
+forgotten first) and refuses that registration (``RegisterMemberResult.member_id`` 0,
+:data:`REFUSED_DRAINED`); only a new incarnation — the process restarted — joins again, and it
+clears the record.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+from kvpool.errors import NodeDrainedError
 from kvpool.raft_master.commands import (
     MarkMemberDown,
     MarkMemberDownResult,
@@ -32,6 +40,22 @@ from kvpool.raft_master.records import MemberRecord
 
 DRAINED = "drained"
 """The ``MarkMemberDown`` reason of a member that a drain emptied."""
+
+DRAINED_MEMORY = 1024
+"""Most drained node incarnations remembered; the oldest is forgotten first."""
+
+REFUSED_DRAINED = 0
+"""``RegisterMemberResult.member_id`` of a registration refused because that node incarnation
+was drained (member ids start at 1)."""
+
+
+def check_registered(result: RegisterMemberResult, node_id: str, incarnation: int) -> None:
+    """Raise :class:`NodeDrainedError` when the index refused a registration as drained."""
+    if result.member_id == REFUSED_DRAINED:
+        raise NodeDrainedError(
+            f"node {node_id!r} (incarnation {incarnation:#x}) was drained and left the "
+            "cluster; restart its process to rejoin"
+        )
 
 
 def member_tuple(rec: MemberRecord) -> tuple[Any, ...]:
@@ -61,6 +85,7 @@ class MemberTable:
     _members: dict[int, MemberRecord]
     _member_of_node: dict[str, int]
     _member_keys: dict[int, dict[str, None]]
+    _drained: dict[str, int]
     _next_member_id: int
     _revision: int
     _ring_version: int
@@ -68,6 +93,11 @@ class MemberTable:
     # --- commands ---------------------------------------------------------------------------
 
     def _register_member(self, cmd: RegisterMember) -> RegisterMemberResult:
+        drained = self._drained.get(cmd.node_id)
+        if drained is not None:
+            if drained == cmd.incarnation:  # the drained process itself: it must restart
+                return RegisterMemberResult(REFUSED_DRAINED, self._ring_version)
+            del self._drained[cmd.node_id]  # restarted: a new incarnation joins
         existing_id = self._member_of_node.get(cmd.node_id)
         existing = self._members.get(existing_id) if existing_id is not None else None
         if existing is not None and existing.live and existing.incarnation == cmd.incarnation:
@@ -105,9 +135,17 @@ class MemberTable:
             return MarkMemberDownResult(False, self._ring_version)
         self._members[cmd.member_id] = replace(rec, live=False, draining=False)
         self._forget_if_dead(cmd.member_id)
+        if cmd.reason == DRAINED:
+            self._remember_drained(rec.node_id, rec.incarnation)
         self._ring_version += 1
         self._revision += 1
         return MarkMemberDownResult(True, self._ring_version)
+
+    def _remember_drained(self, node_id: str, incarnation: int) -> None:
+        self._drained.pop(node_id, None)  # re-inserted: the newest
+        self._drained[node_id] = incarnation
+        while len(self._drained) > DRAINED_MEMORY:
+            del self._drained[next(iter(self._drained))]
 
     def _set_draining(self, cmd: SetDraining) -> SetDrainingResult:
         rec = self._members.get(cmd.member_id)
@@ -174,6 +212,10 @@ class MemberTable:
     def member_of_node(self, node_id: str) -> int | None:
         return self._member_of_node.get(node_id)
 
+    def drained_incarnation(self, node_id: str) -> int | None:
+        """The incarnation of ``node_id`` that was drained and may not register again."""
+        return self._drained.get(node_id)
+
     def member_keys(self, member_id: int, limit: int) -> list[str]:
         """Up to ``limit`` keys the index lists on ``member_id``, oldest first."""
         out: list[str] = []
@@ -202,3 +244,9 @@ class MemberTable:
                 assert self._member_of_node.get(rec.node_id) == m, f"live member {m} unmapped"
         for node_id, m in self._member_of_node.items():
             assert self._members[m].node_id == node_id
+        assert len(self._drained) <= DRAINED_MEMORY
+        for node_id, incarnation in self._drained.items():
+            now = self._members.get(self._member_of_node.get(node_id, 0))
+            assert now is None or not now.live or now.incarnation != incarnation, (
+                f"drained incarnation of {node_id!r} is live again"
+            )

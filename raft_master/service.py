@@ -59,6 +59,7 @@ from kvpool.raft_master.commands import (
 from kvpool.raft_master.failure import FailureDetector
 from kvpool.raft_master.group_commit import GroupCommitter
 from kvpool.raft_master.index import BlockIndex, MemberRecord
+from kvpool.raft_master.members import check_registered
 from kvpool.raft_master.replication import Replicator
 
 REQUEST_ID_BYTES = 16
@@ -339,6 +340,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         )
         if not isinstance(result, RegisterMemberResult):
             raise InternalError(f"unexpected result {type(result).__name__}")
+        check_registered(result, request.node_id, request.incarnation)
         self.detector.heartbeat(result.member_id, self._clock())
         self._node_stats[result.member_id] = NodeStats(capacity_bytes=request.capacity_bytes)
         self._log.info(
