@@ -6,11 +6,17 @@ retries inside a deadline). The deciding parts — which staged blocks to publis
 pure function :func:`staged_verdicts`; :class:`NodeRegistration` is the async shell around the
 block store.
 
-- Registration: a random 64-bit incarnation per registration; the same request id on every retry.
-  Retried until registered (the masters may not have a leader yet).
+- Registration: a random 64-bit incarnation per process start; the same request id on every
+  retry. Retried until registered (the masters may not have a leader yet).
 - Heartbeats every ``heartbeat_interval_s`` (from the master). ``known=False`` means the index
   declared this node down and forgot its replicas: every block is dropped and the node registers
-  again with a new incarnation (``node_reregistered``).
+  again (``node_reregistered``), under a new member id but the same incarnation — the index
+  tells a restarted process from a running one by it.
+- Drained: a node that ``kvpool node drain`` emptied and declared left is refused when it
+  registers again (``NodeDrainedError``) until its process restarts. It logs
+  ``node_drained_stopped_serving`` once, reports itself not ready (``on_drained``), takes no
+  part in the cluster any more and waits to be stopped; a commit naming it is refused by the
+  index (it is not a live member), so a stale client's put there can only miss.
 - Eviction reports: batches of at most :data:`REPORT_BATCH` blocks, retried with the same request
   id until they succeed; dropped when the member changed (the index forgot the old member).
 - Tier reports (``report_tiers``): blocks whose fastest tier changed (demoted to the SSD,
@@ -38,7 +44,7 @@ from typing import Any, TypeVar
 
 from kvpool.client.masters import Backoff, MasterClient
 from kvpool.config import NodeConfig
-from kvpool.errors import KVPoolError, UnknownMemberError
+from kvpool.errors import KVPoolError, NodeDrainedError, UnknownMemberError
 from kvpool.logs import get_logger
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import Status
@@ -118,6 +124,7 @@ class NodeRegistration:
         data_address: str,
         admin_address: str,
         on_registered: Callable[[int, bool], Awaitable[None]] | None = None,
+        on_drained: Callable[[], Awaitable[None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         log: Any = None,
     ) -> None:
@@ -125,6 +132,7 @@ class NodeRegistration:
         self._store = store
         self._masters = masters
         self.on_registered = on_registered
+        self.on_drained = on_drained
         self._clock = clock
         self._log = log if log is not None else get_logger("kvpool.node.registration")
         self.node_id = cfg.resolved_node_id
@@ -132,6 +140,7 @@ class NodeRegistration:
         self.admin_address = admin_address
         self.incarnation = new_incarnation()
         self.member_id = 0  # 0 while not registered
+        self.drained = False  # refused as drained: out of the cluster until a restart
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
         self.node_timeout_s = 0.0
         self._pending_report: _PendingReport | None = None
@@ -145,8 +154,8 @@ class NodeRegistration:
 
     async def register(self, stop: asyncio.Event) -> bool:
         """Register this incarnation; retried until it succeeds (True) or ``stop`` is set
-        (False). A non-retryable refusal (another protocol version, a malformed request) is
-        raised."""
+        (False). Refused as drained: wait for ``stop``, then False. A non-retryable refusal
+        (another protocol version, a malformed request) is raised."""
         loop = asyncio.get_running_loop()
         request = master_pb2.RegisterNodeRequest(
             request_id=secrets.token_bytes(16),
@@ -168,6 +177,9 @@ class NodeRegistration:
                     deadline=loop.time() + self._cfg.request_timeout_s,
                     leader_only=True,
                 )
+            except NodeDrainedError as e:
+                await self._stay_drained(stop, e.message)
+                return False
             except KVPoolError as e:
                 if not e.retryable:
                     raise
@@ -182,24 +194,49 @@ class NodeRegistration:
             return True
         return False
 
+    async def _stay_drained(self, stop: asyncio.Event, reason: str) -> None:
+        """Out of the cluster for good: say so once, report not ready, wait to be stopped. No
+        more registrations: each would be refused again (only a restart rejoins)."""
+        self.drained = True
+        self.member_id = 0
+        dropped = self._store.drop_all()
+        self._log.warning(
+            "node_drained_stopped_serving",
+            incarnation=self.incarnation,
+            dropped_blocks=dropped,
+            reason=reason,
+        )
+        if self.on_drained is not None:
+            await self.on_drained()
+        await stop.wait()
+
     async def _reregister(self, stop: asyncio.Event) -> None:
         old_member = self.member_id
         dropped = self._store.drop_all()
         self.member_id = 0
-        self.incarnation = new_incarnation()
         self._pending_report = None
         self._pending_tiers = None
         self._to_restore = []
-        if await self.register(stop):
-            self._log.info(
-                "node_reregistered",
-                member_id=self.member_id,
-                old_member_id=old_member,
-                incarnation=self.incarnation,
-                dropped_blocks=dropped,
-            )
-            if self.on_registered is not None:
-                await self.on_registered(self.member_id, False)
+        while await self.register(stop):
+            if self.member_id != old_member:
+                self._log.info(
+                    "node_reregistered",
+                    member_id=self.member_id,
+                    old_member_id=old_member,
+                    incarnation=self.incarnation,
+                    dropped_blocks=dropped,
+                )
+                if self.on_registered is not None:
+                    await self.on_registered(self.member_id, False)
+                return
+            # The same incarnation got its old member back: "unknown" was a stale answer and
+            # the index still lists the blocks just dropped. Leave (they are purged, and
+            # repaired from other replicas), then join again as a new member.
+            self._log.warning("node_rejoin_stale", member_id=old_member)
+            await self.leave()
+            self.member_id = 0
+            if await _wait(stop, self.heartbeat_interval_s):
+                return
 
     async def leave(self) -> None:
         """Tell the index this member is leaving (best effort, short deadline)."""

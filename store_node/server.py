@@ -227,7 +227,11 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                         heartbeat_interval_s=registration.heartbeat_interval_s,
                     )
 
+            async def drained() -> None:
+                await handle.set_ready(False)  # left for good: not ready until a restart
+
             registration.on_registered = registered
+            registration.on_drained = drained
             prefault_stop = threading.Event()
             prefault = asyncio.create_task(_prefault(tier, prefault_stop, log, cfg))
             status = await _run_until_stopped(registration, stop, log)

@@ -579,7 +579,8 @@ class HeartbeatResponse(_message.Message):
     RING_VERSION_FIELD_NUMBER: _builtins.int
     known: _builtins.bool
     """False when the index no longer knows this member as live (declared down):
-    the node must drop its blocks and register again with a new incarnation.
+    the node must drop its blocks and register again (the same incarnation, a new
+    member id; a drained node's incarnation is refused: NODE_DRAINED).
     """
     ring_version: _builtins.int
     def __init__(
