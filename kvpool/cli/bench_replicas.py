@@ -221,13 +221,19 @@ def main_bench(args: argparse.Namespace) -> dict[str, Any]:
         }
 
 
+_STOP_NOW = (
+    "node {node}: its process may be stopped now; until then it holds nothing and does not "
+    "rejoin (only a restart of the process joins it again, as a new empty member)"
+)
+
+
 def main_drain(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kvpool node drain",
         description="Make a store node hand every block it holds to other nodes, then leave "
-        "the cluster (declared left; stop its process afterwards). The draining mark is "
-        "replicated: clients stop placing puts on the node at once, and the drain carries on "
-        "through a master failover.",
+        "the cluster (declared left; stop its process afterwards: it does not rejoin until "
+        "restarted). The draining mark is replicated: clients stop placing puts on the node at "
+        "once, and the drain carries on through a master failover.",
     )
     parser.add_argument("node_id", help="the node's id (as `kvpool status` lists it)")
     parser.add_argument(
@@ -260,6 +266,7 @@ def main_drain(argv: list[str]) -> int:
             except UnknownMemberError as e:
                 if asked:  # drained and declared left while we re-asked (a failover)
                     print(f"node {opts.node_id}: left the cluster")
+                    print(_STOP_NOW.format(node=opts.node_id))
                     return 0
                 print(f"kvpool node drain: {e.message}", file=sys.stderr)
                 return 1
@@ -275,6 +282,7 @@ def main_drain(argv: list[str]) -> int:
                 + (", left the cluster" if response.left else "")
             )
             if response.left:
+                print(_STOP_NOW.format(node=opts.node_id))
                 return 0
             break
         time.sleep(0.5)
