@@ -251,10 +251,12 @@ class BlockingDataPlane:
         delay (see the module doc)."""
         delay_s = self._hedge.delay_s(max(round_bytes(e[1].items) for e in sent))
         if len(sent) == 1:  # the common round: one node; its answer is on the way
-            sock = sent[0][0].socket
-            if select.select([sock], (), (), min(delay_s, round_deadline - time.monotonic()))[0]:
-                self._finish_entry(sent[0], round_deadline)
-                return
+            conn = sent[0][0]
+            hedge_at = min(time.monotonic() + delay_s, round_deadline)
+            while (left := hedge_at - time.monotonic()) > 0:
+                if select.select([conn.socket], (), (), left)[0] and conn.answer_waiting():
+                    self._finish_entry(sent[0], round_deadline)
+                    return
         poller = select.poll()
         waiting: dict[int, tuple[_Sent, float]] = {}
         for entry in sent:
@@ -264,6 +266,8 @@ class BlockingDataPlane:
         done: set[int] = set()  # ids of the items and clones whose read is over
 
         def finish(fd: int) -> None:
+            if not waiting[fd][0][0].answer_waiting():
+                return  # only a posted answer (a PUBLISH's) was there: keep waiting
             entry, entry_deadline = waiting.pop(fd)
             poller.unregister(fd)
             self._finish_entry(entry, entry_deadline)
@@ -437,8 +441,11 @@ class BlockingDataPlane:
                     plan.commit.error = e
                 plan.judge_commit()
 
-    def send_refs(self, op: Op, refs: list[BlockRef], deadline: float) -> None:
-        """PUBLISH or DELETE, waiting for the answers (failures are ignored)."""
+    def send_refs(
+        self, op: Op, refs: list[BlockRef], deadline: float, *, wait: bool = True
+    ) -> None:
+        """PUBLISH or DELETE (failures are ignored). ``wait=False``: the answers are not waited
+        for — read and dropped on the way to a later answer on the same connection."""
         groups: dict[str, list[BlockRef]] = {}
         for ref in refs:
             groups.setdefault(ref.member.data_address, []).append(ref)
@@ -447,10 +454,11 @@ class BlockingDataPlane:
             calls = ref_calls(op, group)
             try:
                 conn = self.connection(address, deadline)
-                conn.send(calls, deadline)
+                conn.send(calls, deadline, posted=not wait)
             except KVPoolError:
                 continue
-            sent.append((address, conn, calls))
+            if wait:
+                sent.append((address, conn, calls))
         for address, conn, calls in sent:
             try:
                 conn.receive(calls, deadline)

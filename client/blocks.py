@@ -4,7 +4,7 @@ Reads go replica after replica, in rounds: each round groups the keys still unre
 of their next replica, takes one pooled connection per node and sends that node's frames on it
 (one MGET, one SHM_GET or pipelined GETs, see :mod:`kvpool.client.plans`, where every answer
 is judged). Writes send PUT frames (or shared-memory reservations) to every target replica at
-once, PUBLISH after the commit, and DELETE after a remove (best effort).
+once, PUBLISH after the commit (not waited for), and DELETE after a remove (best effort).
 
 Connections come from a pool per node address; the first one to a node asks HELLO and, where the
 node is on this host and the ``transport`` setting allows, the pool hands out connections to the
@@ -349,9 +349,23 @@ class DataPlane:
             plan.judge_commit()
 
     async def publish(self, refs: Iterable[BlockRef], deadline: float) -> None:
-        """PUBLISH committed blocks to their replicas; failures are ignored (the node asks the
-        index about staged blocks it holds too long)."""
-        await self._send_all(Op.PUBLISH, refs, deadline)
+        """PUBLISH committed blocks to their replicas, without waiting for the answers (a node
+        serves a staged block to a read naming its write id, so a read need not wait for the
+        PUBLISH either); failures are ignored (the node asks the index about staged blocks it
+        holds too long)."""
+        loop = asyncio.get_running_loop()
+        timeout_s = deadline - loop.time()
+        if timeout_s <= 0:
+            return
+        groups: dict[str, list[BlockRef]] = {}
+        for ref in refs:
+            groups.setdefault(ref.member.data_address, []).append(ref)
+        for address, group in groups.items():
+            try:
+                conn = await self._pool.get(address, timeout_s=timeout_s)
+            except KVPoolError:
+                continue
+            conn.notify(ref_calls(Op.PUBLISH, group))
 
     async def delete(self, refs: Iterable[BlockRef], deadline: float) -> None:
         """DELETE removed blocks from their replicas; failures are ignored (the index no longer

@@ -377,7 +377,8 @@ class SyncPath:
             if len(failures) == len(chunks):
                 raise failures[0]  # the whole call failed (no leader, deadline, …)
             if refs:
-                self._data.send_refs(Op.PUBLISH, refs, deadline)
+                # Not waited for: a node serves a staged block to a read naming its write id.
+                self._data.send_refs(Op.PUBLISH, refs, deadline, wait=False)
             if not stale:
                 return
             pending = [it for it in pending if not it.committed]

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from pysyncobj.config import FAIL_REASON
+from pysyncobj.pipe_notifier import PipeNotifier
 
 from kvpool.config import MasterConfig
 from kvpool.errors import ConfigError, InternalError, UnavailableError
@@ -268,6 +269,13 @@ class Replicator:
         self._syncobj: SyncObj | None = None
         self._status = RaftStatus()
         self._last_status_at = 0.0
+        # A group of one master commits an entry on the tick after the one that appended it;
+        # nothing else wakes that tick (no follower answers), so without a nudge a commit waits
+        # a whole tick period (52 ms measured per put). Proposed/done: one writer each.
+        self._wake: PipeNotifier | None = None
+        self._proposed = 0  # the event-loop thread
+        self._done = 0  # the Raft thread
+        self._woken_for = 0
 
     # lifecycle
 
@@ -290,6 +298,8 @@ class Replicator:
                 f"cannot bind the Raft address {self.cfg.raft_listen} "
                 f"(in use, or not an address of this host): {e}"
             ) from None
+        if not peers:
+            self._wake = PipeNotifier(syncobj._poller)
         syncobj.addOnTickCallback(self._on_tick)
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -324,6 +334,15 @@ class Replicator:
     # Raft-thread callback (must never raise: it runs inside PySyncObj's tick)
 
     def _on_tick(self) -> None:
+        wake = self._wake
+        if wake is not None and self._proposed not in (self._done, self._woken_for):
+            # Entries appended this tick: tick again now to commit them (once per new proposal,
+            # so an entry that cannot commit falls back to the normal tick period, no spin).
+            self._woken_for = self._proposed
+            try:
+                wake.notify()
+            except OSError as e:
+                self._log.warning("raft_wake_failed", error=str(e))
         now = self._clock()
         if now - self._last_status_at < _STATUS_PERIOD_S:
             return
@@ -355,9 +374,11 @@ class Replicator:
                 future.set_result((result, error))
 
         def on_done(result: Any, error: int) -> None:  # the Raft thread
+            self._done += 1
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(resolve, result, error)
 
+        self._proposed += 1
         self.consumer.apply_command(encode(command), callback=on_done)
         try:
             async with asyncio.timeout(timeout_s):  # cheaper than wait_for (no extra future)

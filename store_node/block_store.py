@@ -3,8 +3,13 @@
 A block is identified by ``(key, write_id)`` and lives in one of three states:
 
 ``receiving``  memory reserved for a PUT whose payload is still arriving (invisible)
-``staged``     payload in and checksum verified, not yet published (invisible to reads)
+``staged``     payload in and checksum verified, not yet published: readable by exact write id
 ``committed``  published with the index's version: readable by exact write id
+
+A staged block is served to a read that names its exact write id: readers learn write ids only
+from the index, which names only committed writes, so such a block is committed and merely
+waiting for its PUBLISH — which the writer sends without waiting, and which a read on another
+connection may overtake.
 
 At most one committed block per key: publishing version V replaces a lower committed version
 and loses against a higher one. A block's bytes live in one or more tiers (GPU, CPU, SSD), as
@@ -58,6 +63,9 @@ __all__ = [
     "StagedBlock",
     "StoreStats",
 ]
+
+_READABLE = (BlockState.STAGED, BlockState.COMMITTED)
+"""States a read by exact write id is served in (see the module doc)."""
 
 RECENT_EVICTIONS = 8192
 """How many evicted block ids are remembered, to answer MISS EVICTED rather than ABSENT."""
@@ -224,11 +232,11 @@ class BlockStore:
         return ReadResult(Status.OK)
 
     def get(self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY) -> ReadResult:
-        """The committed block with exactly this write id, its copy leased (release it when the
-        bytes have left), or a miss with its reason. Never another write's bytes. A copy
+        """The staged or committed block with exactly this write id, its copy leased (release
+        it when the bytes have left), or a miss with its reason. Never another write's bytes. A copy
         only on tiers slower than ``max_level`` is a MISS SLOW_TIER."""
         block = self._blocks.get((key, write_id))
-        if block is not None and block.state is BlockState.COMMITTED:
+        if block is not None and block.state in _READABLE:
             copy, promote = self.tiers.lease_for_read(block, max_level)
             if copy is not None:
                 self.counters.hits += 1
@@ -251,11 +259,11 @@ class BlockStore:
         self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY
     ) -> tuple[Status, int, Copy | None]:
         """:meth:`get` for a read that can only send bytes from where they lie (MGET): the
-        committed block's CPU copy, leased — ``(OK, CPU, copy)`` —; ``(DEFERRED, 0, None)``
+        block's CPU copy, leased — ``(OK, CPU, copy)`` —; ``(DEFERRED, 0, None)``
         when its fastest acceptable copy is on another tier (to be read with a single GET);
         else the miss :meth:`get` gives. One table lookup for the common case."""
         block = self._blocks.get((key, write_id))
-        if block is not None and block.state is BlockState.COMMITTED:
+        if block is not None and block.state in _READABLE:
             cpu = block.copies.get(TierLevel.CPU)
             if not (cpu is not None and cpu.ready):
                 fastest = block.fastest(max_level)

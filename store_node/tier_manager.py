@@ -168,6 +168,8 @@ class TierManager:
         if policy is not None:
             policy.touched(block.id)
         promote = None
+        if block.state is not BlockState.COMMITTED:
+            return copy, None  # staged (see block_store): no promotion before its PUBLISH
         if copy.level is SSD:
             block.slow_hits += 1
             if block.slow_hits >= self.rules.promote_after_hits:

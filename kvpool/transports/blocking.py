@@ -186,6 +186,30 @@ class BlockingConnection:
             call.header = header
             self._take_payload(call, header, deadline)
 
+    def answer_waiting(self) -> bool:
+        """Without blocking: whether an answer other than a posted one has begun to arrive.
+        Posted answers already here are read and dropped on the way (the socket being
+        readable does not mean a call's answer is there: hedged reads must not mistake one).
+        True also when the stream is broken or unreadable (a receive will say how)."""
+        sock, view = self._sock, self._header_view
+        while True:
+            try:
+                n = sock.recv_into(view, HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                return True
+            if n < HEADER_SIZE:
+                return True  # part of an answer, or the end of the stream
+            try:
+                header = unpack_header(view)
+            except FrameError:
+                return True
+            if header.request_id not in self._posted or header.key_len + header.payload_len:
+                return True
+            self._posted.discard(header.request_id)
+            sock.recv_into(view, HEADER_SIZE, socket.MSG_DONTWAIT)  # all here (peeked)
+
     def exchange(self, calls: Sequence[Call], deadline: float, *, trace: bytes = b"") -> None:
         self.send(calls, deadline, trace=trace)
         self.receive(calls, deadline)

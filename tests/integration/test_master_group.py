@@ -633,6 +633,45 @@ def test_a_timed_out_proposal_applies_later_and_its_retry_applies_once(tmp_path:
         second.stop()
 
 
+def test_a_single_master_commits_without_waiting_for_its_next_tick() -> None:
+    """A group of one has no follower answer to wake its Raft thread: each commit used to wait
+    a whole tick period (52 ms measured per put). Now it ticks again at once."""
+    cfg = load_config(
+        MasterConfig,
+        env={},
+        overrides={
+            "in_memory": True,
+            "raft_secret": "s",
+            "listen": f"127.0.0.1:{free_port()}",
+            "raft_listen": f"127.0.0.1:{free_port()}",
+            "raft_peers": [],
+            **FAST_RAFT,
+        },
+    )
+    master = Replicator(cfg, tick_period_s=0.05)
+    try:
+        master.start()
+
+        async def run() -> list[float]:
+            deadline = time.monotonic() + 10
+            while not master.is_leader():
+                assert time.monotonic() < deadline, "a single master did not lead"
+                await asyncio.sleep(0.02)
+            took = []
+            for i in range(20):
+                started = time.monotonic()
+                put = CommitPuts(new_rid(), 0, (PutItem(f"k{i}", 5, 1, 1, (1,)),))
+                await master.propose(put, 5.0)
+                took.append(time.monotonic() - started)
+            return took
+
+        took = sorted(asyncio.run(run()))
+        # Far below the 50 ms tick even on a loaded machine (0.4 ms measured here).
+        assert took[len(took) // 2] < 0.02, f"median commit {took[len(took) // 2] * 1e3:.1f} ms"
+    finally:
+        master.stop()
+
+
 # --- the benchmarks still run ---------------------------------------------------------------------
 
 
