@@ -205,10 +205,11 @@ def test_snapshots_carry_the_record_and_old_snapshots_load_without_it() -> None:
 
 
 class _Masters:
-    """A MasterClient stand-in: RegisterNode refuses as drained after ``accept`` successes."""
+    """A MasterClient stand-in: RegisterNode answers the ``member_ids`` in turn, then refuses
+    as drained."""
 
-    def __init__(self, accept: int) -> None:
-        self.accept = accept
+    def __init__(self, member_ids: list[int]) -> None:
+        self.member_ids = member_ids
         self.calls: list[str] = []
 
     async def call(self, method: str, request: Any, **_: Any) -> Any:
@@ -216,10 +217,11 @@ class _Masters:
 
         self.calls.append(method)
         if method == "RegisterNode":
-            if self.accept:
-                self.accept -= 1
-                return master_pb2.RegisterNodeResponse(member_id=len(self.calls))
+            if self.member_ids:
+                return master_pb2.RegisterNodeResponse(member_id=self.member_ids.pop(0))
             raise NodeDrainedError(f"node {request.node_id!r} was drained")
+        if method == "LeaveNode":
+            return master_pb2.LeaveNodeResponse()
         if method == "Heartbeat":
             return master_pb2.HeartbeatResponse(known=False)
         raise AssertionError(method)
@@ -243,24 +245,49 @@ class _Log:
         return lambda event, **_: self.events.append(event)
 
 
+def _registration(masters: _Masters, log: _Log, **kwargs: Any) -> Any:
+    from kvpool.store_node.registration import NodeRegistration
+
+    return NodeRegistration(
+        NodeConfig(masters=("127.0.0.1:1",)),
+        _Store(),  # type: ignore[arg-type]
+        masters,  # type: ignore[arg-type]
+        data_address="tcp://127.0.0.1:2",
+        admin_address="",
+        log=log,
+        **kwargs,
+    )
+
+
+def test_a_stale_unknown_that_gives_the_old_member_back_leaves_and_joins_again() -> None:
+    async def scenario() -> tuple[int, _Masters, _Log]:
+        masters, log = _Masters([1, 1, 2]), _Log()
+        reg = _registration(masters, log)
+        reg.heartbeat_interval_s = 0.01
+        stop = asyncio.Event()
+        assert await reg.register(stop)
+        await asyncio.wait_for(reg._reregister(stop), 2.0)
+        return reg.member_id, masters, log
+
+    member_id, masters, log = asyncio.run(scenario())
+    # The index still listed member 1 (and the blocks it just dropped): it left, then joined
+    # again as a new member.
+    assert masters.calls == ["RegisterNode", "RegisterNode", "LeaveNode", "RegisterNode"]
+    assert member_id == 2
+    assert log.events.count("node_rejoin_stale") == 1
+    assert log.events.count("node_reregistered") == 1
+
+
 def test_a_node_refused_as_drained_says_so_once_and_waits_to_be_stopped() -> None:
     from kvpool.store_node.registration import NodeRegistration
 
     async def scenario() -> tuple[NodeRegistration, _Masters, _Log, list[str]]:
-        masters, log, notes = _Masters(accept=1), _Log(), []
+        masters, log, notes = _Masters([1]), _Log(), []
 
         async def drained() -> None:
             notes.append("not ready")
 
-        reg = NodeRegistration(
-            NodeConfig(masters=("127.0.0.1:1",)),
-            _Store(),  # type: ignore[arg-type]
-            masters,  # type: ignore[arg-type]
-            data_address="tcp://127.0.0.1:2",
-            admin_address="",
-            on_drained=drained,
-            log=log,
-        )
+        reg = _registration(masters, log, on_drained=drained)
         stop = asyncio.Event()
         assert await reg.register(stop)
         incarnation = reg.incarnation
