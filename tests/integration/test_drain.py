@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,7 @@ def test_a_drained_node_that_keeps_running_does_not_rejoin_until_restarted(
         assert all(kv.batch_put([(k, _value(k)) for k in before]))
 
         assert main_drain([victim, "--masters", masters, "--timeout", "60"]) == 0
+        answered = time.time()
         out = capsys.readouterr().out
         assert "left the cluster" in out
         assert "may be stopped now" in out
@@ -225,6 +227,10 @@ def test_a_drained_node_that_keeps_running_does_not_rejoin_until_restarted(
         assert not _node_ready(cluster, victim)
         events = [e["event"] for e in _log_events(cluster, victim)]
         assert events.count("node_drained_stopped_serving") == 1, events
+        refused = next(
+            e for e in _log_events(cluster, victim) if e["event"] == "node_drained_stopped_serving"
+        )
+        refused_s = datetime.fromisoformat(str(refused["timestamp"])).timestamp() - answered
         assert events.count("node_reregistered") == 0
 
         # No key was committed on it: every replica the index names is a member seen above,
@@ -269,3 +275,6 @@ def test_a_drained_node_that_keeps_running_does_not_rejoin_until_restarted(
                 break
             assert time.monotonic() < deadline, "no put was placed on the rejoined node"
             time.sleep(0.2)
+    print(
+        f"the drained node, still running, was refused {refused_s:.2f} s after the drain answered"
+    )
