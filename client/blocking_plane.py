@@ -37,6 +37,7 @@ from kvpool.client.plans import (
     PutItem,
     ReadItem,
     ref_calls,
+    refs_by_node,
     transport_failure,
 )
 from kvpool.client.spans import read_attributes
@@ -135,20 +136,16 @@ class BlockingDataPlane:
             try:
                 conn = open_blocking(shm, timeout_s, self._token)
             except KVPoolError as e:
-                if isinstance(e, DeadlineExceededError):
-                    # Slow or paused, not restarted nor in another namespace: asking again or
-                    # falling back to TCP would only spend the caller's deadline twice.
+                try:
+                    fallback = links.shm_failed(address, offer, e, remembered=first is None)
+                except KVPoolError:
                     if first is not None:
                         first.close()
                     raise
-                if first is None:  # a remembered offer: the node may have restarted; ask again
-                    links.forget(address)
+                if fallback is None:
                     first, offer = self._ask(address, timeout_s)
                     continue
-                if links.transport == "shm":
-                    first.close()
-                    raise
-                offer = links.unreachable(address, offer, e)  # another namespace: TCP it is
+                offer = fallback
                 break
             conn.features = frozenset({"mget", "shm", *(["trace"] if offer.trace else [])})
             if first is not None:
@@ -446,9 +443,7 @@ class BlockingDataPlane:
     ) -> None:
         """PUBLISH or DELETE (failures are ignored). ``wait=False``: the answers are not waited
         for — read and dropped on the way to a later answer on the same connection."""
-        groups: dict[str, list[BlockRef]] = {}
-        for ref in refs:
-            groups.setdefault(ref.member.data_address, []).append(ref)
+        groups = refs_by_node(refs)
         sent = []
         for address, group in groups.items():
             calls = ref_calls(op, group)

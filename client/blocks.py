@@ -36,6 +36,7 @@ from kvpool.client.plans import (
     new_write_ids,
     node_error,
     ref_calls,
+    refs_by_node,
     transport_failure,
 )
 from kvpool.errors import (
@@ -120,20 +121,16 @@ class DataPlane:
             try:
                 conn = await open_connection(shm, timeout_s, self._token)
             except KVPoolError as e:
-                if isinstance(e, DeadlineExceededError):
-                    # Slow or paused, not restarted nor in another namespace: asking again or
-                    # falling back to TCP would only spend the caller's deadline twice.
+                try:
+                    fallback = links.shm_failed(address, offer, e, remembered=first is None)
+                except KVPoolError:
                     if first is not None:
                         first.close()
                     raise
-                if first is None:  # a remembered offer: the node may have restarted; ask again
-                    links.forget(address)
+                if fallback is None:
                     first, offer = await self._ask(address, timeout_s)
                     continue
-                if links.transport == "shm":
-                    first.close()
-                    raise
-                offer = links.unreachable(address, offer, e)  # another namespace: TCP it is
+                offer = fallback
                 break
             conn.features = frozenset({"mget", "shm", *(["trace"] if offer.trace else [])})
             if first is not None:
@@ -357,9 +354,7 @@ class DataPlane:
         timeout_s = deadline - loop.time()
         if timeout_s <= 0:
             return
-        groups: dict[str, list[BlockRef]] = {}
-        for ref in refs:
-            groups.setdefault(ref.member.data_address, []).append(ref)
+        groups = refs_by_node(refs)
         for address, group in groups.items():
             try:
                 conn = await self._pool.get(address, timeout_s=timeout_s)
@@ -377,9 +372,7 @@ class DataPlane:
         timeout_s = deadline - loop.time()
         if timeout_s <= 0:
             return
-        groups: dict[str, list[BlockRef]] = {}
-        for ref in refs:
-            groups.setdefault(ref.member.data_address, []).append(ref)
+        groups = refs_by_node(refs)
 
         async def group(address: str, group_refs: list[BlockRef]) -> None:
             try:

@@ -18,7 +18,7 @@ import json
 import threading
 from dataclasses import dataclass
 
-from kvpool.errors import ConfigError, TransportError
+from kvpool.errors import ConfigError, DeadlineExceededError, TransportError
 from kvpool.proto.wire import Op, Status
 from kvpool.transports import host_id, schemes
 from kvpool.transports.calls import Call
@@ -100,6 +100,23 @@ class Links:
         """The shared memory named for ``address`` could not be reached: ask again."""
         with self._lock:
             self._offers.pop(address, None)
+
+    def shm_failed(
+        self, address: str, offer: NodeOffer, error: Exception, *, remembered: bool
+    ) -> NodeOffer | None:
+        """Opening ``address``'s shared memory failed with ``error``: the offer to go on with
+        over TCP, or None when the caller must ask the node again (``remembered``: the offer was
+        remembered from earlier, the node may have restarted); raises ``error`` when going on
+        cannot help — a time-out (the node is slow or paused: asking again or falling back to
+        TCP would spend the caller's deadline twice) or a client that insists on shm."""
+        if isinstance(error, DeadlineExceededError):
+            raise error
+        if remembered:
+            self.forget(address)
+            return None
+        if self.transport == "shm":
+            raise error
+        return self.unreachable(address, offer, error)  # another namespace: TCP it is
 
     def unreachable(self, address: str, offer: NodeOffer, error: Exception) -> NodeOffer:
         """A fresh offer's shared memory could not be reached (another network namespace,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvpool.checksum import block_checksum
@@ -580,6 +580,14 @@ class NodeStage:
             it.acked.append(member.member_id)
         else:
             it.error = node_error(self.address, op, status, call.message() if call else "")
+
+
+def refs_by_node(refs: Iterable[BlockRef]) -> dict[str, list[BlockRef]]:
+    """``refs`` grouped by their member's data address."""
+    groups: dict[str, list[BlockRef]] = {}
+    for ref in refs:
+        groups.setdefault(ref.member.data_address, []).append(ref)
+    return groups
 
 
 def ref_calls(op: Op, refs: list[BlockRef]) -> list[Call]:

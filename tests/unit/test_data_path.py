@@ -19,8 +19,14 @@ import pytest
 from kvpool import AsyncClient, Client
 from kvpool.client.cache import LookupCache
 from kvpool.client.commits import CommitBatcher, CommitJob, SyncCommitter
-from kvpool.client.links import Links, read_hello
-from kvpool.errors import ConfigError, InvalidArgumentError, KVPoolError, TransportError
+from kvpool.client.links import Links, NodeOffer, read_hello
+from kvpool.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    KVPoolError,
+    TransportError,
+)
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import Op, Status
 from kvpool.store_node.data_server import DataConnection
@@ -365,3 +371,25 @@ def test_shared_memory_is_offered_only_on_this_host_over_a_direct_connection() -
     assert Links("tcp").shm_for("tcp://n:1", direct) == ""
     with pytest.raises(TransportError, match="not possible"):
         Links("shm").shm_for("tcp://n:1", proxied)
+
+
+def test_a_failed_shared_memory_open_asks_again_falls_back_or_gives_up() -> None:
+    offer = NodeOffer(mget=True, shm_address="shm://node", trace=False)
+    refused = TransportError("connection refused")
+    links = Links("auto")
+    links.learn("tcp://n:1", offer)
+    # A remembered offer: the node may have restarted — forget it and ask again.
+    assert links.shm_failed("tcp://n:1", offer, refused, remembered=True) is None
+    assert links.offer("tcp://n:1") is None
+    # A fresh offer that cannot be reached (another namespace): TCP from now on.
+    fallback = links.shm_failed("tcp://n:1", offer, refused, remembered=False)
+    assert fallback is not None
+    assert not fallback.shm_address
+    assert fallback.mget
+    assert links.offer("tcp://n:1") == fallback
+    # A time-out is a slow or paused node: neither asking again nor TCP would help.
+    with pytest.raises(DeadlineExceededError):
+        links.shm_failed("tcp://n:2", offer, DeadlineExceededError("slow"), remembered=True)
+    # A client that insists on shared memory gives up.
+    with pytest.raises(TransportError):
+        Links("shm").shm_failed("tcp://n:3", offer, refused, remembered=False)
