@@ -18,6 +18,7 @@ breaks its block↔copy cycle when a copy is freed, so dropped blocks do not lea
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -50,9 +51,12 @@ def freeze_after_slow_collections(
         if _installed is not None:
             return
         started = [0.0]
+        owner = os.getpid()
 
         def watch(phase: str, info: dict[str, Any]) -> None:
-            if info.get("generation") != 2:
+            # Not in a forked child (a master's snapshot writer must only pickle and exit: no
+            # logging, whose locks another thread may have held at the fork).
+            if info.get("generation") != 2 or os.getpid() != owner:
                 return
             if phase == "start":
                 started[0] = time.perf_counter()

@@ -52,3 +52,19 @@ def test_installing_twice_installs_once(watcher: list[tuple[float, int]]) -> Non
     before = len(gc.callbacks)
     gctune.freeze_after_slow_collections()
     assert len(gc.callbacks) == before
+
+
+def test_a_forked_child_does_nothing(watcher: list[tuple[float, int]]) -> None:
+    # A master's snapshot writer is a forked child: it must not log or freeze.
+    import os
+
+    live = [[i] for i in range(300_000)]
+    gc.unfreeze()
+    watcher.clear()
+    pid = os.fork()
+    if pid == 0:  # the child: a slow full collection, then report whether anything ran
+        gc.collect()
+        os._exit(3 if watcher else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the watcher acted in a forked child"
+    del live
