@@ -28,6 +28,7 @@ from typing import Any
 
 from kvpool.client.masters import MasterClient
 from kvpool.config import MasterConfig, load_config
+from kvpool.launcher.placement import free_port
 from kvpool.proto.v1 import master_pb2
 from kvpool.raft_master.commands import (
     CommitPuts,
@@ -38,7 +39,7 @@ from kvpool.raft_master.commands import (
     encode,
 )
 from kvpool.raft_master.index import BlockIndex
-from kvpool.raft_master.local_group import LocalMasterGroup, free_port
+from kvpool.raft_master.local_group import LocalMasterGroup
 from kvpool.raft_master.replication import Replicator
 
 KEY_PREFIX = "llama3-8b:bf16:paged16:tp0/"

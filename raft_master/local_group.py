@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,13 +23,8 @@ from typing import Any
 
 from kvpool.errors import KVPoolError
 from kvpool.grpcutil import create_channel, unary
+from kvpool.launcher.placement import free_port
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

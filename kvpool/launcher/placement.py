@@ -8,6 +8,7 @@ checks it against the pid each process writes into its ready file.
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -50,7 +51,23 @@ AdvertiseHook = Callable[[str, str], str]
 """``(process name, bound host:port) -> address to advertise`` (a proxy in front of it)."""
 
 
+PICKED_PORTS = (20000, 32767)
+"""Where :func:`free_port` picks: below Linux's default ephemeral range (32768-60999), so that
+no outgoing connection can take a picked port between the pick and the server's bind."""
+
+
 def free_port(host: str = LOOPBACK_HOST) -> int:
+    """A port on ``host`` that a server started next can bind: a random one below the
+    ephemeral range that binds now (the kernel's choice after 64 tries)."""
+    low, high = PICKED_PORTS
+    for _ in range(64):
+        port = random.randint(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -35,6 +35,7 @@ from kvpool.errors import (
     UnavailableError,
 )
 from kvpool.grpcutil import create_channel, translate_rpc_error, unary
+from kvpool.launcher.placement import free_port
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.raft_master import bench
 from kvpool.raft_master.commands import (
@@ -44,7 +45,7 @@ from kvpool.raft_master.commands import (
     RegisterMember,
     RegisterMemberResult,
 )
-from kvpool.raft_master.local_group import LocalMasterGroup, free_port
+from kvpool.raft_master.local_group import LocalMasterGroup
 from kvpool.raft_master.replication import Replicator, build_conf, check_persistence
 
 pytestmark = pytest.mark.integration
