@@ -40,6 +40,7 @@ from kvpool.security import NO_SECURITY, Security
 from kvpool.transports.auth import authenticate_blocking
 from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
 from kvpool.transports.calls import Call
+from kvpool.transports.tcp import ConnectionPool, FrameConnection, open_tcp_address
 
 
 class Backoff:
@@ -132,10 +133,64 @@ class MasterClient:
         self._metadata = call_metadata(security)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, master_pb2_grpc.MasterStub] = {}
+        # One pipelined connection per master's frame RPC port (see SyncMasterClient).
+        self._rpc_pool = ConnectionPool(
+            size=1, connect_timeout_s=attempt_timeout_s, opener=self._open_rpc
+        )
 
     @property
     def addresses(self) -> list[str]:
         return self.routing.addresses
+
+    async def _open_rpc(self, address: str, timeout_s: float) -> FrameConnection:
+        conn = await open_tcp_address(address, timeout_s, self.security.token)
+        if tracing.STATE.enabled:
+            conn.features = await _rpc_features_async(conn, timeout_s)
+        return conn
+
+    async def _attempt(self, address: str, method: str, request: Any, timeout_s: float) -> Any:
+        """One call to one master: its frame RPC port when it has one, else gRPC (as
+        :meth:`SyncMasterClient._attempt`)."""
+        routing = self.routing
+        if method in RPC_RESPONSES:
+            rpc = routing.rpc_of(address)
+            if rpc is None:  # learn the port (and keep the answer when it is what was asked)
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                members = await unary(
+                    self.stub(address).GetMembers,
+                    master_pb2.GetMembersRequest(),
+                    timeout_s=timeout_s,
+                    address=address,
+                    metadata=self._metadata,
+                )
+                rpc = str(members.rpc_address)
+                routing.learn_rpc(address, rpc)
+                if method == "GetMembers":
+                    return members
+                timeout_s -= loop.time() - started
+            if rpc:
+                return await self._rpc_call(address, rpc, method, request, timeout_s)
+        return await unary(
+            getattr(self.stub(address), method),
+            request,
+            timeout_s=timeout_s,
+            address=address,
+            metadata=self._metadata,
+        )
+
+    async def _rpc_call(
+        self, address: str, rpc: str, method: str, request: Any, timeout_s: float
+    ) -> Any:
+        target = f"tcp://{rpc}"
+        call = rpc_request(method, request, timeout_s)
+        try:
+            conn = await self._rpc_pool.get(target, timeout_s=timeout_s)
+            await conn.exchange([call], timeout_s, trace=tracing.frame_trace())
+        except KVPoolError as e:
+            self._rpc_pool.discard(target)
+            raise rpc_failure(address, rpc, method, e) from None
+        return rpc_answer(address, method, call, self.routing)
 
     @property
     def leader(self) -> str | None:
@@ -176,12 +231,8 @@ class MasterClient:
                 if remaining <= 0:
                     break
                 try:
-                    response = await unary(
-                        getattr(self.stub(address), method),
-                        request,
-                        timeout_s=min(remaining, self._attempt_timeout_s),
-                        address=address,
-                        metadata=self._metadata,
+                    response = await self._attempt(
+                        address, method, request, min(remaining, self._attempt_timeout_s)
                     )
                 except NotLeaderError as e:
                     last = e
@@ -212,6 +263,7 @@ class MasterClient:
 
     async def close(self) -> None:
         channels, self._channels, self._stubs = self._channels, {}, {}
+        await self._rpc_pool.close()
         for channel in channels.values():
             await channel.close()
 
@@ -304,12 +356,7 @@ class SyncMasterClient:
                     raise UnavailableError("this kvpool client is closed")
                 self._rpc_conns.add(conn)
             conns[rpc] = conn
-        call = Call(
-            Op.RPC,
-            method.encode(),
-            version=max(1, int(timeout_s * 1e6)),
-            payload=request.SerializeToString(),
-        )
+        call = rpc_request(method, request, timeout_s)
         try:
             conn.exchange([call], deadline, trace=tracing.frame_trace())
         except KVPoolError as e:
@@ -317,11 +364,7 @@ class SyncMasterClient:
             with self._lock:
                 self._rpc_conns.discard(conn)
             conn.close()
-            if isinstance(e, UnauthenticatedError):
-                raise
-            if isinstance(e, DeadlineExceededError):
-                raise DeadlineExceededError(f"{address}: {method} timed out") from None
-            raise UnavailableError(f"{address}: {method} over its RPC port: {e.message}") from None
+            raise rpc_failure(address, rpc, method, e) from None
         return rpc_answer(address, method, call, self.routing)
 
     def stub(self, address: str) -> master_pb2_grpc.MasterStub:
@@ -416,12 +459,47 @@ def _rpc_features(conn: BlockingConnection, deadline: float) -> frozenset[str]:
         conn.exchange([call], deadline)
     except KVPoolError:
         return frozenset()
+    return _hello_features(call)
+
+
+def _hello_features(call: Call) -> frozenset[str]:
+    """The ``features`` of a HELLO answer (none when it is not one)."""
     if call.status != Status.OK or call.data is None:
         return frozenset()
     try:
         return frozenset(str(f) for f in json.loads(bytes(call.data)).get("features", ()))
     except (ValueError, TypeError, AttributeError):
         return frozenset()
+
+
+def rpc_request(method: str, request: Any, timeout_s: float) -> Call:
+    """The frame of one call to a master's RPC port (the time the caller allows, in µs, in
+    the version field)."""
+    return Call(
+        Op.RPC,
+        method.encode(),
+        version=max(1, int(timeout_s * 1e6)),
+        payload=request.SerializeToString(),
+    )
+
+
+def rpc_failure(address: str, rpc: str, method: str, error: KVPoolError) -> KVPoolError:
+    """The typed error for an RPC frame that got no answer (the connection is gone)."""
+    if isinstance(error, UnauthenticatedError):
+        return error
+    if isinstance(error, DeadlineExceededError):
+        return DeadlineExceededError(f"{address}: {method} timed out")
+    return UnavailableError(f"{address}: {method} over its RPC port {rpc}: {error.message}")
+
+
+async def _rpc_features_async(conn: FrameConnection, timeout_s: float) -> frozenset[str]:
+    """:func:`_rpc_features` on an event loop."""
+    call = Call(Op.HELLO)
+    try:
+        await conn.exchange([call], timeout_s)
+    except KVPoolError:
+        return frozenset()
+    return _hello_features(call)
 
 
 def rpc_answer(address: str, method: str, call: Call, routing: MasterRouting) -> Any:

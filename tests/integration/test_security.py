@@ -1,6 +1,6 @@
 """A cluster with a cluster token, as real processes on 127.0.0.1: clients with the right token
-work (sync client: frame RPC port + blocking data plane; async client: gRPC + event-loop data
-plane), a missing or wrong token is refused with a clear error, node registration included;
+work (sync client: frame RPC port + blocking data plane; async client: frame RPC port on its
+event loop + event-loop data plane), a missing or wrong token is refused with a clear error, node registration included;
 a process asked to listen beyond loopback without a token refuses to start."""
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ def test_the_right_token_works_on_every_path(secured: LocalCluster) -> None:
         try:
             assert await kv.put("sec/b", b"b" * 3000)
             assert await kv.get("sec/b") == b"b" * 3000
+            # Lookup and CommitPuts went over the masters' frame RPC port (authenticated).
+            rpc_pool = kv._core._masters._rpc_pool
+            assert any(c.is_open for conns in rpc_pool._conns.values() for c in conns)
         finally:
             await kv.close()
 
