@@ -1,7 +1,8 @@
 """A cluster with a cluster token, as real processes on 127.0.0.1: clients with the right token
 work (sync client: frame RPC port + blocking data plane; async client: frame RPC port on its
-event loop + event-loop data plane), a missing or wrong token is refused with a clear error, node registration included;
-a process asked to listen beyond loopback without a token refuses to start."""
+event loop + event-loop data plane), a missing or wrong token is refused with a clear error,
+node registration included; a process asked to listen beyond loopback without a token refuses
+to start."""
 
 from __future__ import annotations
 
