@@ -157,17 +157,21 @@ class MasterClient:
             if rpc is None:  # learn the port (and keep the answer when it is what was asked)
                 loop = asyncio.get_running_loop()
                 started = loop.time()
-                members = await unary(
-                    self.stub(address).GetMembers,
-                    master_pb2.GetMembersRequest(),
-                    timeout_s=timeout_s,
-                    address=address,
-                    metadata=self._metadata,
-                )
-                rpc = str(members.rpc_address)
-                routing.learn_rpc(address, rpc)
-                if method == "GetMembers":
-                    return members
+                try:
+                    members = await unary(
+                        self.stub(address).GetMembers,
+                        master_pb2.GetMembersRequest(),
+                        timeout_s=timeout_s,
+                        address=address,
+                        metadata=self._metadata,
+                    )
+                except KVPoolError as e:
+                    rpc = no_rpc_port(routing, address, e)
+                else:
+                    rpc = str(members.rpc_address)
+                    routing.learn_rpc(address, rpc)
+                    if method == "GetMembers":
+                        return members
                 timeout_s -= loop.time() - started
             if rpc:
                 return await self._rpc_call(address, rpc, method, request, timeout_s)
@@ -303,17 +307,21 @@ class SyncMasterClient:
             rpc = routing.rpc_of(address)
             if rpc is None:  # learn the port (and keep the answer when it is what was asked)
                 started = time.monotonic()
-                members = unary_sync(
-                    self.stub(address).GetMembers,
-                    master_pb2.GetMembersRequest(),
-                    timeout_s=timeout_s,
-                    address=address,
-                    metadata=self._metadata,
-                )
-                rpc = str(members.rpc_address)
-                routing.learn_rpc(address, rpc)
-                if method == "GetMembers":
-                    return members
+                try:
+                    members = unary_sync(
+                        self.stub(address).GetMembers,
+                        master_pb2.GetMembersRequest(),
+                        timeout_s=timeout_s,
+                        address=address,
+                        metadata=self._metadata,
+                    )
+                except KVPoolError as e:
+                    rpc = no_rpc_port(routing, address, e)
+                else:
+                    rpc = str(members.rpc_address)
+                    routing.learn_rpc(address, rpc)
+                    if method == "GetMembers":
+                        return members
                 timeout_s -= time.monotonic() - started
             if rpc:
                 return self._rpc_call(address, rpc, method, request, timeout_s)
@@ -470,6 +478,24 @@ def _hello_features(call: Call) -> frozenset[str]:
         return frozenset(str(f) for f in json.loads(bytes(call.data)).get("features", ()))
     except (ValueError, TypeError, AttributeError):
         return frozenset()
+
+
+def no_rpc_port(routing: MasterRouting, address: str, error: KVPoolError) -> str:
+    """Learning a master's RPC port (its GetMembers) failed with ``error``: re-raised when the
+    master is down, slow, refusing us or not caught up (the caller moves on to another master);
+    otherwise the master cannot say (an older or partial implementation): gRPC for every call
+    to it from now on — returns ""."""
+    if isinstance(
+        error,
+        UnavailableError
+        | DeadlineExceededError
+        | NotLeaderError
+        | NotCaughtUpError
+        | UnauthenticatedError,
+    ):
+        raise error
+    routing.learn_rpc(address, "")
+    return ""
 
 
 def rpc_request(method: str, request: Any, timeout_s: float) -> Call:

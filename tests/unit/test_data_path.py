@@ -20,12 +20,15 @@ from kvpool import AsyncClient, Client
 from kvpool.client.cache import LookupCache
 from kvpool.client.commits import CommitBatcher, CommitJob, SyncCommitter
 from kvpool.client.links import Links, NodeOffer, read_hello
+from kvpool.client.masters import MasterRouting, no_rpc_port
 from kvpool.errors import (
     ConfigError,
     DeadlineExceededError,
+    InternalError,
     InvalidArgumentError,
     KVPoolError,
     TransportError,
+    UnavailableError,
 )
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import Op, Status
@@ -393,3 +396,15 @@ def test_a_failed_shared_memory_open_asks_again_falls_back_or_gives_up() -> None
     # A client that insists on shared memory gives up.
     with pytest.raises(TransportError):
         Links("shm").shm_failed("tcp://n:3", offer, refused, remembered=False)
+
+
+def test_a_master_that_cannot_say_its_rpc_port_is_called_over_grpc() -> None:
+    routing = MasterRouting(["m1:7300", "m2:7300"])
+    # Down, slow or refusing us: the caller moves on to another master, nothing is learned.
+    for transient in (UnavailableError("down"), DeadlineExceededError("slow")):
+        with pytest.raises(type(transient)):
+            no_rpc_port(routing, "m1:7300", transient)
+        assert routing.rpc_of("m1:7300") is None
+    # Anything else (an older or partial master): gRPC for every call to it from now on.
+    assert no_rpc_port(routing, "m2:7300", InternalError("unimplemented")) == ""
+    assert routing.rpc_of("m2:7300") == ""
