@@ -102,7 +102,7 @@ def test_kill_store_node_gets_miss_within_deadline_and_recompute(
 def test_stop_and_restart_every_master_keeps_the_index(cluster_factory: ClusterFactory) -> None:
     cluster = cluster_factory(masters=3, nodes=1, cpu_cache_size="128MiB")
     keys = [f"restart/{i}" for i in range(300)]
-    with Client(cluster.master_addresses, timeout_s=5.0) as kv:
+    with Client(cluster.master_addresses, timeout_s=5.0, strict=True) as kv:  # say why, if not
         assert all(kv.batch_put([(k, _value(k)) for k in keys]))
     for m in cluster.masters:
         cluster.terminate(m.name)
