@@ -87,6 +87,9 @@ MAX_COMMIT_ENTRIES = 8192
 """Most entries in one CommitPuts (the masters' default commit_batch_max_entries); a larger
 batch_put commits in several calls, concurrently."""
 DELETE_WAIT_S = 0.25
+MASTER_ATTEMPT_S = 0.5
+"""The longest one call waits for one master before asking another: a paused leader costs a
+writer this long (a new leader is elected within ~0.3-0.7 s; a retried commit applies once)."""
 """Longest wait for best-effort DELETE frames after a remove."""
 
 SinkFactory = Callable[[int, str, int], tuple[memoryview | None, bool]]
@@ -147,7 +150,7 @@ class ClientCore:
         self.strict = strict
         self._log = logger if logger is not None else get_logger("kvpool.client")
         tracing.setup_client_tracing()
-        attempt_s = min(1.0, config.timeout_s)
+        attempt_s = min(MASTER_ATTEMPT_S, config.timeout_s)
         self.attempt_timeout_s = attempt_s
         self.security = config.security()
         self.routing = masters.routing if masters is not None else MasterRouting(config.masters)
