@@ -285,6 +285,31 @@ class Client:
         or None. The bytes are copied once, into the buffers."""
         return self._path.batch_get_into(keys, buffers, strict=strict, max_tier=max_tier)
 
+    def batch_get_alloc(
+        self,
+        keys: Sequence[str],
+        alloc: Callable[[int], T],
+        *,
+        strict: bool | None = None,
+        max_tier: str | None = None,
+    ) -> list[T | None]:
+        """Read each key into a buffer ``alloc(size)`` makes once the block's size is known
+        (writable, at least ``size`` bytes): the buffers, None where a key missed. The bytes
+        are copied once, into them; ``alloc`` runs in the calling thread."""
+        return self._path.batch_get_alloc(keys, alloc, strict=strict, max_tier=max_tier)
+
+    def batch_remove(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
+        """Remove many keys with one commit; True per key the index had (False for all on
+        failure unless strict)."""
+        return self._path.batch_remove(keys, strict=strict)
+
+    def remove_prefix(self, prefix: str, *, limit: int = 0) -> tuple[int, bool]:
+        """Remove keys that start with ``prefix`` (``""``: every key in the cluster), at most
+        ``limit`` (0: the masters' step, 4096) in one Raft commit: (keys removed, whether
+        matching keys are left — call again). Replicas are told to drop the bytes, best effort.
+        An admin call: failures raise, typed."""
+        return self._path.remove_prefix(prefix, limit=limit)
+
     def pin(self, keys: Sequence[str], replicas: int = 1) -> list[bool]:
         """Pin keys at ``replicas`` copies: never evicted, kept at that count by the masters,
         replicated in the index (survives a master failover). True per key pinned, False when

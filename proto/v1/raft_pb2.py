@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.proto.v1 import master_pb2 as kvpool_dot_proto_dot_v1_dot_master__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvpool/proto/v1/raft.proto\x12\tkvpool.v1\x1a\x1ckvpool/proto/v1/master.proto\"\xa4\x05\n\x0bRaftCommand\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x0c\x12\x33\n\x0b\x63ommit_puts\x18\n \x01(\x0b\x32\x1c.kvpool.v1.CommitPutsCommandH\x00\x12\x33\n\x0bremove_keys\x18\x0b \x01(\x0b\x32\x1c.kvpool.v1.RemoveKeysCommandH\x00\x12\x37\n\rdrop_replicas\x18\x0c \x01(\x0b\x32\x1e.kvpool.v1.DropReplicasCommandH\x00\x12;\n\x0fregister_member\x18\r \x01(\x0b\x32 .kvpool.v1.RegisterMemberCommandH\x00\x12<\n\x10mark_member_down\x18\x0e \x01(\x0b\x32 .kvpool.v1.MarkMemberDownCommandH\x00\x12;\n\x0fregister_master\x18\x0f \x01(\x0b\x32 .kvpool.v1.RegisterMasterCommandH\x00\x12(\n\x05\x62\x61tch\x18\x10 \x01(\x0b\x32\x17.kvpool.v1.BatchCommandH\x00\x12\x39\n\x0e\x63laim_replicas\x18\x11 \x01(\x0b\x32\x1f.kvpool.v1.ClaimReplicasCommandH\x00\x12;\n\x0f\x63hange_replicas\x18\x12 \x01(\x0b\x32 .kvpool.v1.ChangeReplicasCommandH\x00\x12-\n\x08set_pins\x18\x13 \x01(\x0b\x32\x19.kvpool.v1.SetPinsCommandH\x00\x12\x35\n\x0cset_draining\x18\x14 \x01(\x0b\x32\x1d.kvpool.v1.SetDrainingCommandH\x00\x42\x06\n\x04\x62ody\"8\n\x0c\x42\x61tchCommand\x12(\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x16.kvpool.v1.RaftCommand\"O\n\x11\x43ommitPutsCommand\x12\x14\n\x0cring_version\x18\x01 \x01(\x04\x12$\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x13.kvpool.v1.PutEntry\"!\n\x11RemoveKeysCommand\x12\x0c\n\x04keys\x18\x01 \x03(\t\"Q\n\x13\x44ropReplicasCommand\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\'\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x17.kvpool.v1.EvictedBlock\"\x90\x01\n\x15RegisterMemberCommand\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x06\x12\x14\n\x0c\x64\x61ta_address\x18\x03 \x01(\t\x12\x15\n\radmin_address\x18\x04 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04zone\x18\x06 \x01(\t\":\n\x15MarkMemberDownCommand\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"C\n\x15RegisterMasterCommand\x12\x14\n\x0craft_address\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\"c\n\x14\x43laimReplicasCommand\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\x0f\n\x07restore\x18\x02 \x01(\x08\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.kvpool.v1.ClaimedBlock\"Y\n\rReplicaChange\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\x12\x12\n\nadd_member\x18\x03 \x01(\r\x12\x15\n\rremove_member\x18\x04 \x01(\r\"B\n\x15\x43hangeReplicasCommand\x12)\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x18.kvpool.v1.ReplicaChange\"E\n\x0eSetPinsCommand\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x13\n\x0bquota_bytes\x18\x03 \x01(\x04\"9\n\x12SetDrainingCommand\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvpool/proto/v1/raft.proto\x12\tkvpool.v1\x1a\x1ckvpool/proto/v1/master.proto\"\xa4\x05\n\x0bRaftCommand\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x0c\x12\x33\n\x0b\x63ommit_puts\x18\n \x01(\x0b\x32\x1c.kvpool.v1.CommitPutsCommandH\x00\x12\x33\n\x0bremove_keys\x18\x0b \x01(\x0b\x32\x1c.kvpool.v1.RemoveKeysCommandH\x00\x12\x37\n\rdrop_replicas\x18\x0c \x01(\x0b\x32\x1e.kvpool.v1.DropReplicasCommandH\x00\x12;\n\x0fregister_member\x18\r \x01(\x0b\x32 .kvpool.v1.RegisterMemberCommandH\x00\x12<\n\x10mark_member_down\x18\x0e \x01(\x0b\x32 .kvpool.v1.MarkMemberDownCommandH\x00\x12;\n\x0fregister_master\x18\x0f \x01(\x0b\x32 .kvpool.v1.RegisterMasterCommandH\x00\x12(\n\x05\x62\x61tch\x18\x10 \x01(\x0b\x32\x17.kvpool.v1.BatchCommandH\x00\x12\x39\n\x0e\x63laim_replicas\x18\x11 \x01(\x0b\x32\x1f.kvpool.v1.ClaimReplicasCommandH\x00\x12;\n\x0f\x63hange_replicas\x18\x12 \x01(\x0b\x32 .kvpool.v1.ChangeReplicasCommandH\x00\x12-\n\x08set_pins\x18\x13 \x01(\x0b\x32\x19.kvpool.v1.SetPinsCommandH\x00\x12\x35\n\x0cset_draining\x18\x14 \x01(\x0b\x32\x1d.kvpool.v1.SetDrainingCommandH\x00\x42\x06\n\x04\x62ody\"8\n\x0c\x42\x61tchCommand\x12(\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x16.kvpool.v1.RaftCommand\"O\n\x11\x43ommitPutsCommand\x12\x14\n\x0cring_version\x18\x01 \x01(\x04\x12$\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x13.kvpool.v1.PutEntry\"B\n\x11RemoveKeysCommand\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x10\n\x08prefixes\x18\x02 \x03(\t\x12\r\n\x05limit\x18\x03 \x01(\r\"Q\n\x13\x44ropReplicasCommand\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\'\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x17.kvpool.v1.EvictedBlock\"\x90\x01\n\x15RegisterMemberCommand\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x06\x12\x14\n\x0c\x64\x61ta_address\x18\x03 \x01(\t\x12\x15\n\radmin_address\x18\x04 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04zone\x18\x06 \x01(\t\":\n\x15MarkMemberDownCommand\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"C\n\x15RegisterMasterCommand\x12\x14\n\x0craft_address\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\"c\n\x14\x43laimReplicasCommand\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\x0f\n\x07restore\x18\x02 \x01(\x08\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.kvpool.v1.ClaimedBlock\"Y\n\rReplicaChange\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08write_id\x18\x02 \x01(\x06\x12\x12\n\nadd_member\x18\x03 \x01(\r\x12\x15\n\rremove_member\x18\x04 \x01(\r\"B\n\x15\x43hangeReplicasCommand\x12)\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x18.kvpool.v1.ReplicaChange\"E\n\x0eSetPinsCommand\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x13\n\x0bquota_bytes\x18\x03 \x01(\x04\"9\n\x12SetDrainingCommand\x12\x11\n\tmember_id\x18\x01 \x01(\r\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,23 +39,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMITPUTSCOMMAND']._serialized_start=808
   _globals['_COMMITPUTSCOMMAND']._serialized_end=887
   _globals['_REMOVEKEYSCOMMAND']._serialized_start=889
-  _globals['_REMOVEKEYSCOMMAND']._serialized_end=922
-  _globals['_DROPREPLICASCOMMAND']._serialized_start=924
-  _globals['_DROPREPLICASCOMMAND']._serialized_end=1005
-  _globals['_REGISTERMEMBERCOMMAND']._serialized_start=1008
-  _globals['_REGISTERMEMBERCOMMAND']._serialized_end=1152
-  _globals['_MARKMEMBERDOWNCOMMAND']._serialized_start=1154
-  _globals['_MARKMEMBERDOWNCOMMAND']._serialized_end=1212
-  _globals['_REGISTERMASTERCOMMAND']._serialized_start=1214
-  _globals['_REGISTERMASTERCOMMAND']._serialized_end=1281
-  _globals['_CLAIMREPLICASCOMMAND']._serialized_start=1283
-  _globals['_CLAIMREPLICASCOMMAND']._serialized_end=1382
-  _globals['_REPLICACHANGE']._serialized_start=1384
-  _globals['_REPLICACHANGE']._serialized_end=1473
-  _globals['_CHANGEREPLICASCOMMAND']._serialized_start=1475
-  _globals['_CHANGEREPLICASCOMMAND']._serialized_end=1541
-  _globals['_SETPINSCOMMAND']._serialized_start=1543
-  _globals['_SETPINSCOMMAND']._serialized_end=1612
-  _globals['_SETDRAININGCOMMAND']._serialized_start=1614
-  _globals['_SETDRAININGCOMMAND']._serialized_end=1671
+  _globals['_REMOVEKEYSCOMMAND']._serialized_end=955
+  _globals['_DROPREPLICASCOMMAND']._serialized_start=957
+  _globals['_DROPREPLICASCOMMAND']._serialized_end=1038
+  _globals['_REGISTERMEMBERCOMMAND']._serialized_start=1041
+  _globals['_REGISTERMEMBERCOMMAND']._serialized_end=1185
+  _globals['_MARKMEMBERDOWNCOMMAND']._serialized_start=1187
+  _globals['_MARKMEMBERDOWNCOMMAND']._serialized_end=1245
+  _globals['_REGISTERMASTERCOMMAND']._serialized_start=1247
+  _globals['_REGISTERMASTERCOMMAND']._serialized_end=1314
+  _globals['_CLAIMREPLICASCOMMAND']._serialized_start=1316
+  _globals['_CLAIMREPLICASCOMMAND']._serialized_end=1415
+  _globals['_REPLICACHANGE']._serialized_start=1417
+  _globals['_REPLICACHANGE']._serialized_end=1506
+  _globals['_CHANGEREPLICASCOMMAND']._serialized_start=1508
+  _globals['_CHANGEREPLICASCOMMAND']._serialized_end=1574
+  _globals['_SETPINSCOMMAND']._serialized_start=1576
+  _globals['_SETPINSCOMMAND']._serialized_end=1645
+  _globals['_SETDRAININGCOMMAND']._serialized_start=1647
+  _globals['_SETDRAININGCOMMAND']._serialized_end=1704
 # @@protoc_insertion_point(module_scope)
