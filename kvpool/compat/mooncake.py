@@ -178,10 +178,11 @@ class MooncakeDistributedStore:
         if not isinstance(tenant_id, str) or not tenant_id.strip() or "/" in tenant_id:
             self._log.warning("mooncake_setup_refused", setting="tenant_id", value=tenant_id)
             return INVALID_PARAMS
+        always = object()  # Mooncake requires these, so they are always given
         for setting, value, default in (
-            ("metadata_server", metadata_server, None),
-            ("global_segment_size", global_segment_size, None),
-            ("local_buffer_size", local_buffer_size, None),
+            ("metadata_server", metadata_server, always),
+            ("global_segment_size", global_segment_size, always),
+            ("local_buffer_size", local_buffer_size, always),
             ("rdma_devices", rdma_devices, ""),
             ("engine", engine, None),
             ("enable_ssd_offload", enable_ssd_offload, False),
@@ -190,7 +191,7 @@ class MooncakeDistributedStore:
             ("client_http_port", client_http_port, DEFAULT_CLIENT_HTTP_PORT),
             ("ipc_socket_path", ipc_socket_path, ""),
         ):
-            if default is None or value != default:
+            if default is always or value != default:
                 _say_once(self._log, setting, value)
         masters = [m.strip() for m in str(master_server_addr).split(",") if m.strip()]
         try:
