@@ -244,10 +244,10 @@ class Client:
         """Whether the index has ``key`` (False on failure unless the client is strict)."""
         return self._call(self._core.exists(key), _false, None)
 
-    def sizes(self, keys: Sequence[str]) -> list[int | None]:
+    def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
         """Each key's block size in bytes, or None where the index has no such key (one lookup;
-        no bytes are read; None for all on failure unless the client is strict)."""
-        return self._call(self._core.sizes(keys), lambda: [None] * len(keys), None)
+        no bytes are read; None for all on failure unless strict)."""
+        return self._call(self._core.sizes(keys, strict=strict), lambda: [None] * len(keys), strict)
 
     def remove(self, key: str) -> bool:
         """Remove ``key``; True if the index had it."""
