@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-fast test-slow lint typecheck importcheck proto proto-check deploy-check fmt clean help
+.PHONY: demo test test-fast test-slow test-engines test-engines-sglang lint typecheck importcheck proto proto-check deploy-check fmt clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -27,6 +27,24 @@ test: $(STAMP) lint  ## linters, protobuf staleness check, then the test suite (
 
 test-slow: $(STAMP)  ## the long runs only (every chaos scenario for a minute: the pre-release check)
 	$(PY) -m pytest -m slow -q
+
+# --- engine environments: one venv per engine, never .venv (each pins its own torch) ---------
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_VERSION := 0.5.23
+
+$(SGLANG_STAMP): tests/engines/sglang/requirements.txt pyproject.toml
+	@test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -r tests/engines/sglang/requirements.txt
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -e .
+	@touch $(SGLANG_STAMP)
+
+test-engines: test-engines-sglang  ## every engine's tests, each in its own environment (the pre-release check)
+
+test-engines-sglang: $(SGLANG_STAMP)  ## SGLang 0.5.23's own Mooncake test on kvpool, and the native HiCache backend's conformance suite
+	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines/sglang
 
 lint: $(STAMP) proto-check importcheck typecheck deploy-check  ## ruff, mypy, import layers, proto staleness, deploy/ manifests
 	$(VENV)/bin/ruff check .
@@ -55,4 +73,4 @@ fmt: $(STAMP)  ## format and auto-fix
 	$(VENV)/bin/ruff check --fix .
 
 clean:  ## remove the virtual environment and caches
-	rm -rf $(VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .venv-* .typecheck .pytest_cache .mypy_cache .ruff_cache build *.egg-info
