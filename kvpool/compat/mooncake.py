@@ -562,7 +562,8 @@ class MooncakeDistributedStore:
             for i in ok:
                 codes[i] = error_code(e)
             return codes
-        fits = []
+        fits: list[int] = []
+        sinks: list[memoryview] = []
         for i, size in zip(ok, sizes, strict=True):
             view = views[i]
             assert view is not None
@@ -572,12 +573,11 @@ class MooncakeDistributedStore:
                 codes[i] = BUFFER_OVERFLOW
             else:
                 fits.append(i)
+                sinks.append(view)
         if not fits:
             return codes
         try:
-            read = client.batch_get_into(
-                [self._name(keys[i]) for i in fits], [views[i] for i in fits]
-            )
+            read = client.batch_get_into([self._name(keys[i]) for i in fits], sinks)
         except KVPoolError as e:
             for i in fits:
                 codes[i] = error_code(e)

@@ -308,7 +308,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         """The components of flat data pages (``get_data_page`` / ``get_dummy_flat_data_page``
         tensors): K then V halves (MHA) or the whole page (MLA), in the pool's byte order."""
         per_page = len(self._kv_scheme().components)
-        out = []
+        out: list[Component] = []
         for page in pages:
             if not isinstance(page, torch.Tensor) or page.device.type != "cpu":
                 raise TypeError(f"expected a CPU tensor page, got {type(page).__name__}")

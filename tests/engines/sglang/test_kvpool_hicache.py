@@ -134,14 +134,14 @@ def test_pages_round_trip_byte_exact(sglang_cluster: LocalCluster, layout: str, 
     store = backend(sglang_cluster, pool, mla=mla)
     try:
         keys = hashes(8)
-        fill(pool, range(0, 8))
+        fill(pool, range(8))
         assert store.batch_exists(keys) == 0
-        assert store.batch_set_v1(keys, indices(range(0, 8))) == [True] * 8
+        assert store.batch_set_v1(keys, indices(range(8))) == [True] * 8
         assert store.batch_exists(keys) == 8
         assert store.batch_get_v1(keys, indices(range(8, 16))) == [True] * 8
         for i in range(8):
             assert page_bytes(pool, 8 + i) == page_bytes(pool, i), f"page {i} differs"
-        assert store.batch_set_v1(keys, indices(range(0, 8))) == [True] * 8  # already stored
+        assert store.batch_set_v1(keys, indices(range(8))) == [True] * 8  # already stored
     finally:
         store.close()
 
@@ -151,9 +151,9 @@ def test_batch_exists_is_the_leading_run_of_hits(sglang_cluster: LocalCluster) -
     store = backend(sglang_cluster, pool)
     try:
         keys = hashes(6)
-        fill(pool, range(0, 6))
+        fill(pool, range(6))
         stored = [keys[0], keys[1], keys[2], keys[4]]
-        assert store.batch_set_v1(stored, indices(range(0, 4))) == [True] * 4
+        assert store.batch_set_v1(stored, indices(range(4))) == [True] * 4
         assert store.batch_exists(keys) == 3
         assert store.batch_exists(keys[3:]) == 0
         assert store.exists(keys[4])
@@ -172,9 +172,9 @@ def test_a_second_engine_process_reads_the_first_ones_pages(
     pool = host_pool("layer_first")
     store = backend(sglang_cluster, pool)
     keys = hashes(5)
-    fill(pool, range(0, 5))
+    fill(pool, range(5))
     try:
-        assert store.batch_set_v1(keys, indices(range(0, 5))) == [True] * 5
+        assert store.batch_set_v1(keys, indices(range(5))) == [True] * 5
     finally:
         store.close()
     expected = tmp_path / "expected.bin"
@@ -202,6 +202,7 @@ def backend_for(masters: list[str], pool: Any, **kw: Any) -> KVPoolHiCacheStorag
     """As ``backend``, for a process that has only the masters' addresses."""
     config = storage_config(masters, **kw)
     made = StorageBackendFactory.create_backend("dynamic", config, pool)
+    assert isinstance(made, KVPoolHiCacheStorage)
     made.register_mem_pool_host(pool)
     return made
 
@@ -210,14 +211,14 @@ def test_another_byte_order_or_shape_never_reads_the_pages(sglang_cluster: Local
     writer_pool = host_pool("page_first")
     writer = backend(sglang_cluster, writer_pool)
     keys = hashes(3)
-    fill(writer_pool, range(0, 3))
+    fill(writer_pool, range(3))
     readers = [
         backend(sglang_cluster, host_pool("page_head")),  # another byte order
         backend(sglang_cluster, host_pool("page_first", dtype=torch.float16)),  # another dtype
         backend(sglang_cluster, host_pool("page_first"), model="org/other-model"),
     ]
     try:
-        assert writer.batch_set_v1(keys, indices(range(0, 3))) == [True] * 3
+        assert writer.batch_set_v1(keys, indices(range(3))) == [True] * 3
         for reader in readers:
             assert reader.batch_exists(keys) == 0
             assert reader.batch_get_v1(keys, indices(range(5, 8))) == [False] * 3
@@ -236,11 +237,11 @@ def test_tensor_parallel_ranks(sglang_cluster: LocalCluster) -> None:
     m0 = backend(sglang_cluster, mla0, mla=True, tp_rank=0, tp_size=4)
     m3 = backend(sglang_cluster, mla3, mla=True, tp_rank=3, tp_size=4)
     try:
-        fill(mha0, range(0, 2))
-        assert r0.batch_set_v1(keys, indices(range(0, 2))) == [True, True]
+        fill(mha0, range(2))
+        assert r0.batch_set_v1(keys, indices(range(2))) == [True, True]
         assert r1.batch_exists(keys) == 0
-        fill(mla0, range(0, 2))
-        assert m0.batch_set_v1(keys, indices(range(0, 2))) == [True, True]
+        fill(mla0, range(2))
+        assert m0.batch_set_v1(keys, indices(range(2))) == [True, True]
         assert m3.batch_exists(keys) == 2
         assert m3.batch_get_v1(keys, indices(range(4, 6))) == [True, True]
         assert page_bytes(mla3, 4) == page_bytes(mla0, 0)
@@ -258,7 +259,7 @@ def test_the_copying_interface_shares_pages_with_the_zero_copy_one(
     store = backend(sglang_cluster, pool)
     try:
         keys = hashes(3)
-        fill(pool, range(0, 3))
+        fill(pool, range(3))
         assert store.batch_set(keys[:2], [pool.get_data_page(i * PAGE) for i in range(2)])
         assert store.batch_set_v1(keys[2:], indices(range(2, 3))) == [True]
         dummies = [pool.get_dummy_flat_data_page() for _ in keys]
@@ -284,9 +285,9 @@ def test_hybrid_side_pools_v2(sglang_cluster: LocalCluster) -> None:
     store.register_mem_host_pool_v2(swa, PoolName.SWA)
     try:
         keys = hashes(4)
-        fill(kv, range(0, 4))
-        fill(swa, range(0, 4))
-        assert store.batch_set_v1(keys, indices(range(0, 4))) == [True] * 4
+        fill(kv, range(4))
+        fill(swa, range(4))
+        assert store.batch_set_v1(keys, indices(range(4))) == [True] * 4
         only_tail = PoolTransfer(
             name=PoolName.SWA, host_indices=indices(range(2, 4)), keys=keys[2:]
         )
@@ -316,14 +317,14 @@ def test_a_dead_store_is_a_miss_within_the_deadline(tmp_path: Path) -> None:
         cluster.start()
         store = backend(cluster, pool, timeout_s=0.5)
         keys = hashes(4)
-        fill(pool, range(0, 4))
-        assert store.batch_set_v1(keys, indices(range(0, 4))) == [True] * 4
+        fill(pool, range(4))
+        assert store.batch_set_v1(keys, indices(range(4))) == [True] * 4
         cluster.kill("node-1")
         started = time.monotonic()
         assert store.batch_get_v1(keys, indices(range(8, 12))) == [False] * 4
         cluster.stop()
         assert store.batch_exists(keys) == 0
-        assert store.batch_set_v1(hashes(2), indices(range(0, 2))) == [False, False]
+        assert store.batch_set_v1(hashes(2), indices(range(2))) == [False, False]
         assert store.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys]) == [None] * 4
         assert not store.batch_set(keys, [pool.get_data_page(0)] * 4)
         store.clear()

@@ -25,8 +25,7 @@ pytestmark = pytest.mark.integration
 
 SHIM = Path(__file__).with_name("shim")
 SGLANG_TEST = (
-    Path(sglang.__file__).parent
-    / "srt/mem_cache/storage/mooncake_store/test_mooncake_store.py"
+    Path(sglang.__file__).parent / "srt/mem_cache/storage/mooncake_store/test_mooncake_store.py"
 )
 CASES = 5
 
