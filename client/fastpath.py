@@ -282,6 +282,45 @@ class SyncPath:
                 raise
             return None
 
+    # --- index-only questions (no bytes read) ---------------------------------------------
+
+    def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
+        names = [k for k, _ in check_keys(keys)]
+        if not names:
+            return []
+        try:
+            response = self._within_deadline("sizes", lambda d: self._lookup(names, d))
+        except InvalidArgumentError:
+            raise
+        except KVPoolError:
+            if self.core._strict(strict):
+                raise
+            return [None] * len(names)
+        return [int(e.size_bytes) if e.found else None for e in response.entries]
+
+    def prefix_match(self, keys: Sequence[str], *, strict: bool | None = None) -> int:
+        names = [k for k, _ in check_keys(keys)]
+        if not names:
+            return 0
+        core = self.core
+
+        def call(deadline: float) -> int:
+            request = master_pb2.PrefixMatchRequest(keys=names, min_revision=core.floor.value)
+            response: master_pb2.PrefixMatchResponse = self._masters.call(
+                "PrefixMatch", request, deadline=deadline
+            )
+            core.floor.raise_to(response.revision)
+            return min(int(response.matched), len(names))
+
+        try:
+            return self._within_deadline("prefix_match", call)
+        except InvalidArgumentError:
+            raise
+        except KVPoolError:
+            if core._strict(strict):
+                raise
+            return 0
+
     # --- reads ----------------------------------------------------------------------------
 
     def _lookup(self, keys: list[str], deadline: float) -> master_pb2.LookupResponse:

@@ -247,7 +247,7 @@ class Client:
     def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
         """Each key's block size in bytes, or None where the index has no such key (one lookup;
         no bytes are read; None for all on failure unless strict)."""
-        return self._call(self._core.sizes(keys, strict=strict), lambda: [None] * len(keys), strict)
+        return self._path.sizes(keys, strict=strict)
 
     def remove(self, key: str) -> bool:
         """Remove ``key``; True if the index had it."""
@@ -322,8 +322,9 @@ class Client:
         return self._call(self._core.pin(keys, 0), list, True)
 
     def prefix_match(self, keys: Sequence[str]) -> int:
-        """How many leading keys of a chain are cached (0 on failure)."""
-        return self._call(self._core.prefix_match(keys), lambda: 0, None)
+        """How many leading keys of a chain are cached (0 on failure), in one call to a
+        master, from the calling thread."""
+        return self._path.prefix_match(keys)
 
     def get_or_compute(self, key: str, fn: Callable[[], BytesLike]) -> bytes:
         """The cached bytes; on a miss ``fn()``'s value, stored best effort (never raises
