@@ -96,6 +96,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         self._pool_schemes: dict[Any, tuple[KeyScheme, list[Region]]] = {}
         self._errors_logged_at = 0.0
         self._errors_lock = threading.Lock()
+        self._metrics = bool(storage_config.enable_storage_metrics) if storage_config else False
+        self._io: dict[str, list[float]] = {
+            "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []
+        }  # fmt: skip
         self.mem_pool_host: Any = None
         if not self.settings.interface_v1:
             self._log.warning(
@@ -221,11 +225,14 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         does not use it)."""
         if self.mem_pool_host is not None and self.mem_pool_host.kv_buffer is None:
             return [True] * len(keys)
-        return self._guard(
+        started = time.perf_counter()
+        done = self._guard(
             "batch_get_v1",
             lambda: self._get_pages(keys, host_indices, self.mem_pool_host, None),
             [False] * len(keys),
         )
+        self._record("prefetch", done, time.perf_counter() - started)
+        return done
 
     def batch_set_v1(
         self,
@@ -237,11 +244,26 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         sent again): True per page stored."""
         if self.mem_pool_host is not None and self.mem_pool_host.kv_buffer is None:
             return [True] * len(keys)
-        return self._guard(
+        started = time.perf_counter()
+        done = self._guard(
             "batch_set_v1",
             lambda: self._set_pages(keys, host_indices, self.mem_pool_host, None),
             [False] * len(keys),
         )
+        self._record("backup", done, time.perf_counter() - started)
+        return done
+
+    def _record(self, kind: str, done: list[bool], seconds: float) -> None:
+        """SGLang's storage metrics (``--enable-storage-metrics``): pages and GB/s per call."""
+        if not self._metrics or not done:
+            return
+        pages = sum(done)
+        pool = self.mem_pool_host
+        page_bytes = int(getattr(pool, "size_per_token", 0)) * int(getattr(pool, "page_size", 1))
+        gbps = pages * page_bytes / max(seconds, 1e-9) / (1 << 30)
+        with self._errors_lock:
+            self._io[f"{kind}_pgs"].append(pages)
+            self._io[f"{kind}_bandwidth"].append(gbps)
 
     def _page_components(
         self, pool: Any, host_indices: torch.Tensor, pages: int, pool_name: Any
@@ -502,8 +524,18 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         if self._own_client:
             self._client.close()
 
-    def get_stats(self) -> None:
-        return None
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` since the last call (None unless storage metrics are on)."""
+        if not self._metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        with self._errors_lock:
+            for name, values in self._io.items():
+                getattr(metrics, name).extend(values)
+                values.clear()
+        return metrics
 
 
 def _gather(comp: Component) -> bytes:

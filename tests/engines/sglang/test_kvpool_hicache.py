@@ -63,6 +63,7 @@ def storage_config(
     tp_rank: int = 0,
     tp_size: int = 1,
     model: str | None = "org/tiny-model",
+    metrics: bool = False,
     **extra: Any,
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
@@ -73,7 +74,7 @@ def storage_config(
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=mla,
-        enable_storage_metrics=False,
+        enable_storage_metrics=metrics,
         is_page_first_layout=True,
         model_name=model,
         extra_config={
@@ -142,6 +143,23 @@ def test_pages_round_trip_byte_exact(sglang_cluster: LocalCluster, layout: str, 
         for i in range(8):
             assert page_bytes(pool, 8 + i) == page_bytes(pool, i), f"page {i} differs"
         assert store.batch_set_v1(keys, indices(range(8))) == [True] * 8  # already stored
+    finally:
+        store.close()
+
+
+def test_storage_metrics_for_sglang(sglang_cluster: LocalCluster) -> None:
+    pool = host_pool("page_first")
+    store = backend(sglang_cluster, pool, metrics=True)
+    try:
+        keys = hashes(4)
+        fill(pool, range(4))
+        assert store.batch_set_v1(keys, indices(range(4))) == [True] * 4
+        assert store.batch_get_v1(keys, indices(range(4, 8))) == [True] * 4
+        stats = store.get_stats()
+        assert stats.backup_pgs == [4]
+        assert stats.prefetch_pgs == [4]
+        assert stats.prefetch_bandwidth[0] > 0
+        assert store.get_stats().prefetch_pgs == []  # drained by the call
     finally:
         store.close()
 
