@@ -61,7 +61,7 @@ def test_keys_carry_model_rank_and_component_as_sglangs_mooncake_backend() -> No
 def test_components_split_page_first_and_merge_nothing_that_is_apart() -> None:
     mem = np.arange(4096, dtype=np.uint8)
     base = mem.ctypes.data
-    regions = [Region(base, memoryview(mem))]
+    regions = [Region(base, mem.data)]
     # two pages, K and V each: the pool lists k, v per page
     ptrs = [base, base + 2048, base + 100, base + 2148]
     comps = components_from_meta(regions, ptrs, [100] * 4, pages=2, per_page=2)
@@ -72,7 +72,7 @@ def test_components_split_page_first_and_merge_nothing_that_is_apart() -> None:
 def test_layer_first_components_gather_every_layer_in_order() -> None:
     mem = np.arange(4096, dtype=np.uint8)
     base = mem.ctypes.data
-    regions = [Region(base, memoryview(mem))]
+    regions = [Region(base, mem.data)]
     # one page, two layers: k0, v0, k1, v1 (layer stride 1000, V 2000 further)
     ptrs = [base, base + 2000, base + 1000, base + 3000]
     (k, v) = components_from_meta(regions, ptrs, [10] * 4, pages=1, per_page=2)
@@ -88,7 +88,7 @@ def test_layer_first_components_gather_every_layer_in_order() -> None:
 
 def test_a_pointer_outside_the_registered_pool_is_refused() -> None:
     mem = np.zeros(64, dtype=np.uint8)
-    regions = [Region(mem.ctypes.data, memoryview(mem))]
+    regions = [Region(mem.ctypes.data, mem.data)]
     with pytest.raises(ValueError, match="outside the registered host pool"):
         components_from_meta(regions, [mem.ctypes.data + 60], [8], pages=1, per_page=1)
     with pytest.raises(ValueError, match="pointers"):
