@@ -38,7 +38,8 @@ $(SGLANG_STAMP): tests/engines/sglang/requirements.txt pyproject.toml
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -r tests/engines/sglang/requirements.txt
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
-	$(SGLANG_VENV)/bin/python -m pip install --quiet -e .
+	@# --no-warn-conflicts: sglang's own requirement list is left out on purpose (see the file)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-warn-conflicts -e .
 	@touch $(SGLANG_STAMP)
 
 test-engines: test-engines-sglang  ## every engine's tests, each in its own environment (the pre-release check)
