@@ -32,8 +32,8 @@ def _wrong_tools() -> list[str]:
     from importlib.metadata import PackageNotFoundError, version
 
     wrong = []
-    for line in PINNED.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
+    for raw in PINNED.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
         if "==" not in line:
             continue
         name, want = (part.strip() for part in line.split("==", 1))
