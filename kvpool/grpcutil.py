@@ -330,7 +330,10 @@ _TLS_SYMPTOMS = ("Socket closed", "SSL", "handshake", "Handshake", "certificate"
 
 def translate_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError, address: str) -> KVPoolError:
     """Rebuild the typed kvpool error from a failed call."""
-    trailing = dict(err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else {}
+    # Built from the (key, value) pairs, not with dict(): grpcio < 1.80's aio Metadata has a
+    # keys() that yields the pairs, which dict() then looks up as keys.
+    pairs = err.trailing_metadata() or () if hasattr(err, "trailing_metadata") else ()
+    trailing = {key: value for key, value in pairs}  # noqa: C416 - see above
     code = trailing.get(ERROR_CODE_KEY)
     leader = trailing.get(LEADER_KEY)
     status = err.code() if hasattr(err, "code") else None

@@ -310,16 +310,22 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.RemoveRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.RemoveResponse:
         request_id = check_request_id(request.request_id)
-        keys = check_keys(request.keys, allow_empty=False)
+        prefixes = tuple(request.prefixes)
+        keys = check_keys(request.keys, allow_empty=bool(prefixes))
         self._require_leader()
-        result = await self._propose(RemoveKeys(request_id, tuple(keys)), context)
+        command = RemoveKeys(request_id, tuple(keys), prefixes, request.limit)
+        result = await self._propose(command, context)
         if not isinstance(result, RemoveKeysResult):
             raise InternalError(f"unexpected result {type(result).__name__}")
         members = self.replicator.read(
             lambda ix: _named_live_members(ix, (m for b in result.blocks for m in b.replicas))
         )
         response = master_pb2.RemoveResponse(
-            removed=result.removed, revision=result.revision, members=map(member_pb, members)
+            removed=result.removed,
+            revision=result.revision,
+            members=map(member_pb, members),
+            prefix_removed=result.prefix_removed,
+            more=result.more,
         )
         for b in result.blocks:
             response.blocks.add(key=b.key, write_id=b.write_id, replicas=b.replicas)
