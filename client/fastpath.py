@@ -39,6 +39,7 @@ from kvpool.client.core import (
     COMMIT_SHARE,
     DELETE_WAIT_S,
     MAX_PUT_ATTEMPTS,
+    PREFIX_LOOKUP_MAX_KEYS,
     ClientCore,
     SinkFactory,
     _miss_reason,
@@ -46,6 +47,7 @@ from kvpool.client.core import (
     fresh_bytes,
     into,
     into_each,
+    leading_hits,
 )
 from kvpool.client.masters import SyncMasterClient
 from kvpool.client.placement import MemberInfo
@@ -311,6 +313,8 @@ class SyncPath:
         core = self.core
 
         def call(deadline: float) -> int:
+            if len(names) <= PREFIX_LOOKUP_MAX_KEYS:
+                return leading_hits(self._lookup(names, deadline))
             request = master_pb2.PrefixMatchRequest(keys=names, min_revision=core.floor.value)
             response: master_pb2.PrefixMatchResponse = self._masters.call(
                 "PrefixMatch", request, deadline=deadline
