@@ -169,6 +169,18 @@ class MasterConfig(ServerSecurityConfig, LogConfig):
     )
     raft_connection_timeout_s: float = opt(2.0, "Raft peer connection timeout", "duration")
     raft_connection_retry_s: float = opt(1.0, "Raft redial period for lost peers", "duration")
+    raft_max_message_bytes: int = opt(
+        64 << 20,
+        "longest Raft peer message accepted after the handshake (a longer length prefix closes "
+        "the connection before anything is buffered; before it: 64 KiB)",
+        "size",
+    )
+    raft_message_timeout_s: float = opt(
+        5.0,
+        "a Raft peer connection must finish its handshake, and each message must arrive whole, "
+        "within this long, else it is closed",
+        "duration",
+    )
     raft_compaction_min_entries: int = opt(20000, "compact the Raft log after this many entries")
     raft_compaction_min_time_s: float = opt(
         300.0, "compact the Raft log at least this often", "duration"
@@ -271,6 +283,10 @@ class MasterConfig(ServerSecurityConfig, LogConfig):
                 errors.append(f"{name}: must be at least 1")
         if self.raft_compaction_min_entries == 1:
             errors.append("raft_compaction_min_entries: must be at least 2 (PySyncObj)")
+        if self.raft_max_message_bytes < 1 << 20:
+            errors.append("raft_max_message_bytes: must be at least 1 MiB (entries go in 1 MiB)")
+        if self.raft_message_timeout_s <= 0:
+            errors.append("raft_message_timeout_s: must be positive")
         if self.raft_compaction_min_time_s <= 0:
             errors.append("raft_compaction_min_time_s: must be positive")
         if self.commit_timeout_s <= 0:

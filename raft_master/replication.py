@@ -8,7 +8,8 @@ Guards (see shared/PYSYNCOBJ.md):
 
 - tuning from ``MasterConfig.raft_*`` with ``appendEntriesUseBatch=False`` (sub-millisecond
   commits; batching is our own group commit in the service), ``leaderFallbackTimeout`` 2 s;
-- ``password`` is required (peer traffic is pickle);
+- ``password`` is required (peer traffic is pickle); the Raft port's connections are PySyncObj's
+  transport with our own connection handling (:mod:`kvpool.raft_master.raft_guard`);
 - with a ``data_dir`` both ``journalFile`` and ``fullDumpFile`` are set (a journal without a dump
   comes back empty, never applies, yet votes: :func:`check_persistence` refuses it);
 - Raft binds to ``raft_listen`` only (PySyncObj would otherwise bind 0.0.0.0);
@@ -39,6 +40,7 @@ from kvpool.errors import ConfigError, InternalError, UnavailableError
 from kvpool.logs import get_logger
 from kvpool.raft_master.commands import Command, ErrorResult, Result, encode
 from kvpool.raft_master.index import BlockIndex, IndexSnapshot
+from kvpool.raft_master.raft_guard import GuardLimits, GuardStats, guarded_transport
 
 T = TypeVar("T")
 
@@ -267,6 +269,7 @@ class Replicator:
             dedupe_max_bytes=cfg.dedupe_max_bytes,
         )
         self._syncobj: SyncObj | None = None
+        self.guard_stats = GuardStats()  # what the Raft port refused (raft_guard.py)
         self._status = RaftStatus()
         self._last_status_at = 0.0
         # A group of one master commits an entry on the tick after the one that appended it;
@@ -288,7 +291,14 @@ class Replicator:
             tick_period_s=self._tick_period_s,
         )
         peers = [p for p in self.cfg.raft_peers if p != self.cfg.raft_listen]
-        syncobj = SyncObj(self.cfg.raft_listen, peers, conf=conf, consumers=[self.consumer])
+        guard = GuardLimits(self.cfg.raft_max_message_bytes, self.cfg.raft_message_timeout_s)
+        syncobj = SyncObj(
+            self.cfg.raft_listen,
+            peers,
+            conf=conf,
+            consumers=[self.consumer],
+            transportClass=guarded_transport(guard, self.guard_stats),  # the Raft port's guard
+        )
         self._syncobj = syncobj
         try:
             syncobj.waitBinded()
