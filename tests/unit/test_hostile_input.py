@@ -107,7 +107,7 @@ def test_closed_connections_are_freed_without_the_garbage_collector() -> None:
             refs: list[weakref.ref[Any]] = []
             with no_gc():
                 for i in range(50):
-                    reader, writer = await raw(port)
+                    _reader, writer = await raw(port)
                     if i % 2:  # an MGET table declared and never sent: memory is charged
                         writer.write(Header(op=Op.MGET, payload_len=4 << 20).pack())
                     else:  # half a header
@@ -402,5 +402,3 @@ def test_same_process_tells_an_exited_process_from_a_running_one() -> None:
     finally:
         child.kill()
         child.wait()
-
-

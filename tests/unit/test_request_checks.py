@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvpool.errors import MalformedRequestError, RequestTooLargeError
 from kvpool.proto.v1 import master_pb2
 from kvpool.raft_master.request_checks import check_key_count, check_registration
 
-GOOD = {
+GOOD: dict[str, Any] = {
     "node_id": "node-1",
     "incarnation": 7,
     "data_address": "tcp://10.0.0.7:7400",
@@ -19,11 +21,11 @@ GOOD = {
 
 
 def test_a_well_formed_registration_passes() -> None:
-    check_registration(master_pb2.RegisterNodeRequest(**GOOD), 1 << 50)  # type: ignore[arg-type]
+    check_registration(master_pb2.RegisterNodeRequest(**GOOD), 1 << 50)
     check_registration(
         master_pb2.RegisterNodeRequest(
             **{**GOOD, "data_address": "inproc://n1", "admin_address": ""}
-        ),  # type: ignore[arg-type]
+        ),
         1 << 50,
     )
 
@@ -49,7 +51,7 @@ def test_a_well_formed_registration_passes() -> None:
     ],
 )
 def test_every_field_of_a_registration_is_checked(field: str, value: object) -> None:
-    request = master_pb2.RegisterNodeRequest(**{**GOOD, field: value})  # type: ignore[arg-type]
+    request = master_pb2.RegisterNodeRequest(**{**GOOD, field: value})
     with pytest.raises(MalformedRequestError):
         check_registration(request, 1 << 50)
 
