@@ -4,6 +4,7 @@ integration fuzz test and ``scripts/hostile_probe.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
@@ -122,10 +123,8 @@ def grpc_junk(port: Port, payloads: list[bytes]) -> int:
     with grpc.insecure_channel(f"{host}:{number}") as channel:
         for i, payload in enumerate(payloads):
             call = channel.unary_unary(f"/{service}/{methods[i % len(methods)]}")
-            try:
+            with contextlib.suppress(grpc.RpcError):
                 call(payload, timeout=2.0, metadata=(("kvpool-protocol-version", "1"),))
-            except grpc.RpcError:
-                pass
             answered += 1
     return answered
 
