@@ -369,18 +369,22 @@ class DataConnection:
         versions = self._server.versions
         assert versions is not None
         try:
-            version = await versions.version_of(name, header.write_id)
+            version, other = await versions.version_of(name, header.write_id)
         except KVPoolError:
             # Left staged (readable by its write id); the staged reaper settles it.
             self._answer(header, Status.MISS, flags=MissReason.STAGED)
             return
         if version is None:  # the index holds another write of the key, or none
+            replaced = other and other >= header.version
+            if replaced:  # replaced, or never committed: no reader may get it any more
+                self._store.reap(name, header.write_id, report=False)
             self._server.once.warning(
                 "publish_refused",
                 self.peer_host,
                 peer=self.peer,
-                reason="the index does not name this write",
+                reason="the index names another write" if other else "the index names none",
                 claimed_version=header.version,
+                dropped=bool(replaced),
             )
             self._answer(header, Status.MISS, flags=MissReason.WRONG_VERSION)
             return

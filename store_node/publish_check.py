@@ -5,8 +5,12 @@ their versions. The version a PUBLISH frame names is only the sender's word: one
 a staged block with version 2^64-1 made the node refuse every later write of that key (each
 answered "put: True", each read back a miss). So before a staged block is published the node asks
 the index which write of the key it holds, and with what version: published with *that*
-version when the index names exactly this write id; otherwise the block is left staged (the
-staged reaper frees it: nothing else changes) and the PUBLISH is answered MISS WRONG_VERSION.
+version when the index names exactly this write id. When it names another write at least as new
+as the frame claims, this one was replaced (or never committed): the staged block is dropped at
+once — a reader holding a stale cached entry then misses and looks the key up again, instead of
+reading the replaced value — and the PUBLISH is answered MISS WRONG_VERSION. Otherwise (the key
+unknown, or an older write named: an index that may lag) the block is left staged for the
+staged reaper, and nothing else changes.
 
 Asking costs one Lookup on the leader per batch: requests that arrive while one Lookup is in
 flight, or within :data:`BATCH_WINDOW_S`, share the next one (up to :data:`BATCH_KEYS` keys).
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvpool.errors import KVPoolError, UnavailableError
 from kvpool.logs import OncePer, get_logger
@@ -30,6 +34,14 @@ from kvpool.proto.v1 import master_pb2
 
 BATCH_KEYS = 1024
 BATCH_WINDOW_S = 0.002
+
+
+class Verdict(NamedTuple):
+    """The index's answer about one write: ``version`` of exactly this write (None: it names
+    another one, or none), and the ``other`` version it names instead (0: none)."""
+
+    version: int | None
+    other: int
 
 
 class LookupCaller(Protocol):
@@ -47,18 +59,18 @@ class IndexVersions:
         self._masters = masters
         self._timeout_s = timeout_s
         self._log = OncePer(log if log is not None else get_logger("kvpool.node.publish"))
-        self._pending: dict[str, list[tuple[int, asyncio.Future[int | None]]]] = {}
+        self._pending: dict[str, list[tuple[int, asyncio.Future[Verdict]]]] = {}
         self._wake: asyncio.Event | None = None
         self._runner: asyncio.Task[None] | None = None
         self.lookups = 0
         self.confirmed = 0
         self.refused = 0
 
-    async def version_of(self, key: str, write_id: int) -> int | None:
-        """The index's version of exactly ``(key, write_id)``; None when the index holds
-        another write of the key, or none. Raises a KVPoolError when it could not be asked."""
+    async def version_of(self, key: str, write_id: int) -> Verdict:
+        """What the index says of ``(key, write_id)``. Raises a KVPoolError when it could not
+        be asked."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[int | None] = loop.create_future()
+        future: asyncio.Future[Verdict] = loop.create_future()
         self._pending.setdefault(key, []).append((write_id, future))
         if self._runner is None or self._runner.done():
             self._wake = asyncio.Event()
@@ -117,10 +129,11 @@ class IndexVersions:
                     continue
                 if entry is not None and entry.found and entry.write_id == write_id:
                     self.confirmed += 1
-                    future.set_result(int(entry.version))
+                    future.set_result(Verdict(int(entry.version), 0))
                 else:
                     self.refused += 1
-                    future.set_result(None)
+                    other = int(entry.version) if entry is not None and entry.found else 0
+                    future.set_result(Verdict(None, other))
 
     def _fail_all(self, error: KVPoolError) -> None:
         pending, self._pending = self._pending, {}

@@ -66,7 +66,13 @@ def test_a_stranger_cannot_take_leadership_or_memory(tmp_path: Path) -> None:
     with LocalMasterGroup(tmp_path, 3, settings={"raft_message_timeout_s": 1.0}) as group:
         group.start()
         leader = asyncio.run(group.wait_leader())
-        term = asyncio.run(group.status(leader)).master.term
+        deadline = time.monotonic() + 10
+        while True:  # the status is a snapshot taken every 0.1 s: wait for this term's
+            status = asyncio.run(group.status(leader)).master
+            if (status.role == "leader" and status.term > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        term = status.term
         pid = group.masters[leader].pid
         assert pid is not None
         rss_before = rss_mib(pid)

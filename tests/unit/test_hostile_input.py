@@ -286,6 +286,12 @@ def test_a_publish_with_a_forged_version_poisons_nothing() -> None:
             sink = bytearray(4)
             got = await conn.request(Op.GET, b"k", write_id=1, sink=memoryview(sink), timeout_s=5)
             assert (got.status, bytes(sink)) == (Status.OK, b"good")
+            # A write the index has already replaced (it names write 1 at 12 >= the 5 claimed):
+            # dropped at once, so a reader holding a stale entry misses instead of reading it.
+            await put(3, b"gone")
+            stale = await conn.request(Op.PUBLISH, b"k", write_id=3, version=5, timeout_s=5)
+            assert (stale.status, stale.header.flags) == (Status.MISS, MissReason.WRONG_VERSION)
+            assert server.store.state_of("k", 3) is None
             # A later honest write supersedes it; masters unreachable: left staged, no change.
             await put(2, b"next")
             index.down = True
