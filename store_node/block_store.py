@@ -262,6 +262,30 @@ class BlockStore:
         self.counters.publishes += 1
         return ReadResult(Status.OK)
 
+    def retire_older(self, key: str, write_id: int, claimed_version: int) -> bool:
+        """A PUBLISH of ``write_id`` claims ``claimed_version``: the key's committed block, if
+        it is another write with a lower version, leaves the table now (reported to the index
+        as gone), so that a reader holding a stale entry misses rather than reads the value the
+        new write replaces, while the index is asked about the new one. The claim is only the
+        sender's word: the worst a false one can do is this miss (a lost block), never a wrong
+        or poisoned read — the new block is published only with the index's version."""
+        incoming = self._blocks.get((key, write_id))
+        if incoming is not None and incoming.state is BlockState.STAGED:
+            incoming.claimed_version = max(incoming.claimed_version, claimed_version)
+        older = []
+        for other_id in self._by_key.get(key, ()):
+            if other_id == write_id:
+                continue
+            other = self._blocks[(key, other_id)]
+            if (other.state is BlockState.COMMITTED and other.version < claimed_version) or (
+                other.state is BlockState.STAGED and 0 < other.claimed_version < claimed_version
+            ):  # a staged write whose own PUBLISH could not be confirmed yet counts too
+                older.append(other)
+        for other in older:
+            self._remove(other, report=True)
+            self.counters.superseded += 1
+        return bool(older)
+
     def get(self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY) -> ReadResult:
         """The staged or committed block with exactly this write id, its copy leased (release
         it when the bytes have left), or a miss with its reason. Never another write's bytes. A copy

@@ -361,6 +361,7 @@ class DataConnection:
         if block.state is BlockState.COMMITTED:
             self._answer(header, Status.OK, version=block.version)  # an idempotent re-publish
             return
+        store.retire_older(name, header.write_id, header.version)
         task = asyncio.get_running_loop().create_task(self._publish_checked(header, name))
         self._server.publishing.add(task)
         task.add_done_callback(self._server.publishing.discard)

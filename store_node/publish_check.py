@@ -19,7 +19,10 @@ entry (a lagging follower might not know the write yet). Nothing waits for it on
 a staged block is already readable by its exact write id, and clients do not wait for PUBLISH.
 When the index cannot be asked the block stays staged and the PUBLISH is answered MISS STAGED;
 the staged reaper settles it after ``staged_ttl_s`` (publishing it with the index's version
-when the index names it).
+when the index names it). Meanwhile the key's older committed block (by the claimed version)
+has already left the table (:meth:`~kvpool.store_node.block_store.BlockStore.retire_older`):
+a reader with a stale entry misses and looks the key up again, it never reads the replaced
+value after the put was acknowledged.
 """
 
 from __future__ import annotations

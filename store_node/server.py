@@ -177,7 +177,8 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 security=security,
             )
             stack.push_async_callback(masters.close)
-            versions = IndexVersions(masters, timeout_s=cfg.request_timeout_s, log=log)
+            # Short: a put replacing a block on this node waits for its PUBLISH's answer.
+            versions = IndexVersions(masters, timeout_s=min(1.0, cfg.request_timeout_s), log=log)
             stack.push_async_callback(versions.close)
             data.versions = versions  # PUBLISH versions from the index, never from frames
             registration = NodeRegistration(

@@ -292,12 +292,18 @@ def test_a_publish_with_a_forged_version_poisons_nothing() -> None:
             stale = await conn.request(Op.PUBLISH, b"k", write_id=3, version=5, timeout_s=5)
             assert (stale.status, stale.header.flags) == (Status.MISS, MissReason.WRONG_VERSION)
             assert server.store.state_of("k", 3) is None
-            # A later honest write supersedes it; masters unreachable: left staged, no change.
+            # A later write while the masters are unreachable: left staged (readable by its
+            # write id), and the older one leaves at once: a stale reader misses, never reads
+            # the replaced value after the put was acknowledged.
             await put(2, b"next")
             index.down = True
             unknown = await conn.request(Op.PUBLISH, b"k", write_id=2, version=13, timeout_s=5)
             assert (unknown.status, unknown.header.flags) == (Status.MISS, MissReason.STAGED)
-            assert server.store.state_of("k", 1) is BlockState.COMMITTED
+            assert server.store.state_of("k", 2) is BlockState.STAGED
+            assert server.store.state_of("k", 1) is None
+            block = server.store.block("k", 2)
+            assert block is not None
+            assert block.version == 0  # no version from a frame
             conn.close()
         await versions.close()
 
