@@ -63,6 +63,7 @@ from kvpool.raft_master.group_commit import GroupCommitter
 from kvpool.raft_master.index import BlockIndex, MemberRecord
 from kvpool.raft_master.members import check_registered
 from kvpool.raft_master.replication import Replicator
+from kvpool.raft_master.request_checks import check_key_count, check_registration
 
 REQUEST_ID_BYTES = 16
 MAX_REVISION_WAIT_S = 1.0
@@ -335,10 +336,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.RegisterNodeResponse:
         request_id = check_request_id(request.request_id)
-        if not request.node_id:
-            raise MalformedRequestError("RegisterNode without node_id")
-        if not request.data_address:
-            raise MalformedRequestError("RegisterNode without data_address")
+        check_registration(request, self.cfg.max_node_capacity)
         self._require_leader()
         result = await self._propose(
             RegisterMember(
@@ -546,6 +544,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
     async def Lookup(  # noqa: N802 - gRPC method name
         self, request: master_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.LookupResponse:
+        check_key_count(len(request.keys), self.cfg.max_lookup_keys, "Lookup")
         keys = check_keys(request.keys, allow_empty=True)
         await self._require_read_lease(context)
         await self._wait_for_revision(request.min_revision, context)
@@ -582,6 +581,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
     async def PrefixMatch(  # noqa: N802 - gRPC method name
         self, request: master_pb2.PrefixMatchRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.PrefixMatchResponse:
+        check_key_count(len(request.keys), self.cfg.max_lookup_keys, "PrefixMatch")
         keys = check_keys(request.keys, allow_empty=True)
         await self._require_read_lease(context)
         await self._wait_for_revision(request.min_revision, context)

@@ -80,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Stop every process listed in DIR/cluster.json (nodes first).",
     )
     down.add_argument("--dir", required=True, help="the directory given to `cluster up`")
+    down.add_argument(
+        "--grace-s",
+        type=float,
+        default=10.0,
+        help="SIGTERM, then SIGKILL what has not exited after this many seconds [10]; returns "
+        "once every process has exited",
+    )
 
     p = sub.add_parser(
         "status",
@@ -345,8 +352,13 @@ def _cluster_down(args: argparse.Namespace) -> int:
     from kvpool.launcher.cluster import LocalCluster
 
     cluster = LocalCluster.from_dir(args.dir)
-    stopped = cluster.stop()
-    print(f"stopped {len(stopped)} processes" + (f": {', '.join(stopped)}" if stopped else ""))
+    stopped = cluster.stop(timeout_s=args.grace_s)
+    # stop() returns once every process has exited (SIGKILL after the grace): its ports are free
+    print(
+        f"stopped {len(stopped)} processes"
+        + (f": {', '.join(stopped)}" if stopped else "")
+        + " (all exited)"
+    )
     return EXIT_OK
 
 
