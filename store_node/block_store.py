@@ -9,7 +9,10 @@ A block is identified by ``(key, write_id)`` and lives in one of three states:
 A staged block is served to a read that names its exact write id: readers learn write ids only
 from the index, which names only committed writes, so such a block is committed and merely
 waiting for its PUBLISH — which the writer sends without waiting, and which a read on another
-connection may overtake.
+connection may overtake. Only for ``staged_read_window_s`` (1 s) after it was staged, though:
+a PUBLISH that never came (a broken link) leaves the block staged while newer writes of the key
+are published, and a reader whose cached entry still names it would read a replaced value for
+the entry's lifetime. After the window it misses (STAGED) until the index confirms it.
 
 At most one committed block per key: publishing version V replaces a lower committed version
 and loses against a higher one. A block's bytes live in one or more tiers (GPU, CPU, SSD), as
@@ -64,8 +67,8 @@ __all__ = [
     "StoreStats",
 ]
 
-_READABLE = (BlockState.STAGED, BlockState.COMMITTED)
-"""States a read by exact write id is served in (see the module doc)."""
+STAGED_READ_WINDOW_S = 1.0
+"""How long after staging a block is served before its PUBLISH (see the module doc)."""
 
 RECENT_EVICTIONS = 8192
 """How many evicted block ids are remembered, to answer MISS EVICTED rather than ABSENT."""
@@ -96,6 +99,7 @@ class BlockStore:
         write_batch_bytes: int = 8 << 20,
         on_work: Callable[[], None] | None = None,
         max_receiving_bytes: int | None = None,
+        staged_read_window_s: float = STAGED_READ_WINDOW_S,
     ) -> None:
         """``max_receiving_bytes``: most CPU-tier bytes PUTs still arriving may hold together
         (default: half the tier; ``put_memory_fraction``); one PUT alone is always considered."""
@@ -103,6 +107,7 @@ class BlockStore:
             raise ValueError("need 0 < low_watermark < high_watermark <= 1")
         self.tier = tier
         self.policy = policy
+        self.staged_read_window_s = staged_read_window_s
         self._reads: dict[str, int] = {}  # key -> reads since take_read_counts (hot blocks)
         self.max_block_size = max_block_size
         self.high_watermark = high_watermark
@@ -286,12 +291,21 @@ class BlockStore:
             self.counters.superseded += 1
         return bool(older)
 
+    def _readable(self, block: Block) -> bool:
+        """Committed, or staged within the read window (see the module doc)."""
+        if block.state is BlockState.COMMITTED:
+            return True
+        return (
+            block.state is BlockState.STAGED
+            and self._clock() - block.staged_at <= self.staged_read_window_s
+        )
+
     def get(self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY) -> ReadResult:
         """The staged or committed block with exactly this write id, its copy leased (release
         it when the bytes have left), or a miss with its reason. Never another write's bytes. A copy
         only on tiers slower than ``max_level`` is a MISS SLOW_TIER."""
         block = self._blocks.get((key, write_id))
-        if block is not None and block.state in _READABLE:
+        if block is not None and self._readable(block):
             copy, promote = self.tiers.lease_for_read(block, max_level)
             if copy is not None:
                 self.counters.hits += 1
@@ -318,7 +332,7 @@ class BlockStore:
         when its fastest acceptable copy is on another tier (to be read with a single GET);
         else the miss :meth:`get` gives. One table lookup for the common case."""
         block = self._blocks.get((key, write_id))
-        if block is not None and block.state in _READABLE:
+        if block is not None and self._readable(block):
             cpu = block.copies.get(TierLevel.CPU)
             if not (cpu is not None and cpu.ready):
                 fastest = block.fastest(max_level)
