@@ -11,7 +11,7 @@ completed before the get was invoked are gathered; the one with the highest vers
   anything older is a **stale read** — excused only where the writer could not have removed
   the older copy: ``stale_orphan``, the older value's write was stored on a node the floor's
   write was not placed on, or ``stale_node_fault``, a fault touched a node holding it between
-  the floor's invocation and the get's end (the writer deletes or replaces the replaced write's
+  that older write and the get's end (the writer deletes or replaces the replaced write's
   blocks before it returns, but cannot when it cannot reach them; a reader whose cached index
   entry still names them reads them until the entry expires: a known limit, counted, see
   docs/operations.md);
@@ -88,10 +88,12 @@ class _Judge:
         """Why the writer of ``floor`` may not have reached an older copy of ``value``."""
         assert floor.receipt is not None
         reached = set(floor.receipt.nodes)
-        held = [w.receipt.nodes for w in self.history.writes_of(floor.key, value) if w.receipt]
-        if any(not set(nodes) <= reached for nodes in held):
+        held = [w for w in self.history.writes_of(floor.key, value) if w.receipt is not None]
+        if any(not set(w.receipt.nodes) <= reached for w in held if w.receipt):
             return "stale_orphan"
-        if any(self.faulted(nodes, floor.invoke_t, get.end_t) for nodes in held):
+        # The clean-up of the older copy (a DELETE, a replacing PUBLISH) may have been lost at any
+        # time after it was written.
+        if any(self.faulted(w.receipt.nodes, w.invoke_t, get.end_t) for w in held if w.receipt):
             return "stale_node_fault"
         return None
 
