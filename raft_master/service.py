@@ -548,7 +548,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         keys = check_keys(request.keys, allow_empty=True)
         await self._require_read_lease(context)
         await self._wait_for_revision(request.min_revision, context)
-        if self.replicas is not None and len(keys) > 1:
+        if self.replicas is not None and len(keys) > 1 and not request.internal:
             self.replicas.looked_up(keys)
 
         def read(ix: BlockIndex) -> tuple[Any, list[MemberRecord], int, int]:

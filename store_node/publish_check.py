@@ -108,7 +108,7 @@ class IndexVersions:
         try:
             response = await self._masters.call(
                 "Lookup",
-                master_pb2.LookupRequest(keys=keys),
+                master_pb2.LookupRequest(keys=keys, internal=True),
                 deadline=loop.time() + self._timeout_s,
                 leader_only=True,
             )

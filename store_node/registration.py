@@ -514,7 +514,7 @@ class NodeRegistration:
             try:
                 response = await self._masters.call(
                     "Lookup",
-                    master_pb2.LookupRequest(keys=keys),
+                    master_pb2.LookupRequest(keys=keys, internal=True),
                     deadline=loop.time() + self._cfg.request_timeout_s,
                 )
                 entries = dict(zip(keys, response.entries, strict=False))

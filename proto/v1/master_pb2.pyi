@@ -215,9 +215,14 @@ class LookupRequest(_message.Message):
 
     KEYS_FIELD_NUMBER: _builtins.int
     MIN_REVISION_FIELD_NUMBER: _builtins.int
+    INTERNAL_FIELD_NUMBER: _builtins.int
     min_revision: _builtins.int
     """Wait (briefly) until this master has applied at least this revision;
     answered UNAVAILABLE with code NOT_CAUGHT_UP otherwise.
+    """
+    internal: _builtins.bool
+    """A store node checking blocks it holds (PUBLISH versions, staged blocks): not a read by
+    an engine, so not counted toward hot prefixes.
     """
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -226,10 +231,11 @@ class LookupRequest(_message.Message):
         *,
         keys: _abc.Iterable[_builtins.str] | None = ...,
         min_revision: _builtins.int = ...,
+        internal: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "min_revision", b"min_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["internal", b"internal", "keys", b"keys", "min_revision", b"min_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

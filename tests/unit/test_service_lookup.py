@@ -1,0 +1,70 @@
+"""MasterService.Lookup on a fake replicator: the leader under its lease answers; a store
+node's own checks (``internal``) are not counted as an engine's prefix chain."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvpool.config import MasterConfig
+from kvpool.errors import NotLeaderError
+from kvpool.proto.v1 import master_pb2
+from kvpool.raft_master.failure import FailureDetector
+from kvpool.raft_master.index import BlockIndex
+from kvpool.raft_master.service import MasterService
+
+
+class Replicator:
+    def __init__(self, leading: bool) -> None:
+        self.index = BlockIndex()
+        self.leading = leading
+
+    def read(self, fn: Callable[[BlockIndex], Any]) -> Any:
+        return fn(self.index)
+
+    def lease_held(self) -> bool:
+        return self.leading
+
+    def is_leader(self) -> bool:
+        return self.leading
+
+    def leader_raft_address(self) -> str | None:
+        return None
+
+
+class Hooks:
+    def __init__(self) -> None:
+        self.chains: list[list[str]] = []
+
+    def reads_reported(self, counts: list[tuple[str, int]]) -> None:
+        pass
+
+    def looked_up(self, keys: list[str]) -> None:
+        self.chains.append(keys)
+
+
+def service(leading: bool = True) -> tuple[MasterService, Hooks]:
+    cfg = MasterConfig(raft_secret="s", in_memory=True)
+    svc = MasterService(cfg, Replicator(leading), FailureDetector(5.0), grpc_address="m:1")  # type: ignore[arg-type]
+    hooks = Hooks()
+    svc.replicas = hooks
+    return svc, hooks
+
+
+def test_an_engine_chain_is_linked_and_a_nodes_check_is_not() -> None:
+    svc, hooks = service()
+    request = master_pb2.LookupRequest(keys=["p/0", "p/1"])
+    answer = asyncio.run(svc.Lookup(request, None))
+    assert [e.found for e in answer.entries] == [False, False]
+    internal = master_pb2.LookupRequest(keys=["n/0", "n/1"], internal=True)
+    asyncio.run(svc.Lookup(internal, None))
+    assert hooks.chains == [["p/0", "p/1"]]
+
+
+def test_a_follower_refuses_lookups() -> None:
+    svc, _ = service(leading=False)
+    with pytest.raises(NotLeaderError):
+        asyncio.run(svc.Lookup(master_pb2.LookupRequest(keys=["k"]), None))
