@@ -9,7 +9,7 @@ The model is a small Llama built from a ``config.json`` (:func:`write_model_conf
 vLLM's dummy weights (deterministic, no download) and token-id prompts (no tokenizer): what it
 computes is real vLLM work on this CPU, whatever the weights. Greedy decoding.
 
-Each line of stdout that starts with ``{`` is an answer; vLLM's own logs go to stderr.
+Answers are the lines of stdout; anything else the process prints goes to stderr.
 """
 
 from __future__ import annotations
@@ -158,13 +158,19 @@ class EngineProcess:
         self.stop()
 
 
+_ANSWERS: Any = None
+
+
 def _answer(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    _ANSWERS.write(json.dumps(obj) + "\n")
+    _ANSWERS.flush()
 
 
 def _engine(options: dict[str, Any]) -> Any:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.get("kv_cache_gib", 1)))
+    # OpenMP threads that spin after each parallel region (the default) starve everything else
+    # on a small machine, idle engines included: every engine here waits passively.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
@@ -172,7 +178,7 @@ def _engine(options: dict[str, Any]) -> Any:
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "enforce_eager": True,
-        "dtype": "bfloat16",
+        "dtype": options.get("dtype", "bfloat16"),
         "max_model_len": int(options.get("max_model_len", 4096)),
         "seed": 0,
         "enable_prefix_caching": bool(options.get("prefix_caching", True)),
@@ -215,7 +221,11 @@ def _generate(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    global _ANSWERS
     options = json.loads(argv[1])
+    # Answers keep the real stdout; everything else printed (vLLM logs to stdout) goes to stderr.
+    _ANSWERS = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     started = time.perf_counter()
     llm = _engine(options)
     _answer({"ok": True, "ready": True, "startup_s": time.perf_counter() - started})
