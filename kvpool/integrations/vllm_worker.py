@@ -365,8 +365,12 @@ class Transfers:
             return
         layout, pages = self.layout, self.pages
         items: list[tuple[str, Any]] = []
+        seen: set[bytes] = set()  # requests of one step sharing a prefix share its blocks
         for t in transfers:
             for block_id, h in zip(t.block_ids, t.hashes[self.rank], strict=True):
+                if h in seen:
+                    continue
+                seen.add(h)
                 for layer, key in enumerate(layout.block_keys(self.rank, h)):
                     items.append((key, pages.send_buffer(layer, block_id)))
         owners = [t.req_id for t in transfers]
