@@ -117,7 +117,7 @@ class Engine:
 
 def raw(obj: Any) -> memoryview:
     """A memory object's bytes as a plain byte view (LMCache's is of format '<B')."""
-    view = obj.byte_array
+    view: memoryview = memoryview(obj.byte_array)
     return view.cast("B") if view.format != "B" else view
 
 
