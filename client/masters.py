@@ -5,8 +5,9 @@ Used by the client SDK and by store nodes. :class:`MasterClient` calls from an e
 synchronous client's fast path, which has no loop to hop to). Both keep their leader knowledge
 in one :class:`MasterRouting`, which a client shares between them. Writes go to the leader: a
 follower answers NOT_LEADER with the leader's address, which becomes the preferred master.
-Reads may go to any master (a stale answer can only cause a miss). Every retry stays inside the
-caller's deadline (``loop.time()`` based); one attempt never takes more than
+Lookups and prefix matches go to the leader too (:data:`LEADER_READS`): masters answer them
+there only, under a read lease, so that every acknowledged write is found. Every retry stays
+inside the caller's deadline (``loop.time()`` based); one attempt never takes more than
 ``attempt_timeout_s`` so a paused master cannot eat the whole budget.
 """
 
@@ -41,6 +42,9 @@ from kvpool.transports.auth import authenticate_blocking
 from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
 from kvpool.transports.calls import Call
 from kvpool.transports.tcp import ConnectionPool, FrameConnection, open_tcp_address
+
+LEADER_READS = frozenset({"Lookup", "PrefixMatch"})
+"""Reads the masters answer on the leader only: a success there names the leader."""
 
 
 class Backoff:
@@ -254,7 +258,7 @@ class MasterClient:
                         raise
                     last = e
                     continue
-                routing.succeeded(address, leader_only)
+                routing.succeeded(address, leader_only or method in LEADER_READS)
                 return response
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -427,7 +431,7 @@ class SyncMasterClient:
                         raise
                     last = e
                     continue
-                routing.succeeded(address, leader_only)
+                routing.succeeded(address, leader_only or method in LEADER_READS)
                 return response
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -167,6 +167,12 @@ class MasterConfig(ServerSecurityConfig, LogConfig):
     raft_leader_fallback_s: float = opt(
         2.0, "an isolated leader steps down after this long without a quorum", "duration"
     )
+    raft_read_lease: bool = opt(
+        True,
+        "lookups answered by the leader only while it holds a lease (pre-vote on): every "
+        "acknowledged write is seen by every later lookup; off = any master answers from its "
+        "own copy, possibly stale (only while upgrading from a release without leases)",
+    )
     raft_connection_timeout_s: float = opt(2.0, "Raft peer connection timeout", "duration")
     raft_connection_retry_s: float = opt(1.0, "Raft redial period for lost peers", "duration")
     raft_compaction_min_entries: int = opt(20000, "compact the Raft log after this many entries")

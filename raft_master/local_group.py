@@ -177,6 +177,18 @@ class LocalMasterGroup:
             m.popen.kill()
             m.popen.wait(10)
 
+    def pause(self, i: int) -> None:
+        """SIGSTOP master ``i`` (a stalled process: it keeps its sockets, answers nothing)."""
+        m = self.masters[i]
+        if m.popen is not None and m.popen.poll() is None:
+            m.popen.send_signal(signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        """SIGCONT master ``i``."""
+        m = self.masters[i]
+        if m.popen is not None and m.popen.poll() is None:
+            m.popen.send_signal(signal.SIGCONT)
+
     def close(self) -> None:
         for m in self.masters:
             if m.popen is not None and m.popen.poll() is None:

@@ -39,6 +39,7 @@ from kvpool.errors import ConfigError, InternalError, UnavailableError
 from kvpool.logs import get_logger
 from kvpool.raft_master.commands import Command, ErrorResult, Result, encode
 from kvpool.raft_master.index import BlockIndex, IndexSnapshot
+from kvpool.raft_master.lease import LeasedSyncObj, LeaseTimes, missing_internals
 
 T = TypeVar("T")
 
@@ -242,6 +243,15 @@ def status_from_pysyncobj(raw: Mapping[str, Any], ready: bool, now: float) -> Ra
     )
 
 
+def _check_lease_internals(syncobj: SyncObj | None) -> None:
+    missing = missing_internals(syncobj)
+    if missing:
+        raise StartupError(
+            "raft_read_lease: the installed pysyncobj lacks what leases build on "
+            f"({', '.join(missing)}); install the version pyproject.toml names"
+        )
+
+
 # --- the adapter ----------------------------------------------------------------------------------
 
 
@@ -288,7 +298,22 @@ class Replicator:
             tick_period_s=self._tick_period_s,
         )
         peers = [p for p in self.cfg.raft_peers if p != self.cfg.raft_listen]
-        syncobj = SyncObj(self.cfg.raft_listen, peers, conf=conf, consumers=[self.consumer])
+        syncobj: SyncObj
+        if self.cfg.raft_read_lease:
+            _check_lease_internals(None)
+            times = LeaseTimes.for_election_timeout(
+                self.cfg.raft_min_timeout_s, self.cfg.raft_append_period_s
+            )
+            syncobj = LeasedSyncObj(
+                self.cfg.raft_listen, peers, times=times, conf=conf, consumers=[self.consumer]
+            )
+            try:
+                _check_lease_internals(syncobj)
+            except StartupError:
+                syncobj.destroy()
+                raise
+        else:
+            syncobj = SyncObj(self.cfg.raft_listen, peers, conf=conf, consumers=[self.consumer])
         self._syncobj = syncobj
         try:
             syncobj.waitBinded()
@@ -408,6 +433,12 @@ class Replicator:
     def is_leader(self) -> bool:
         syncobj = self._syncobj
         return bool(syncobj is not None and syncobj._isLeader())
+
+    def lease_held(self) -> bool:
+        """Leader, holding a read lease: no other master can have acknowledged a write this
+        one has not applied (:mod:`kvpool.raft_master.lease`). Always False with leases off."""
+        syncobj = self._syncobj
+        return isinstance(syncobj, LeasedSyncObj) and syncobj.lease_held()
 
     def leader_raft_address(self) -> str | None:
         syncobj = self._syncobj

@@ -2,8 +2,10 @@
 
 Writes (CommitPuts, Remove, RegisterNode, Heartbeat, ReportEvictions, LeaveNode) are served by the
 leader only; elsewhere they raise :class:`NotLeaderError` carrying the leader's gRPC address from
-the replicated masters table. Reads (Lookup, PrefixMatch, GetMembers, ClusterStatus) are answered
-from the local index on any master; a stale answer can only cause a miss.
+the replicated masters table. Lookup and PrefixMatch are answered by the leader only, while it
+holds its read lease (``raft_read_lease``; :mod:`kvpool.raft_master.lease`), so that every
+write acknowledged to any client is found; GetMembers and ClusterStatus are answered from the
+local copy on any master (a stale ring is refused at commit time).
 
 Group commit: CommitPuts requests that arrive while a Raft entry is in flight are merged into the
 next entry (a ``Batch`` whose sub-commands keep their own request ids and results), up to
@@ -474,6 +476,36 @@ class MasterService(master_pb2_grpc.MasterServicer):
 
     # --- reads ------------------------------------------------------------------------------------
 
+    async def _require_read_lease(self, context: Any) -> None:
+        """Lookups are answered by the leader only, while it holds its read lease, which
+        includes having applied every entry of earlier terms (:mod:`kvpool.raft_master.lease`):
+        then every write acknowledged to any client is in the local index. A follower names the
+        leader;
+        a leader without its lease waits briefly for it (a renewal is due every heartbeat),
+        then answers UNAVAILABLE, which callers retry."""
+        if not self.cfg.raft_read_lease:
+            return
+        if self.replicator.lease_held():
+            return
+        if not self.replicator.is_leader():
+            raise self._not_leader()
+        loop = asyncio.get_running_loop()
+        wait_s = self.cfg.raft_min_timeout_s
+        remaining = context.time_remaining() if context is not None else None
+        if remaining is not None:
+            wait_s = min(wait_s, max(0.0, remaining - 0.05))
+        deadline = loop.time() + wait_s
+        while loop.time() < deadline:
+            await asyncio.sleep(min(0.005, max(0.0, deadline - loop.time())))
+            if not self.replicator.is_leader():
+                raise self._not_leader()
+            if self.replicator.lease_held():
+                return
+        raise UnavailableError(
+            f"master {self.grpc_address} leads but holds no read lease yet (a majority of the "
+            "masters has not confirmed it lately); retry"
+        )
+
     async def _wait_for_revision(self, min_revision: int, context: Any) -> None:
         if min_revision <= self.replicator.read(lambda ix: ix.revision):
             return
@@ -500,6 +532,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.LookupResponse:
         keys = check_keys(request.keys, allow_empty=True)
+        await self._require_read_lease(context)
         await self._wait_for_revision(request.min_revision, context)
         if self.replicas is not None and len(keys) > 1:
             self.replicas.looked_up(keys)
@@ -535,6 +568,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.PrefixMatchRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.PrefixMatchResponse:
         keys = check_keys(request.keys, allow_empty=True)
+        await self._require_read_lease(context)
         await self._wait_for_revision(request.min_revision, context)
         matched, revision = self.replicator.read(lambda ix: (ix.prefix_match(keys), ix.revision))
         return master_pb2.PrefixMatchResponse(matched=matched, revision=revision)

@@ -68,17 +68,19 @@ def test_every_master_offers_its_rpc_port_and_answers_as_over_grpc(cluster: Loca
         assert offered
         lookup = master_pb2.LookupRequest(keys=["rpc/k", "rpc/absent"])
         call = rpc(offered, "Lookup", lookup.SerializeToString())
-        assert call.status == Status.OK
-        answer = master_pb2.LookupResponse.FromString(bytes(call.data or b""))
-        assert [e.found for e in answer.entries] == [True, False]
-        assert answer.entries[0].size_bytes == 1000
-        if address != leader:  # a write on a follower: the typed error, naming the leader
-            commit = master_pb2.CommitPutsRequest(
-                request_id=os.urandom(16),
-                ring_version=1,
-                entries=[master_pb2.PutEntry(key="x", write_id=1, size_bytes=1, replicas=[1])],
-            )
-            refused = rpc(offered, "CommitPuts", commit.SerializeToString())
+        if address == leader:
+            assert call.status == Status.OK
+            answer = master_pb2.LookupResponse.FromString(bytes(call.data or b""))
+            assert [e.found for e in answer.entries] == [True, False]
+            assert answer.entries[0].size_bytes == 1000
+            continue
+        # a lookup or a write on a follower: the typed error, naming the leader
+        commit = master_pb2.CommitPutsRequest(
+            request_id=os.urandom(16),
+            ring_version=1,
+            entries=[master_pb2.PutEntry(key="x", write_id=1, size_bytes=1, replicas=[1])],
+        )
+        for refused in (call, rpc(offered, "CommitPuts", commit.SerializeToString())):
             assert refused.status == Status.RPC_ERROR
             assert b"NOT_LEADER" in bytes(refused.data or b"")
             assert leader.encode() in bytes(refused.data or b"")

@@ -114,7 +114,11 @@ def test_demo_chat_quick_end_to_end(tmp_path: Any) -> None:
     sections = {r["section"] for r in report["requests"]}
     assert sections == {"shared", "multi_turn", "slow_tier", "killed"}
     killed = [r for r in report["requests"] if r["section"] == "killed"][1:]
-    assert all(r["loaded_blocks"] == 0 and r["failure"] for r in killed), text
+    # Each is a recompute: a read that failed, or (once the dead nodes were declared down, a
+    # matter of seconds on a loaded machine) an honest miss in the index.
+    assert all(r["loaded_blocks"] == 0 for r in killed), text
+    assert all(r["failure"] or r["matched_blocks"] == 0 for r in killed), text
+    assert killed[0]["failure"], text  # the first one found the blocks and could not read them
     slow = next(r for r in report["requests"] if r["label"] == "SSD declared slow")
     assert slow["skipped_slow_tier"] > 0, text  # blocks on the SSD tier, skipped, recomputed
     assert "skip ssd" in slow["plan"]

@@ -159,10 +159,18 @@ def test_commit_then_lookup_on_every_master(group: LocalMasterGroup) -> None:
             committed = await commit(client, keys, node)
             expected = {k: r.version for k, r in zip(keys, committed.results, strict=True)}
             assert len(set(expected.values())) == len(keys)
-            for address in group.grpc_addresses:  # read-your-writes on any master
-                assert await versions_on(address, keys, committed.revision) == expected
+            leader = group.grpc_addresses[await group.wait_leader()]
+            for address in group.grpc_addresses:  # the leader answers; followers name it
+                if address == leader:
+                    assert await versions_on(address, keys, committed.revision) == expected
+                    continue
+                with pytest.raises(NotLeaderError) as refused:
+                    await versions_on(address, keys, committed.revision)
+                assert refused.value.leader == leader
+                with pytest.raises(NotLeaderError):
+                    await direct(address, "PrefixMatch", master_pb2.PrefixMatchRequest(keys=keys))
             lookup = await direct(
-                group.grpc_addresses[0],
+                leader,
                 "Lookup",
                 master_pb2.LookupRequest(
                     keys=[keys[0], "rt/absent"], min_revision=committed.revision
@@ -199,7 +207,7 @@ def test_commit_then_lookup_on_every_master(group: LocalMasterGroup) -> None:
                 ),
             )
             assert evicted.dropped == 1
-            gone = await versions_on(group.grpc_addresses[1], keys[:3], evicted.revision)
+            gone = await versions_on(leader, keys[:3], evicted.revision)
             assert set(gone) == {keys[2]}
         finally:
             await client.close()
@@ -311,7 +319,7 @@ def test_a_lagging_reader_waits_then_answers_not_caught_up(group: LocalMasterGro
         started = time.monotonic()
         with pytest.raises(NotCaughtUpError, match="asked for"):
             await direct(
-                group.grpc_addresses[(leader + 1) % 3],
+                group.grpc_addresses[leader],
                 "Lookup",
                 master_pb2.LookupRequest(keys=["k"], min_revision=status.master.revision + 10**6),
                 timeout_s=3.0,
@@ -381,11 +389,10 @@ def test_a_silent_node_is_declared_down_and_its_replicas_purged(tmp_path: Path) 
                     assert time.monotonic() - started < 10, g.logs()
                     await asyncio.sleep(0.1)
                 declared_s = time.monotonic() - started
-                left = await versions_on(g.grpc_addresses[0], keys)
+                leader = g.grpc_addresses[await g.wait_leader()]
+                left = await versions_on(leader, keys)
                 assert set(left) <= set(keys[:10])  # no lookup names the dead member alone
-                lookup = await direct(
-                    g.grpc_addresses[1], "Lookup", master_pb2.LookupRequest(keys=keys[:10])
-                )
+                lookup = await direct(leader, "Lookup", master_pb2.LookupRequest(keys=keys[:10]))
                 for e in lookup.entries:
                     assert list(e.replicas) in ([alive.member_id], [])
                 while True:  # purge: the dead member's replicas leave the index
@@ -487,7 +494,9 @@ def test_a_fully_restarted_group_keeps_every_committed_entry(tmp_path: Path) -> 
 
 
 def test_a_restarted_follower_catches_up_within_seconds(tmp_path: Path) -> None:
-    with new_group(tmp_path, in_memory=False, raft_compaction_min_entries=20) as g:
+    # Without read leases a follower answers lookups from its own copy: read what it holds.
+    settings = {"raft_compaction_min_entries": 20, "raft_read_lease": False}
+    with new_group(tmp_path, in_memory=False, **settings) as g:
         g.start()
 
         async def run() -> None:

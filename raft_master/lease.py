@@ -1,0 +1,392 @@
+"""Leader leases and pre-vote on PySyncObj: reads that see every acknowledged write.
+
+PySyncObj answers reads from local state only (PYSYNCOBJ.md trap 2): a follower may not have
+applied a commit yet, and a deposed leader (paused, or cut off) keeps believing it leads. A
+lookup answered there misses a block that a put has already acknowledged to another client. So
+lookups are answered by the leader only, and only while it holds a **lease**: proof that no
+other master can have become leader (and so acknowledged a write this one has not applied).
+
+The protocol, as extra message types on PySyncObj's own authenticated transport:
+
+``kvpool_lease`` (leader → each follower, every ``renew_s``; ``term``, ``seq``)
+    The leader keeps the time it sent each ``seq``.
+``kvpool_lease_ack`` (follower → leader)
+    Sent only by a follower that is in the same term and counts the sender as its leader.
+    Before answering, the follower **promises** not to grant a vote or a pre-vote to anyone for
+    ``promise_s`` from the moment it received the lease.
+``kvpool_prevote`` / ``kvpool_prevote_ack`` (a would-be candidate → the others)
+    A follower whose election timer expires first asks "would you vote for me at term+1?"
+    without changing any term. A master grants it only if it is not the leader, holds no
+    promise (it has not heard from a leader for ``promise_s``) and the asker's log is at least
+    as up to date as its own. Only with a majority of grants does the real election start.
+
+The lease: the leader holds it while a majority of the group (the leader included) acknowledged
+leases sent at or after ``now - lease_s``. Why that is enough: a new leader needs votes from a
+majority; any two majorities share a master ``V``; ``V`` acknowledged a lease sent at ``s`` and
+promised, from its receipt at ``r >= s``, not to vote until ``r + promise_s``; the leader's lease
+from that acknowledgement ended at ``s + lease_s < r + promise_s``. So no other leader exists —
+and no write can be acknowledged elsewhere — while the lease is held. If the leader itself
+votes for another master, PySyncObj makes it a follower first, and it stops answering. Times
+are taken from ``CLOCK_BOOTTIME`` where the platform has it, which keeps running while a process
+is paused or a machine suspended: a leader woken from a pause finds its lease expired.
+``lease_s`` is ``LEASE_FRACTION`` of ``promise_s``, a margin for clock-rate differences between
+hosts and the scheduling of the two processes.
+
+Pre-vote also stops a master that was cut off (or paused) from forcing an election when it
+returns: without it, its higher term deposes a working leader (PySyncObj has no pre-vote).
+
+Not supported with leases: PySyncObj's leadership transfer (``transferLeadership``). Followers
+holding a promise ignore the transfer target's vote request, so a transfer times out harmlessly
+and the old leader keeps leading. kvpool never calls it.
+
+The classes :class:`LeaderLease`, :class:`VotePromise` and :class:`PreVoteRound` are pure (time
+is passed in); :class:`LeasedSyncObj` wires them into PySyncObj's tick and message handler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pysyncobj import SyncObj
+
+LEASE_FRACTION = 0.75
+LEASE = "kvpool_lease"
+LEASE_ACK = "kvpool_lease_ack"
+PREVOTE = "kvpool_prevote"
+PREVOTE_ACK = "kvpool_prevote_ack"
+_KEEP_SENT = 64  # lease sends remembered per term: acknowledgements of older ones are ignored
+
+# PySyncObj's raft states (pysyncobj.syncobj._RAFT_STATE)
+FOLLOWER, CANDIDATE, LEADER = 0, 1, 2
+
+
+def lease_clock() -> Callable[[], float]:
+    """A clock that keeps counting while the process is stopped or the machine suspended."""
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    if boottime is None:  # not Linux: the monotonic clock (counts while stopped, not suspended)
+        return time.monotonic
+    return lambda: time.clock_gettime(boottime)
+
+
+@dataclass(frozen=True)
+class LeaseTimes:
+    """``promise_s``: how long a follower refuses votes after hearing from its leader;
+    ``lease_s``: how long the leader counts on an acknowledged lease; ``renew_s``: how often
+    it sends one."""
+
+    promise_s: float
+    lease_s: float
+    renew_s: float
+
+    @classmethod
+    def for_election_timeout(cls, min_timeout_s: float, append_period_s: float) -> LeaseTimes:
+        """Promises end just before the earliest election timer can fire, so pre-vote does not
+        delay an election after a real leader failure."""
+        promise_s = 0.9 * min_timeout_s
+        return cls(promise_s, LEASE_FRACTION * promise_s, append_period_s)
+
+
+def quorum(group_size: int) -> int:
+    return group_size // 2 + 1
+
+
+class LeaderLease:
+    """The leader's side: which lease sends each follower acknowledged; until when the lease
+    holds. Reset on every change of term or role."""
+
+    def __init__(self, group_size: int, lease_s: float) -> None:
+        self.group_size = group_size
+        self.lease_s = lease_s
+        self.term = -1
+        self._sent: dict[int, float] = {}
+        self._acked: dict[str, float] = {}  # follower -> latest acknowledged send time
+        self.seq = 0
+        self.until = float("-inf")
+
+    def reset(self, term: int) -> None:
+        self.term = term
+        self._sent.clear()
+        self._acked.clear()
+        self.until = float("-inf") if self.group_size > 1 else float("inf")
+
+    def sent(self, seq: int, now: float) -> None:
+        self._sent[seq] = now
+        if len(self._sent) > _KEEP_SENT:
+            del self._sent[min(self._sent)]
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def acked(self, follower: str, term: int, seq: int) -> None:
+        if term != self.term:
+            return
+        sent_at = self._sent.get(seq)
+        if sent_at is None or sent_at <= self._acked.get(follower, float("-inf")):
+            return
+        self._acked[follower] = sent_at
+        needed = quorum(self.group_size) - 1  # the leader counts itself
+        if needed <= 0 or len(self._acked) < needed:
+            return
+        nth = sorted(self._acked.values(), reverse=True)[needed - 1]
+        self.until = max(self.until, nth + self.lease_s)
+
+    def held(self, now: float) -> bool:
+        return now < self.until
+
+
+class VotePromise:
+    """A follower's side: no vote and no pre-vote for anyone until ``until``."""
+
+    def __init__(self, promise_s: float) -> None:
+        self.promise_s = promise_s
+        self.until = float("-inf")
+
+    def heard_from_leader(self, now: float) -> None:
+        self.until = max(self.until, now + self.promise_s)
+
+    def binding(self, now: float) -> bool:
+        return now < self.until
+
+
+def log_at_least_as_new(
+    their_last_term: int, their_last_index: int, my_last_term: int, my_last_index: int
+) -> bool:
+    """Raft's election restriction: the candidate's log is at least as up to date as ours."""
+    if their_last_term != my_last_term:
+        return their_last_term > my_last_term
+    return their_last_index >= my_last_index
+
+
+def grant_pre_vote(
+    *,
+    state: int,
+    promise_binding: bool,
+    my_term: int,
+    their_term: int,
+    their_last_term: int,
+    their_last_index: int,
+    my_last_term: int,
+    my_last_index: int,
+) -> bool:
+    """Would this master vote for the asker at ``their_term``? Nothing changes either way."""
+    if state == LEADER or promise_binding or their_term <= my_term:
+        return False
+    return log_at_least_as_new(their_last_term, their_last_index, my_last_term, my_last_index)
+
+
+class PreVoteRound:
+    """One would-be candidate's round of pre-votes for ``term``."""
+
+    def __init__(self, term: int, group_size: int) -> None:
+        self.term = term
+        self.needed = quorum(group_size)
+        self.granted: set[str] = set()
+
+    def grant(self, voter: str, term: int) -> bool:
+        """Count a grant; True once a majority (this master included) said yes."""
+        if term == self.term:
+            self.granted.add(voter)
+        return len(self.granted) + 1 >= self.needed
+
+
+class LeasedSyncObj(SyncObj):  # type: ignore[misc]
+    """PySyncObj's SyncObj with leader leases and pre-vote (see the module docstring).
+
+    It overrides two of SyncObj's methods, ``_onTick`` and its message handler (name-mangled
+    ``_SyncObj__onMessageReceived``), and reads a few private attributes; :func:`check_internals`
+    verifies at start that the installed PySyncObj has them."""
+
+    _SyncObj__raftElectionDeadline: float  # PySyncObj's, written by the pre-vote too
+
+    def __init__(
+        self,
+        self_node: str,
+        other_nodes: Iterable[str],
+        *,
+        times: LeaseTimes,
+        clock: Callable[[], float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        others = list(other_nodes)
+        # PySyncObj starts its tick thread inside __init__: everything it uses is set first.
+        self.lease_times = times
+        self._lease_clock = clock or lease_clock()
+        self.lease = LeaderLease(len(others) + 1, times.lease_s)
+        self.promise = VotePromise(times.promise_s)
+        self._prevote: PreVoteRound | None = None
+        self._prevote_won = -1  # the term a pre-vote round was won for
+        self._next_renew = 0.0
+        self._lease_state = (-1, -1)  # (role, term) the lease was reset for
+        self.prevotes_started = 0
+        self.votes_refused = 0
+        super().__init__(self_node, others, **kwargs)
+
+    # read by other threads
+
+    def lease_held(self) -> bool:
+        """Leader now, every entry of earlier terms applied here (PySyncObj's no-op entry of
+        this term is applied), and a majority acknowledged a recent lease in this term."""
+        noop = self._SyncObj__noopIDx
+        return bool(
+            self._SyncObj__raftState == LEADER
+            and self.lease.term == self._SyncObj__raftCurrentTerm
+            and noop is not None
+            and self._SyncObj__raftLastApplied >= noop
+            and self.lease.held(self._lease_clock())
+        )
+
+    # the tick (the Raft thread)
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802, N803 - PySyncObj's names
+        self._before_tick()
+        super()._onTick(timeToWait)
+        self._after_tick()
+
+    def _before_tick(self) -> None:
+        """Turn an expired election timer into a pre-vote round, unless one was just won.
+
+        A master bound by its own promise waits for it to end first: it would vote for itself,
+        and its vote is one of those the leader's lease counts on."""
+        if self._SyncObj__raftState == LEADER or self._SyncObj__selfNode is None:
+            return
+        others = self._SyncObj__otherNodes
+        if not others or self._SyncObj__transferInProgress:
+            return
+        if self._SyncObj__raftElectionDeadline >= time.monotonic():
+            return
+        if not self._SyncObj__connectedToAnyone():
+            return
+        left_s = self.promise.until - self._lease_clock()
+        if left_s > 0:  # this master promised a leader its vote: not even its own, yet
+            self._SyncObj__raftElectionDeadline = time.monotonic() + left_s
+            return
+        term = self._SyncObj__raftCurrentTerm
+        if self._prevote_won == term + 1:
+            self._prevote_won = -1
+            return  # let PySyncObj start the real election in this tick
+        self._SyncObj__raftElectionDeadline = (
+            time.monotonic() + self._SyncObj__generateRaftTimeout()
+        )
+        self._prevote = PreVoteRound(term + 1, len(others) + 1)
+        self.prevotes_started += 1
+        message = {
+            "type": PREVOTE,
+            "term": term + 1,
+            "last_log_index": self._SyncObj__getCurrentLogIndex(),
+            "last_log_term": self._SyncObj__getCurrentLogTerm(),
+        }
+        for node in others:
+            self._SyncObj__transport.send(node, message)
+
+    def _after_tick(self) -> None:
+        state, term = self._SyncObj__raftState, self._SyncObj__raftCurrentTerm
+        if (state, term) != self._lease_state:
+            self._lease_state = (state, term)
+            self.lease.reset(term)
+        if state != LEADER:
+            return
+        now = self._lease_clock()
+        if now < self._next_renew:
+            return
+        self._next_renew = now + self.lease_times.renew_s
+        seq = self.lease.next_seq()
+        self.lease.sent(seq, now)
+        message = {"type": LEASE, "term": term, "seq": seq}
+        for node in self._SyncObj__otherNodes:
+            self._SyncObj__transport.send(node, message)
+
+    # messages (the Raft thread)
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
+        kind = message.get("type") if isinstance(message, dict) else None
+        if kind == LEASE:
+            self._on_lease(node, message)
+        elif kind == LEASE_ACK:
+            if self._SyncObj__raftState == LEADER:
+                self.lease.acked(str(node.id), int(message["term"]), int(message["seq"]))
+        elif kind == PREVOTE:
+            self._on_prevote(node, message)
+        elif kind == PREVOTE_ACK:
+            self._on_prevote_ack(node, message)
+        elif kind == "request_vote" and self.promise.binding(self._lease_clock()):
+            self.votes_refused += 1  # promised: no term change, no vote
+        else:
+            super()._SyncObj__onMessageReceived(node, message)
+            if kind == "append_entries" and self._heard_from_leader(node, message):
+                self.promise.heard_from_leader(self._lease_clock())
+
+    def _heard_from_leader(self, node: Any, message: dict[str, Any]) -> bool:
+        return bool(
+            self._SyncObj__raftState == FOLLOWER
+            and self._SyncObj__raftLeader == node
+            and message.get("term") == self._SyncObj__raftCurrentTerm
+        )
+
+    def _on_lease(self, node: Any, message: dict[str, Any]) -> None:
+        if not self._heard_from_leader(node, message):
+            return
+        self.promise.heard_from_leader(self._lease_clock())
+        self._SyncObj__transport.send(
+            node, {"type": LEASE_ACK, "term": message["term"], "seq": message["seq"]}
+        )
+
+    def _on_prevote(self, node: Any, message: dict[str, Any]) -> None:
+        granted = grant_pre_vote(
+            state=self._SyncObj__raftState,
+            promise_binding=self.promise.binding(self._lease_clock()),
+            my_term=self._SyncObj__raftCurrentTerm,
+            their_term=int(message["term"]),
+            their_last_term=int(message["last_log_term"]),
+            their_last_index=int(message["last_log_index"]),
+            my_last_term=self._SyncObj__getCurrentLogTerm(),
+            my_last_index=self._SyncObj__getCurrentLogIndex(),
+        )
+        if granted:
+            self._SyncObj__transport.send(node, {"type": PREVOTE_ACK, "term": message["term"]})
+
+    def _on_prevote_ack(self, node: Any, message: dict[str, Any]) -> None:
+        round_ = self._prevote
+        if round_ is None or self._SyncObj__raftState == LEADER:
+            return
+        if round_.term != self._SyncObj__raftCurrentTerm + 1:
+            self._prevote = None  # the term moved on meanwhile
+            return
+        if round_.grant(str(node.id), int(message["term"])):
+            self._prevote = None
+            self._prevote_won = round_.term
+            self._SyncObj__raftElectionDeadline = 0  # the next tick starts the election
+
+
+_INTERNALS = (
+    "_SyncObj__raftState",
+    "_SyncObj__raftCurrentTerm",
+    "_SyncObj__raftElectionDeadline",
+    "_SyncObj__raftLeader",
+    "_SyncObj__otherNodes",
+    "_SyncObj__selfNode",
+    "_SyncObj__transport",
+    "_SyncObj__transferInProgress",
+    "_SyncObj__noopIDx",
+    "_SyncObj__raftLastApplied",
+)
+_METHODS = (
+    "_onTick",
+    "_SyncObj__onMessageReceived",
+    "_SyncObj__connectedToAnyone",
+    "_SyncObj__generateRaftTimeout",
+    "_SyncObj__getCurrentLogIndex",
+    "_SyncObj__getCurrentLogTerm",
+)
+
+
+def missing_internals(syncobj: SyncObj | None = None) -> list[str]:
+    """What :class:`LeasedSyncObj` relies on that the installed PySyncObj lacks: its methods
+    (checked on the class) and, given a constructed ``syncobj``, its private attributes."""
+    missing = [name for name in _METHODS if not callable(getattr(SyncObj, name, None))]
+    if syncobj is not None:
+        missing += [name for name in _INTERNALS if not hasattr(syncobj, name)]
+    return missing
