@@ -13,7 +13,8 @@ A local cluster (3 masters, 2 nodes) and three vLLM engine processes on this CPU
 Sections: a long shared system prompt with different questions; multi-turn chats (each turn's
 prompt is the whole conversation so far); the other instance on both; the store nodes and then
 the masters killed mid-run. Every request runs on the kvpool engine and on the recompute engine
-(alternating which goes first) and their greedy tokens are compared. TTFT is vLLM's own
+(alternating which goes first, each after a pause of ``pause_s`` so that one engine's work does
+not slow the other's request) and their greedy tokens are compared. TTFT is vLLM's own
 ``first_token_latency`` (from the request's arrival to its first token: scheduling, the store's
 lookup and reads, prefill). Everything it starts is stopped at the end, also on failure.
 """
@@ -25,6 +26,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -53,6 +55,9 @@ class VllmDemoSettings:
     turn_tokens: int = 96
     new_tokens: int = 8
     timeout_s: float = 1.0
+    pause_s: float = 1.0
+    """Quiet before each request: an engine that just answered keeps this CPU busy for a moment
+    (measured: the next request on another engine ran 2-5x slower right after it)."""
     cpu_cache_size: str = "256MiB"
     seed: int = 7
     python: str = sys.executable
@@ -172,6 +177,7 @@ class VllmDemo:
         return [self.rng.randrange(3, self.s.spec.vocab_size) for _ in range(n)]
 
     def _one(self, name: str, prompt: list[int]) -> dict[str, Any]:
+        time.sleep(self.s.pause_s)
         answer = self.engines[name].generate([prompt], self.s.new_tokens)
         out: dict[str, Any] = answer["outputs"][0]
         return out
