@@ -54,14 +54,6 @@ class PagedLayout:
         """Objects one block is stored as, over all ranks."""
         return self.layers * self.tp_size
 
-    def layer_index(self, layer_name: str) -> int:
-        try:
-            return self.layer_names.index(layer_name)
-        except ValueError:
-            raise ConfigError(
-                f"vLLM layer {layer_name!r} is not one of {self.layer_names}"
-            ) from None
-
     def key(self, rank: int, block_hash: bytes, layer: int) -> str:
         """The key of one layer's page of one block, for tensor-parallel rank ``rank``."""
         return f"{key_for(self.namespaces[rank], block_hash)}/{layer}"

@@ -325,9 +325,9 @@ class Transfers:
     def wait_layer(self, layer_name: str) -> None:
         """Block until this step's pages of ``layer_name`` are in place (or failed)."""
         load = self._load
-        if load is None:
-            return
-        layer = self.layout.layer_index(layer_name)
+        if load is None or layer_name not in self.layout.layer_names:
+            return  # nothing loading, or a layer whose KV kvpool does not hold
+        layer = self.layout.layer_names.index(layer_name)
         load.waited[layer] = True
         event = load.done[layer]
         if not event.wait(self.timeout_s + OVERDUE_LOG_S):
