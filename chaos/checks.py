@@ -21,6 +21,7 @@ from kvpool.chaos import (
     check_fallback,
     check_lost,
     check_monotonic,
+    check_read_after_ack,
     check_replicas,
     check_wrong,
 )
@@ -33,6 +34,7 @@ CHECKERS: dict[str, Checker] = {
     check_lost.NAME: check_lost.check,
     check_fallback.NAME: check_fallback.check,
     check_monotonic.NAME: check_monotonic.check,
+    check_read_after_ack.NAME: check_read_after_ack.check,
     check_convergence.NAME: check_convergence.check,
     check_replicas.NAME: check_replicas.check,
 }

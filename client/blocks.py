@@ -345,11 +345,16 @@ class DataPlane:
                 plan.commit.error = e
             plan.judge_commit()
 
-    async def publish(self, refs: Iterable[BlockRef], deadline: float) -> None:
+    async def publish(
+        self, refs: Iterable[BlockRef], deadline: float, *, wait: bool = False
+    ) -> None:
         """PUBLISH committed blocks to their replicas, without waiting for the answers (a node
         serves a staged block to a read naming its write id, so a read need not wait for the
-        PUBLISH either); failures are ignored (the node asks the index about staged blocks it
-        holds too long)."""
+        PUBLISH either) unless ``wait``; failures are ignored (the node asks the index about
+        staged blocks it holds too long)."""
+        if wait:
+            await self._send_all(Op.PUBLISH, refs, deadline)
+            return
         loop = asyncio.get_running_loop()
         timeout_s = deadline - loop.time()
         if timeout_s <= 0:

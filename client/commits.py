@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import BlockRef, PutItem
 from kvpool.errors import DeadlineExceededError, InternalError, UnavailableError
 from kvpool.proto.v1 import common_pb2, master_pb2
@@ -128,6 +129,47 @@ def judge_commit(
         else:
             it.error = InternalError(f"put {it.key!r}: commit status {result.status}")
     return refs
+
+
+@dataclass(slots=True)
+class AfterCommit:
+    """What a put does once its commit is answered, before it returns: ``publish`` the new
+    blocks (posted, not waited for, unless ``wait_publish``) and ``delete`` the blocks of the
+    writes the commit replaced on members the new write is not on."""
+
+    publish: list[BlockRef] = field(default_factory=list)
+    delete: list[BlockRef] = field(default_factory=list)
+    wait_publish: bool = False
+
+    def extend(self, other: AfterCommit) -> None:
+        self.publish.extend(other.publish)
+        self.delete.extend(other.delete)
+        self.wait_publish = self.wait_publish or other.wait_publish
+
+
+def superseded(
+    staged: list[PutItem],
+    results: list[master_pb2.PutResult],
+    member: Callable[[int], MemberInfo | None],
+) -> tuple[list[BlockRef], bool]:
+    """The replaced writes' blocks to DELETE (on members outside the new replicas), and whether
+    a replaced write sits on a member the new one is published to — where the PUBLISH replaces
+    it, so the put waits for that PUBLISH. Either way, once the put returns no node serves the
+    replaced write to a reader holding a stale cached entry (unless the node was unreachable)."""
+    deletes: list[BlockRef] = []
+    wait = False
+    for it, result in zip(staged, results, strict=True):
+        if not (it.committed and result.superseded_write_id):
+            continue
+        kept = set(result.replicas)
+        for member_id in result.superseded_replicas:
+            if member_id in kept:
+                wait = True
+                continue
+            m = member(member_id)
+            if m is not None:
+                deletes.append(BlockRef(it.key_bytes, result.superseded_write_id, 0, m))
+    return deletes, wait
 
 
 class CommitBatcher:

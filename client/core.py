@@ -30,12 +30,14 @@ from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem, new_wri
 from kvpool.client.cache import LookupCache
 from kvpool.client.client_metrics import ClientMetrics
 from kvpool.client.commits import (
+    AfterCommit,
     AsyncCommitter,
     CommitAnswer,
     PutReceipt,
     committed_entry,
     judge_commit,
     put_entries,
+    superseded,
 )
 from kvpool.client.hedge import HedgePolicy
 from kvpool.client.links import Links
@@ -85,6 +87,9 @@ MAX_COMMIT_ENTRIES = 8192
 """Most entries in one CommitPuts (the masters' default commit_batch_max_entries); a larger
 batch_put commits in several calls, concurrently."""
 DELETE_WAIT_S = 0.25
+MASTER_ATTEMPT_S = 0.5
+"""The longest one call waits for one master before asking another: a paused leader costs a
+writer this long (a new leader is elected within ~0.3-0.7 s; a retried commit applies once)."""
 """Longest wait for best-effort DELETE frames after a remove."""
 
 SinkFactory = Callable[[int, str, int], tuple[memoryview | None, bool]]
@@ -145,7 +150,7 @@ class ClientCore:
         self.strict = strict
         self._log = logger if logger is not None else get_logger("kvpool.client")
         tracing.setup_client_tracing()
-        attempt_s = min(1.0, config.timeout_s)
+        attempt_s = min(MASTER_ATTEMPT_S, config.timeout_s)
         self.attempt_timeout_s = attempt_s
         self.security = config.security()
         self.routing = masters.routing if masters is not None else MasterRouting(config.masters)
@@ -752,7 +757,7 @@ class ClientCore:
             failures = [o for o in outcomes if isinstance(o, BaseException)]
             if len(failures) == len(outcomes):
                 raise failures[0]  # the whole call failed (no leader, deadline, …)
-            refs: list[BlockRef] = []
+            after = AfterCommit()
             stale = False
             for chunk, outcome in zip(chunks, outcomes, strict=True):
                 if isinstance(outcome, KVPoolError):
@@ -763,8 +768,11 @@ class ClientCore:
                 elif outcome is None:
                     stale = True
                 else:
-                    refs.extend(outcome)
-            await self._data.publish(refs, deadline)
+                    after.extend(outcome)
+            await self._data.publish(after.publish, deadline, wait=after.wait_publish)
+            if after.delete:
+                loop = asyncio.get_running_loop()
+                await self._data.delete(after.delete, min(deadline, loop.time() + DELETE_WAIT_S))
             if not stale:
                 return
             pending = [it for it in pending if not it.committed]
@@ -783,17 +791,18 @@ class ClientCore:
         ring_version: int,
         deadline: float,
         receipts: dict[PutItem, PutReceipt],
-    ) -> list[BlockRef] | None:
+    ) -> AfterCommit | None:
         """Commit ``staged`` (grouped with this client's other puts committing meanwhile): the
-        blocks to publish, or None for a stale ring."""
+        blocks to publish and delete, or None for a stale ring."""
         answer = await self._committer.commit(ring_version, put_entries(staged), deadline)
         return self.commit_answered(staged, answer, receipts)
 
     def commit_answered(
         self, staged: list[PutItem], answer: CommitAnswer, receipts: dict[PutItem, PutReceipt]
-    ) -> list[BlockRef] | None:
+    ) -> AfterCommit | None:
         """Learn from a commit's answer: receipts, errors, the floor, the cache; the blocks to
-        publish, or None when the index refused the ring (StaleRingError on every item)."""
+        publish and to delete, or None when the index refused the ring (StaleRingError on every
+        item)."""
         if answer.stale_ring:
             self._placement.mark_stale(answer.ring_version)
             for it in staged:
@@ -809,7 +818,8 @@ class ClientCore:
             for it, result in zip(staged, answer.results, strict=True):
                 if it.committed:
                     self.cache.committed(it.key, committed_entry(it, result), answer.revision)
-        return refs
+        deletes, wait = superseded(staged, answer.results, self._placement.member)
+        return AfterCommit(refs, deletes, wait)
 
     async def _ensure_members(self, deadline: float) -> None:
         """Refresh the membership when the placement asks for it (one refresh at a time)."""

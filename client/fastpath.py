@@ -28,7 +28,13 @@ from opentelemetry.trace import SpanKind
 from kvpool import tracing
 from kvpool.client import core as core_module
 from kvpool.client.blocking_plane import BlockingDataPlane
-from kvpool.client.commits import CommitAnswer, PutReceipt, SyncCommitter, put_entries
+from kvpool.client.commits import (
+    AfterCommit,
+    CommitAnswer,
+    PutReceipt,
+    SyncCommitter,
+    put_entries,
+)
 from kvpool.client.core import (
     COMMIT_SHARE,
     DELETE_WAIT_S,
@@ -358,7 +364,7 @@ class SyncPath:
                 return
             size = core_module.MAX_COMMIT_ENTRIES
             chunks = [staged[i : i + size] for i in range(0, len(staged), size)]
-            refs: list[BlockRef] = []
+            after = AfterCommit()
             stale = False
             failures: list[KVPoolError] = []
             for chunk, outcome in zip(
@@ -373,12 +379,16 @@ class SyncPath:
                 if result is None:
                     stale = True
                 else:
-                    refs.extend(result)
+                    after.extend(result)
             if len(failures) == len(chunks):
                 raise failures[0]  # the whole call failed (no leader, deadline, …)
-            if refs:
-                # Not waited for: a node serves a staged block to a read naming its write id.
-                self._data.send_refs(Op.PUBLISH, refs, deadline, wait=False)
+            if after.publish:
+                # Not waited for (a node serves a staged block to a read naming its write id),
+                # unless it replaces an older write there.
+                self._data.send_refs(Op.PUBLISH, after.publish, deadline, wait=after.wait_publish)
+            if after.delete:
+                delete_by = min(deadline, time.monotonic() + DELETE_WAIT_S)
+                self._data.send_refs(Op.DELETE, after.delete, delete_by)
             if not stale:
                 return
             pending = [it for it in pending if not it.committed]

@@ -43,6 +43,10 @@ from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
 from kvpool.transports.calls import Call
 from kvpool.transports.tcp import ConnectionPool, FrameConnection, open_tcp_address
 
+FAILED_HOLD_S = 1.0
+"""How long a master whose call failed (down, paused, unreachable) is not asked again while
+another master can be."""
+
 LEADER_READS = frozenset({"Lookup", "PrefixMatch"})
 """Reads the masters answer on the leader only: a success there names the leader."""
 
@@ -73,6 +77,7 @@ class MasterRouting:
         self._rotation = 0
         self._lock = threading.Lock()
         self._rpc: dict[str, str] = {}  # gRPC address -> its frame RPC port ("" = none)
+        self._failed_at: dict[str, float] = {}  # address -> when a call to it last failed
 
     @property
     def addresses(self) -> list[str]:
@@ -86,8 +91,21 @@ class MasterRouting:
     def learn_rpc(self, address: str, rpc_address: str) -> None:
         self._rpc[address] = rpc_address
 
+    def forget_rpc(self, address: str, rpc_address: str) -> None:
+        """The RPC port learned for ``address`` refused or dropped us: learn it again next time
+        (a restarted master listens on another one)."""
+        if self._rpc.get(address) == rpc_address:
+            del self._rpc[address]
+
+    def _failed_lately(self, address: str, now: float) -> bool:
+        return now - self._failed_at.get(address, -FAILED_HOLD_S) < FAILED_HOLD_S
+
     def order(self) -> list[str]:
-        """Addresses to try: the leader first when known, then the others, rotating."""
+        """Addresses to try: the leader first when known, then the others, rotating; a master
+        that failed a call in the last ``FAILED_HOLD_S`` is left out while another is there to
+        ask (a paused leader must not cost every retry a whole attempt while the others elect
+        a new one; they name it until they have)."""
+        now = time.monotonic()
         with self._lock:
             n = len(self._addresses)
             self._rotation = (self._rotation + 1) % n
@@ -95,13 +113,17 @@ class MasterRouting:
             leader = self.leader
         if leader in rest:
             rest.remove(leader)
-            return [leader, *rest]
-        return rest
+            rest.insert(0, leader)
+        healthy = [a for a in rest if not self._failed_lately(a, now)]
+        return healthy or rest
 
     def not_leader(self, address: str, error: NotLeaderError) -> bool:
         """``address`` said it is not the leader; True when it named another one (start over
-        with it first)."""
+        with it first). A master named that failed us lately is not followed: the one who
+        names it has not heard of the election yet."""
         if error.leader and error.leader != address:
+            if self._failed_lately(error.leader, time.monotonic()):
+                return False
             with self._lock:
                 if error.leader not in self._addresses:
                     self._addresses.append(error.leader)
@@ -112,10 +134,12 @@ class MasterRouting:
         return False
 
     def failed(self, address: str) -> None:
+        self._failed_at[address] = time.monotonic()
         if self.leader == address:
             self.leader = None
 
     def succeeded(self, address: str, leader_only: bool) -> None:
+        self._failed_at.pop(address, None)
         if leader_only:
             self.leader = address
 
@@ -197,7 +221,7 @@ class MasterClient:
             await conn.exchange([call], timeout_s, trace=tracing.frame_trace())
         except KVPoolError as e:
             self._rpc_pool.discard(target)
-            raise rpc_failure(address, rpc, method, e) from None
+            raise rpc_failure(address, rpc, method, e, self.routing) from None
         return rpc_answer(address, method, call, self.routing)
 
     @property
@@ -350,7 +374,7 @@ class SyncMasterClient:
                     host.strip("[]"), int(port), address=rpc, timeout_s=timeout_s
                 )
             except KVPoolError as e:
-                raise UnavailableError(f"{address}: its RPC port {rpc}: {e.message}") from None
+                raise rpc_failure(address, rpc, method, e, self.routing) from None
             try:
                 authenticate_blocking(sock, self.security.token, f"tcp://{rpc}", timeout_s)
             except UnauthenticatedError:
@@ -358,7 +382,7 @@ class SyncMasterClient:
                 raise
             except KVPoolError as e:
                 sock.close()
-                raise UnavailableError(f"{address}: its RPC port {rpc}: {e.message}") from None
+                raise rpc_failure(address, rpc, method, e, self.routing) from None
             conn = BlockingConnection(sock, f"tcp://{rpc}", timeout_s=timeout_s)
             if tracing.STATE.enabled:
                 conn.features = _rpc_features(conn, deadline)
@@ -376,7 +400,7 @@ class SyncMasterClient:
             with self._lock:
                 self._rpc_conns.discard(conn)
             conn.close()
-            raise rpc_failure(address, rpc, method, e) from None
+            raise rpc_failure(address, rpc, method, e, self.routing) from None
         return rpc_answer(address, method, call, self.routing)
 
     def stub(self, address: str) -> master_pb2_grpc.MasterStub:
@@ -513,12 +537,16 @@ def rpc_request(method: str, request: Any, timeout_s: float) -> Call:
     )
 
 
-def rpc_failure(address: str, rpc: str, method: str, error: KVPoolError) -> KVPoolError:
-    """The typed error for an RPC frame that got no answer (the connection is gone)."""
+def rpc_failure(
+    address: str, rpc: str, method: str, error: KVPoolError, routing: MasterRouting
+) -> KVPoolError:
+    """The typed error for an RPC frame that got no answer (the connection is gone). A port
+    that refused or dropped the connection is forgotten: a restarted master has a new one."""
     if isinstance(error, UnauthenticatedError):
         return error
     if isinstance(error, DeadlineExceededError):
         return DeadlineExceededError(f"{address}: {method} timed out")
+    routing.forget_rpc(address, rpc)
     return UnavailableError(f"{address}: {method} over its RPC port {rpc}: {error.message}")
 
 

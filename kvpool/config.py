@@ -161,8 +161,8 @@ class MasterConfig(ServerSecurityConfig, LogConfig):
         "that it can claim its SSD blocks back after a restart",
         "duration",
     )
-    raft_min_timeout_s: float = opt(0.4, "Raft election timeout, lower bound", "duration")
-    raft_max_timeout_s: float = opt(1.2, "Raft election timeout, upper bound", "duration")
+    raft_min_timeout_s: float = opt(0.3, "Raft election timeout, lower bound", "duration")
+    raft_max_timeout_s: float = opt(0.6, "Raft election timeout, upper bound", "duration")
     raft_append_period_s: float = opt(0.05, "Raft leader heartbeat period", "duration")
     raft_leader_fallback_s: float = opt(
         2.0, "an isolated leader steps down after this long without a quorum", "duration"

@@ -202,6 +202,8 @@ class PutOutcome:
     status: int  # PUT_COMMITTED or PUT_NO_LIVE_REPLICA
     version: int
     replicas: tuple[int, ...]  # the replicas kept (members not live dropped)
+    superseded_write_id: int = 0  # the write this one replaced, 0 when the key had none
+    superseded_replicas: tuple[int, ...] = ()  # where the index had that write
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,7 +508,13 @@ def encode_result(result: Result) -> bytes:
             ring_version=result.ring_version,
         )
         for o in result.outcomes:
-            resp.results.add(status=o.status, version=o.version, replicas=o.replicas)
+            resp.results.add(
+                status=o.status,
+                version=o.version,
+                replicas=o.replicas,
+                superseded_write_id=o.superseded_write_id,
+                superseded_replicas=o.superseded_replicas,
+            )
         return bytes([_TAG_COMMIT_PUTS]) + resp.SerializeToString(deterministic=True)
     if isinstance(result, RemoveKeysResult):
         rr = master_pb2.RemoveResponse(removed=result.removed, revision=result.revision)
@@ -545,7 +553,16 @@ def decode_result(data: bytes) -> Result:
     if tag == _TAG_COMMIT_PUTS:
         resp = master_pb2.CommitPutsResponse.FromString(body)
         return CommitPutsResult(
-            tuple(PutOutcome(int(r.status), r.version, tuple(r.replicas)) for r in resp.results),
+            tuple(
+                PutOutcome(
+                    int(r.status),
+                    r.version,
+                    tuple(r.replicas),
+                    r.superseded_write_id,
+                    tuple(r.superseded_replicas),
+                )
+                for r in resp.results
+            ),
             resp.revision,
             resp.ring_version,
             resp.stale_ring,

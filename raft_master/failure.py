@@ -144,7 +144,7 @@ class FailureLoop:
 
     async def step(self) -> None:
         now = self._clock()
-        if not self._replicator.is_leader():
+        if not self._replicator.leads():  # lost, or a lease lapsed: time it anew when back
             if self._detector.leading:
                 self._detector.lost_leadership()
             self._term = None

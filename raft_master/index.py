@@ -200,9 +200,16 @@ class BlockIndex(MemberTable):
             self._revision += 1
             version = self._revision
             old = self._entries.get(item.key)
+            superseded_write_id = 0
+            superseded_on: tuple[int, ...] = ()
             if old is not None:
-                for m in record_replicas(old):
+                _, old_write_id, _, _, _, superseded_on = unpack_record(old)
+                for m in superseded_on:
                     self._unlink(m, item.key)
+                if old_write_id != item.write_id:
+                    superseded_write_id = old_write_id
+                else:
+                    superseded_on = ()
             self._entries[item.key] = pack_record(
                 version,
                 item.write_id,
@@ -213,7 +220,9 @@ class BlockIndex(MemberTable):
             )
             for m in kept:
                 self._member_keys[m][item.key] = None
-            outcomes.append(PutOutcome(PUT_COMMITTED, version, kept))
+            outcomes.append(
+                PutOutcome(PUT_COMMITTED, version, kept, superseded_write_id, superseded_on)
+            )
         return CommitPutsResult(tuple(outcomes), self._revision, self._ring_version)
 
     def _remove_keys(self, cmd: RemoveKeys) -> RemoveKeysResult:

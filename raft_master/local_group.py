@@ -245,3 +245,25 @@ class LocalMasterGroup:
                     return m.index
             await asyncio.sleep(0.05)
         raise TimeoutError(f"no leader within {timeout_s}s:\n{self.logs()}")
+
+    async def wait_joined(self, timeout_s: float = 15.0) -> int:
+        """Index of the leader, once every running master names it (followers that have not
+        heard from it yet refuse reads without naming it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            leader = await self.wait_leader(max(0.1, deadline - time.monotonic()))
+            raft = self.masters[leader].raft
+            named = []
+            for m in self.masters:
+                if not m.running():
+                    continue
+                try:
+                    named.append((await self.status(m.index, 0.5)).master.leader_raft_address)
+                except KVPoolError:
+                    named.append("")
+            if all(n == raft for n in named):
+                return leader
+            await asyncio.sleep(0.05)
+        raise TimeoutError(
+            f"not every master joined the leader within {timeout_s}s:\n{self.logs()}"
+        )

@@ -187,7 +187,7 @@ class ReplicaLoop:
         self.repairing = set()
 
     async def step(self) -> None:
-        if not self._replicator.is_leader():
+        if not self._replicator.leads():
             if self._term is not None:
                 self._term = None
                 self._reset()

@@ -440,6 +440,13 @@ class Replicator:
         syncobj = self._syncobj
         return isinstance(syncobj, LeasedSyncObj) and syncobj.lease_held()
 
+    def leads(self) -> bool:
+        """Leader now and, with read leases, holding its lease: no other master can have taken
+        over meanwhile. The loops that decide by time (declaring nodes down, repairs) act only
+        while this holds: a leader woken from a pause still believes it leads, and what it
+        proposes is forwarded to the real leader, which would apply it."""
+        return self.lease_held() if self.cfg.raft_read_lease else self.is_leader()
+
     def leader_raft_address(self) -> str | None:
         syncobj = self._syncobj
         leader = syncobj._getLeader() if syncobj is not None else None

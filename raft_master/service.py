@@ -297,7 +297,13 @@ class MasterService(master_pb2_grpc.MasterServicer):
             ring_version=result.ring_version,
         )
         for o in result.outcomes:
-            response.results.add(status=o.status, version=o.version, replicas=o.replicas)
+            response.results.add(
+                status=o.status,
+                version=o.version,
+                replicas=o.replicas,
+                superseded_write_id=o.superseded_write_id,
+                superseded_replicas=o.superseded_replicas,
+            )
         return response
 
     async def Remove(  # noqa: N802 - gRPC method name
@@ -365,6 +371,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._require_leader()
         if not self.leader_established():
             raise UnavailableError("the new leader is still applying the log; retry shortly")
+        # "unknown" makes a node drop its blocks and join again: only a leader that cannot
+        # have been replaced may say it (one woken from a pause still believes it leads).
+        await self._require_read_lease(context)
         member_id = request.member_id
         known, ring_version = self.replicator.read(
             lambda ix: ((rec := ix.member(member_id)) is not None and rec.live, ix.ring_version)

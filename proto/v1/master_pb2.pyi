@@ -142,22 +142,33 @@ class PutResult(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    SUPERSEDED_WRITE_ID_FIELD_NUMBER: _builtins.int
+    SUPERSEDED_REPLICAS_FIELD_NUMBER: _builtins.int
     status: Global___PutStatus.ValueType
     version: _builtins.int
+    superseded_write_id: _builtins.int
+    """The write this commit replaced (0: the key had none): its replicas no longer belong to the
+    index, so the writer deletes them before acknowledging (a stale cached lookup would still
+    read them).
+    """
     @_builtins.property
     def replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the replicas kept (dead members dropped)"""
 
+    @_builtins.property
+    def superseded_replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         status: Global___PutStatus.ValueType = ...,
         version: _builtins.int = ...,
         replicas: _abc.Iterable[_builtins.int] | None = ...,
+        superseded_write_id: _builtins.int = ...,
+        superseded_replicas: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["replicas", b"replicas", "status", b"status", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replicas", b"replicas", "status", b"status", "superseded_replicas", b"superseded_replicas", "superseded_write_id", b"superseded_write_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -159,7 +159,7 @@ def test_commit_then_lookup_on_every_master(group: LocalMasterGroup) -> None:
             committed = await commit(client, keys, node)
             expected = {k: r.version for k, r in zip(keys, committed.results, strict=True)}
             assert len(set(expected.values())) == len(keys)
-            leader = group.grpc_addresses[await group.wait_leader()]
+            leader = group.grpc_addresses[await group.wait_joined()]
             for address in group.grpc_addresses:  # the leader answers; followers name it
                 if address == leader:
                     assert await versions_on(address, keys, committed.revision) == expected

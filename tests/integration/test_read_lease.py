@@ -89,3 +89,24 @@ def test_a_block_put_by_one_client_is_read_by_another_at_once(
                 assert writer.put(key, value)
                 assert reader.get_into(key, buffer, strict=True) == size, key
                 assert buffer == value
+
+
+def test_an_overwrite_is_read_by_a_client_holding_the_old_entry(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """The old value had a replica on a node the new one is not placed on: the writer deletes
+    it there before its put returns, so a reader whose cached entry still names it misses
+    there and looks the key up again, instead of reading the old value for the cache's TTL."""
+    cluster = cluster_factory(masters=3, nodes=2, cpu_cache_size="64MiB")
+    masters = cluster.client_master_addresses
+    with (
+        Client(masters, timeout_s=3.0, replicas=2) as first,
+        Client(masters, timeout_s=3.0, replicas=1) as second,
+        Client(masters, timeout_s=3.0) as reader,
+    ):
+        for i in range(20):
+            key = f"overwrite/{i}"
+            assert first.put(key, b"old" * 100)
+            assert reader.get(key) == b"old" * 100  # cached: both replicas
+            assert second.put(key, b"new" * 100)  # on one node: the other copy is orphaned
+            assert reader.get(key, strict=True) == b"new" * 100, key

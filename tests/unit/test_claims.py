@@ -154,6 +154,9 @@ class FakeReplicator:
     def is_leader(self) -> bool:
         return True
 
+    def leads(self) -> bool:
+        return True
+
     def is_ready(self) -> bool:
         return True
 

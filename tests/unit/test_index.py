@@ -100,6 +100,17 @@ def test_a_later_commit_of_a_key_wins_whole_with_a_higher_version() -> None:
     index.check_invariants()
 
 
+def test_a_commit_names_the_write_it_replaced_and_where_it_was() -> None:
+    index = BlockIndex()
+    a, b = register(index, "a"), register(index, "b")
+    fresh = put(index, "k", 1, (a, b)).outcomes[0]
+    assert (fresh.superseded_write_id, fresh.superseded_replicas) == (0, ())
+    over = put(index, "k", 2, (b,)).outcomes[0]
+    assert (over.superseded_write_id, over.superseded_replicas) == (1, (a, b))
+    again = put(index, "k", 2, (b,)).outcomes[0]  # the same write committed again
+    assert (again.superseded_write_id, again.superseded_replicas) == (0, ())
+
+
 def test_a_stale_ring_version_applies_nothing_and_reports_the_current_ring() -> None:
     index = BlockIndex()
     m = register(index, "n1")
@@ -533,6 +544,9 @@ class FakeReplicator:
         self.proposed: list[object] = []
 
     def is_leader(self) -> bool:
+        return self.leader
+
+    def leads(self) -> bool:
         return self.leader
 
     def is_ready(self) -> bool:

@@ -1,0 +1,58 @@
+"""Which master a call asks (client/masters.py MasterRouting): the leader first, redirects
+followed, and a master that just failed left out while others can answer — a paused leader
+costs a writer one attempt, not one per retry until the others have elected a new one."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.client import masters
+from kvpool.client.masters import MasterRouting
+from kvpool.errors import NotLeaderError
+
+A, B, C = "a:1", "b:1", "c:1"
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    now = [100.0]
+    monkeypatch.setattr("kvpool.client.masters.time.monotonic", lambda: now[0])
+    return now
+
+
+def test_the_leader_is_asked_first_once_a_redirect_named_it(clock: list[float]) -> None:
+    routing = MasterRouting([A, B, C])
+    assert sorted(routing.order()) == [A, B, C]
+    assert routing.not_leader(B, NotLeaderError("not me", leader=C))
+    assert routing.order()[0] == C
+
+
+def test_a_master_that_failed_is_left_out_for_a_while(clock: list[float]) -> None:
+    routing = MasterRouting([A, B, C])
+    routing.not_leader(B, NotLeaderError("not me", leader=A))
+    routing.failed(A)  # the leader paused: the call to it timed out
+    assert A not in routing.order()
+    # A follower that has not seen the election yet still names it: not followed.
+    assert not routing.not_leader(B, NotLeaderError("not me", leader=A))
+    assert routing.leader is None
+    clock[0] += masters.FAILED_HOLD_S
+    assert A in routing.order()
+    assert routing.not_leader(B, NotLeaderError("not me", leader=A))
+
+
+def test_when_every_master_failed_lately_all_are_asked(clock: list[float]) -> None:
+    routing = MasterRouting([A, B])
+    routing.failed(A)
+    routing.failed(B)
+    assert sorted(routing.order()) == [A, B]
+    routing.succeeded(A, leader_only=True)
+    assert routing.order() == [A]
+
+
+def test_a_refused_rpc_port_is_learned_again() -> None:
+    routing = MasterRouting([A])
+    routing.learn_rpc(A, "a:9")
+    routing.forget_rpc(A, "a:8")  # another port than the one learned: kept
+    assert routing.rpc_of(A) == "a:9"
+    routing.forget_rpc(A, "a:9")
+    assert routing.rpc_of(A) is None
