@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-fast test-slow lint typecheck importcheck proto proto-check deploy-check fmt clean help test-engines-vllm test-engines-lmcache
+.PHONY: demo test test-fast test-slow test-engines test-engines-sglang test-engines-vllm test-engines-lmcache test-lowest lint typecheck importcheck proto proto-check deploy-check fmt clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -28,6 +28,25 @@ test: $(STAMP) lint  ## linters, protobuf staleness check, then the test suite (
 test-slow: $(STAMP)  ## the long runs only (every chaos scenario for a minute: the pre-release check)
 	$(PY) -m pytest -m slow -q
 
+# --- engine environments: one venv per engine, never .venv (each pins its own torch) ---------
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_VERSION := 0.5.23
+
+$(SGLANG_STAMP): tests/engines/sglang/requirements.txt pyproject.toml
+	@test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -r tests/engines/sglang/requirements.txt
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	@# --no-warn-conflicts: sglang's own requirement list is left out on purpose (see the file)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-warn-conflicts -e .
+	@touch $(SGLANG_STAMP)
+
+test-engines: test-engines-sglang test-engines-vllm test-engines-lmcache  ## every engine's tests, each in its own environment (the pre-release check)
+
+test-engines-sglang: $(SGLANG_STAMP)  ## SGLang 0.5.23's own Mooncake test on kvpool, and the native HiCache backend's conformance suite
+	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines/sglang
+
 lint: $(STAMP) proto-check importcheck typecheck deploy-check  ## ruff, mypy, import layers, proto staleness, deploy/ manifests
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -41,14 +60,42 @@ importcheck: $(STAMP)
 	$(PY) .ci/linktree.py
 	cd .typecheck && PYTHONPATH=$(abspath .typecheck) ../$(VENV)/bin/lint-imports --no-cache ../pyproject.toml
 
-proto: $(STAMP)  ## regenerate proto/v1/*_pb2*.py from the .proto files
-	$(PY) proto/generate.py
+# The protobuf code generator, pinned in its own small venv (proto/requirements.txt), so that
+# .venv runs the newest protobuf and grpcio kvpool admits.
+PROTO_VENV := .venv-proto
+PROTO_STAMP := $(PROTO_VENV)/.installed
+$(PROTO_STAMP): proto/requirements.txt
+	@test -x $(PROTO_VENV)/bin/python || $(PYTHON) -m venv $(PROTO_VENV)
+	$(PROTO_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PROTO_VENV)/bin/python -m pip install --quiet -r proto/requirements.txt
+	@touch $(PROTO_STAMP)
+
+proto: $(PROTO_STAMP)  ## regenerate proto/v1/*_pb2*.py from the .proto files
+	$(PROTO_VENV)/bin/python proto/generate.py
 
 deploy-check: $(STAMP)  ## kustomize build + schema validation + yamllint of deploy/ (offline)
 	$(PY) .ci/validate_deploy.py
 
-proto-check: $(STAMP)  ## fail when the generated protobuf code is stale
-	$(PY) proto/generate.py --check
+proto-check: $(PROTO_STAMP)  ## fail when the generated protobuf code is stale
+	$(PROTO_VENV)/bin/python proto/generate.py --check
+
+# The lowest versions kvpool claims (.ci/lowest.txt), in their own venv: the unit tests and the
+# integration tests of the client, the masters' RPCs and the Mooncake API.
+LOWEST_VENV := .venv-lowest
+LOWEST_STAMP := $(LOWEST_VENV)/.installed
+LOWEST_TESTS := tests/unit tests/integration/test_end_to_end.py \
+	tests/integration/test_mooncake_compat.py tests/integration/test_security.py \
+	tests/integration/test_data_path.py
+$(LOWEST_STAMP): .ci/lowest.txt pyproject.toml
+	@test -x $(LOWEST_VENV)/bin/python || $(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LOWEST_VENV)/bin/python -m pip install --quiet -c .ci/lowest.txt -e . \
+		'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'pyyaml'
+	@touch $(LOWEST_STAMP)
+
+test-lowest: $(LOWEST_STAMP)  ## the lowest dependency versions kvpool claims, on a subset of the suite
+	$(LOWEST_VENV)/bin/python -c "import grpc, google.protobuf as p; print('lowest: grpcio', grpc.__version__, 'protobuf', p.__version__)"
+	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(LOWEST_TESTS)
 
 fmt: $(STAMP)  ## format and auto-fix
 	$(VENV)/bin/ruff format .
@@ -67,19 +114,13 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $@
 
-# LMCache 0.5.6 pins protobuf<7 and grpcio==1.78 (through grpcio-observability), below what
-# kvpool's generated code needs today: kvpool goes in without its dependencies, then those with
-# the versions kvpool needs (pip reports the conflict; LMCache's code paths used here run).
-# Until kvpool's protobuf/grpcio ranges are widened (issue 14), that is how they co-install.
+# LMCache 0.5.6 pins protobuf<7,>=6.31.1 and (through grpcio-observability) grpcio==1.78.0:
+# kvpool's ranges admit both, so it installs beside LMCache with nothing changed.
 $(LMCACHE_VENV)/.installed: pyproject.toml
 	@test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
 	$(LMCACHE_VENV)/bin/python -m pip install --quiet 'lmcache==0.5.6' 'torch==2.13.0'
-	$(LMCACHE_VENV)/bin/python -m pip install --quiet --no-deps -e .
-	$(LMCACHE_VENV)/bin/python -m pip install --quiet 'pysyncobj>=0.3.17' 'cryptography>=42' \
-		'mmh3>=4.1' 'xxhash>=3.4' 'structlog>=24.1' 'pytest>=8' 'pytest-timeout>=2.3' \
-		'grpcio>=1.85' 'grpcio-health-checking>=1.85' 'grpcio-reflection>=1.85' 'protobuf>=7.35.1' \
-		2>&1 | grep -v -e 'dependency conflicts' -e 'which is incompatible' -e '^ERROR: pip' || true
-	$(LMCACHE_VENV)/bin/python -c 'import lmcache, kvpool.integrations.lmcache'
+	$(LMCACHE_VENV)/bin/python -m pip install --quiet -e . 'pytest>=8' 'pytest-timeout>=2.3'
+	$(LMCACHE_VENV)/bin/python -m pip check
 	@touch $@
 
 test-engines-vllm: $(VLLM_VENV)/.installed  ## kvpool's KV connector in real vLLM engines (CPU build; ~5 min, +4 min to build .venv-vllm)
@@ -89,4 +130,4 @@ test-engines-lmcache: $(LMCACHE_VENV)/.installed  ## kvpool as an LMCache remote
 	$(LMCACHE_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines/lmcache
 
 clean:  ## remove the virtual environment and caches
-	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .typecheck .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .venv-* .typecheck .pytest_cache .mypy_cache .ruff_cache build *.egg-info

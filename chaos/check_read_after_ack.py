@@ -8,11 +8,13 @@ completed before the get was invoked are gathered; the one with the highest vers
 
 * the floor's value, or the value of another write that may have applied after the floor was
   invoked (a concurrent or later put: acknowledged with a higher version, or of unknown fate);
-  anything older is a **stale read** — excused only as ``stale_orphan``: the older value's
-  write was stored on a node the floor's write was not (the writer deletes the replaced
-  write's blocks there before it returns, but cannot when it cannot reach that node; a reader
-  whose cached index entry still names it reads it until the entry expires: a known limit,
-  counted, and see docs/operations.md);
+  anything older is a **stale read** — excused only where the writer could not have removed
+  the older copy: ``stale_orphan``, the older value's write was stored on a node the floor's
+  write was not placed on, or ``stale_node_fault``, a fault touched a node holding it between
+  the floor's invocation and the get's end (the writer deletes or replaces the replaced write's
+  blocks before it returns, but cannot when it cannot reach them; a reader whose cached index
+  entry still names them reads them until the entry expires: a known limit, counted, see
+  docs/operations.md);
 * or miss, excused (and counted by why) when:
 
   - ``unavailable`` — the index named the block but its bytes could not be had (the node is
@@ -75,14 +77,23 @@ class _Judge:
                 return True
         return False
 
-    def orphaned(self, floor: Write, value: ValueId) -> bool:
-        """A write of ``value`` sat on a node the floor's write never reached."""
+    def faulted(self, nodes: tuple[str, ...], from_t: float, to_t: float) -> bool:
+        """A fault touched one of ``nodes`` between ``from_t`` and ``to_t``."""
+        return any(
+            f.start_t < to_t and any(f.affects_after(n, from_t) for n in nodes)
+            for f in self.context.faults
+        )
+
+    def stale_excuse(self, floor: Write, value: ValueId, get: Op) -> str | None:
+        """Why the writer of ``floor`` may not have reached an older copy of ``value``."""
         assert floor.receipt is not None
         reached = set(floor.receipt.nodes)
-        return any(
-            w.receipt is not None and not set(w.receipt.nodes) <= reached
-            for w in self.history.writes_of(floor.key, value)
-        )
+        held = [w.receipt.nodes for w in self.history.writes_of(floor.key, value) if w.receipt]
+        if any(not set(nodes) <= reached for nodes in held):
+            return "stale_orphan"
+        if any(self.faulted(nodes, floor.invoke_t, get.end_t) for nodes in held):
+            return "stale_node_fault"
+        return None
 
     def excuse(self, floor: Write, get: Op) -> str | None:
         receipt = floor.receipt
@@ -91,9 +102,8 @@ class _Judge:
         for r in self.history.removes(floor.key):
             if r.outcome != "fail" and r.effect_end_t >= floor.invoke_t and r.invoke_t < end:
                 return "removed"
-        for f in self.context.faults:
-            if f.start_t < end and any(f.affects_after(n, floor.invoke_t) for n in receipt.nodes):
-                return "node_fault"
+        if self.faulted(receipt.nodes, floor.invoke_t, end):
+            return "node_fault"
         for w in self.history.writes(floor.key):
             if w.outcome == "unknown" and w.effect_end_t >= floor.invoke_t and w.invoke_t < end:
                 return "superseded_uncertain"
@@ -115,6 +125,7 @@ def check(history: History, context: CheckContext) -> CheckResult:
         "possibly_evicted": 0,
         "unjudged_batch": 0,
         "stale_orphan": 0,
+        "stale_node_fault": 0,
         "stale": 0,
         "lost": 0,
     }
@@ -134,8 +145,8 @@ def check(history: History, context: CheckContext) -> CheckResult:
                 counters["judged"] += 1
                 if r.read == floor.value or judge.newer_or_concurrent(floor, r.read):
                     counters["found"] += 1
-                elif judge.orphaned(floor, r.read):
-                    counters["stale_orphan"] += 1
+                elif (stale_why := judge.stale_excuse(floor, r.read, op)) is not None:
+                    counters[stale_why] += 1
                 else:
                     counters["stale"] += 1
                     findings.add(f"{where}: read the older value {r.read}")
@@ -170,9 +181,10 @@ def check(history: History, context: CheckContext) -> CheckResult:
         f"({int(counters['unavailable'])} bytes unreachable, {int(counters['node_fault'])} "
         f"nodes faulted), {int(counters['lost'])} lost, {int(counters['stale'])} stale"
     )
-    if counters["stale_orphan"]:
+    unreached = counters["stale_orphan"] + counters["stale_node_fault"]
+    if unreached:
         summary += (
-            f"; {int(counters['stale_orphan'])} older values read from a node the newer write "
-            "never reached (a cached entry; known limit)"
+            f"; {int(unreached)} older values read from a node the newer write could not reach "
+            "(placed elsewhere, or faulted: a cached entry; known limit)"
         )
     return CheckResult(NAME, not findings, summary, findings.with_more(), counters)

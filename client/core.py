@@ -87,6 +87,19 @@ MAX_COMMIT_ENTRIES = 8192
 """Most entries in one CommitPuts (the masters' default commit_batch_max_entries); a larger
 batch_put commits in several calls, concurrently."""
 DELETE_WAIT_S = 0.25
+PREFIX_LOOKUP_MAX_KEYS = 1024
+"""prefix_match of at most this many keys is a Lookup (entries cached for the reads that follow);
+a longer chain asks PrefixMatch, which answers a count only."""
+
+
+def leading_hits(response: master_pb2.LookupResponse) -> int:
+    """prefix_match from a Lookup: the leading run of found keys. The entries are in the lookup
+    cache by then, so the get of the hits that an engine sends next needs no second index round
+    trip."""
+    entries = response.entries
+    return next((i for i, e in enumerate(entries) if not e.found), len(entries))
+
+
 MASTER_ATTEMPT_S = 0.5
 """The longest one call waits for one master before asking another: a paused leader costs a
 writer this long (a new leader is elected within ~0.3-0.7 s; a retried commit applies once)."""
@@ -408,9 +421,10 @@ class ClientCore:
             return 0
 
         async def call(deadline: float) -> int:
-            request = master_pb2.PrefixMatchRequest(
-                keys=[k for k, _ in pairs], min_revision=self.floor.value
-            )
+            names = [k for k, _ in pairs]
+            if len(names) <= PREFIX_LOOKUP_MAX_KEYS:
+                return leading_hits(await self._lookup(names, deadline))
+            request = master_pb2.PrefixMatchRequest(keys=names, min_revision=self.floor.value)
             response = await self._masters.call("PrefixMatch", request, deadline=deadline)
             self.floor.raise_to(response.revision)
             return min(int(response.matched), len(pairs))

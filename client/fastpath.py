@@ -39,6 +39,7 @@ from kvpool.client.core import (
     COMMIT_SHARE,
     DELETE_WAIT_S,
     MAX_PUT_ATTEMPTS,
+    PREFIX_LOOKUP_MAX_KEYS,
     ClientCore,
     SinkFactory,
     _miss_reason,
@@ -46,6 +47,7 @@ from kvpool.client.core import (
     fresh_bytes,
     into,
     into_each,
+    leading_hits,
 )
 from kvpool.client.masters import SyncMasterClient
 from kvpool.client.placement import MemberInfo
@@ -171,6 +173,37 @@ class SyncPath:
             for item, hit in zip(items, core.settle_batch(items, pairs), strict=True)
         ]
 
+    def batch_get_alloc(
+        self,
+        keys: Sequence[str],
+        alloc: Callable[[int], T],
+        *,
+        strict: bool | None = None,
+        max_tier: str | None = None,
+    ) -> list[T | None]:
+        from kvpool.client.values import as_sink, check_fits
+
+        core = self.core
+        pairs = check_keys(keys)
+        if not pairs:
+            return []
+        made: dict[int, T] = {}
+
+        def sink_for(index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+            buffer = alloc(size)
+            sink = as_sink(buffer)
+            check_fits(sink, size, key)
+            made[index] = buffer
+            return sink[:size], True
+
+        items = self._read_or_fail(
+            pairs, sink_for, core._strict(strict), core._tier_limit(max_tier), "batch_get_alloc"
+        )
+        if items is None:
+            return [None] * len(pairs)
+        hits = core.settle_batch(items, pairs)
+        return [made.get(i) if hit else None for i, hit in enumerate(hits)]
+
     def put_receipt(
         self, key: str, value: BytesLike, *, strict: bool | None = None
     ) -> PutReceipt | None:
@@ -256,6 +289,47 @@ class SyncPath:
             if strict:
                 raise
             return None
+
+    # --- index-only questions (no bytes read) ---------------------------------------------
+
+    def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
+        names = [k for k, _ in check_keys(keys)]
+        if not names:
+            return []
+        try:
+            response = self._within_deadline("sizes", lambda d: self._lookup(names, d))
+        except InvalidArgumentError:
+            raise
+        except KVPoolError:
+            if self.core._strict(strict):
+                raise
+            return [None] * len(names)
+        return [int(e.size_bytes) if e.found else None for e in response.entries]
+
+    def prefix_match(self, keys: Sequence[str], *, strict: bool | None = None) -> int:
+        names = [k for k, _ in check_keys(keys)]
+        if not names:
+            return 0
+        core = self.core
+
+        def call(deadline: float) -> int:
+            if len(names) <= PREFIX_LOOKUP_MAX_KEYS:
+                return leading_hits(self._lookup(names, deadline))
+            request = master_pb2.PrefixMatchRequest(keys=names, min_revision=core.floor.value)
+            response: master_pb2.PrefixMatchResponse = self._masters.call(
+                "PrefixMatch", request, deadline=deadline
+            )
+            core.floor.raise_to(response.revision)
+            return min(int(response.matched), len(names))
+
+        try:
+            return self._within_deadline("prefix_match", call)
+        except InvalidArgumentError:
+            raise
+        except KVPoolError:
+            if core._strict(strict):
+                raise
+            return 0
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -452,12 +526,48 @@ class SyncPath:
             return False
         return removed[0]
 
-    def _remove(self, keys: list[str], deadline: float) -> list[bool]:
+    def batch_remove(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
+        """Remove many keys with one Raft commit: True per key the index had."""
+        names = [k for k, _ in check_keys(keys)]
+        if not names:
+            return []
+        try:
+            return self._within_deadline("batch_remove", lambda d: self._remove(names, d))
+        except InvalidArgumentError:
+            raise
+        except KVPoolError:
+            if self.core._strict(strict):
+                raise
+            return [False] * len(names)
+
+    def remove_prefix(self, prefix: str, *, limit: int = 0) -> tuple[int, bool]:
+        """One step of removing every key that starts with ``prefix`` ("" = every key):
+        (keys removed, whether matching keys are left). Failures raise, typed."""
+        if not isinstance(prefix, str):
+            raise InvalidArgumentError(f"a prefix must be a str, not {type(prefix).__name__}")
+        answer: list[master_pb2.RemoveResponse] = []
+        self._within_deadline(
+            "remove_prefix", lambda d: self._remove([], d, (prefix,), limit, answer)
+        )
+        return int(answer[0].prefix_removed), bool(answer[0].more)
+
+    def _remove(
+        self,
+        keys: list[str],
+        deadline: float,
+        prefixes: tuple[str, ...] = (),
+        limit: int = 0,
+        answer: list[master_pb2.RemoveResponse] | None = None,
+    ) -> list[bool]:
         core = self.core
-        request = master_pb2.RemoveRequest(request_id=os.urandom(16), keys=keys)
+        request = master_pb2.RemoveRequest(
+            request_id=os.urandom(16), keys=keys, prefixes=prefixes, limit=limit
+        )
         response: master_pb2.RemoveResponse = self._masters.call(
             "Remove", request, deadline=deadline, leader_only=True
         )
+        if answer is not None:
+            answer.append(response)
         if len(response.removed) != len(keys):
             raise InternalError(
                 f"Remove answered {len(response.removed)} results for {len(keys)} keys"
@@ -465,6 +575,9 @@ class SyncPath:
         core.floor.raise_to(response.revision)
         for key in keys:
             core.cache.removed(key, response.revision)
+        if prefixes:
+            for block in response.blocks:
+                core.cache.removed(block.key, response.revision)
         live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
         refs = []
         for block in response.blocks:

@@ -6,6 +6,11 @@ Used by a store node when the master asks it to copy blocks it holds (hot blocks
 drain): the bytes go source node → target node over the data plane, never through the master.
 A copy that fails any check is not published, so the target can never serve a wrong block; the
 master only adds the target to the index once it is published.
+
+Every ref is checked before anything is allocated for it (:func:`check_refs`: key, write id,
+size against the node's ``max_block_size``, how many refs): a bad request is refused whole with
+a typed error (MALFORMED / REQUEST_TOO_LARGE). Copies in flight hold at most
+``max_inflight_bytes`` of buffers together.
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ import asyncio
 from dataclasses import dataclass
 
 from kvpool.checksum import block_checksum
-from kvpool.errors import KVPoolError
-from kvpool.proto.wire import Op, Status, TierLevel, encode_key
-from kvpool.transports.tcp import ConnectionPool
+from kvpool.errors import KVPoolError, MalformedRequestError, RequestTooLargeError
+from kvpool.proto.wire import MAX_KEY_BYTES, Op, Status, TierLevel, encode_key
+from kvpool.transports.tcp import ConnectionPool, parse_tcp_address
+
+MAX_COPY_REFS = 4096
+"""Most blocks one CopyBlocks may name."""
+MAX_INFLIGHT_BYTES = 256 << 20
+"""Most bytes of copy buffers held at once by one copy_blocks call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +38,51 @@ class BlockRef:
     version: int
     size_bytes: int
     checksum: int
+
+
+def check_refs(target: str, refs: list[BlockRef], *, max_block_size: int) -> None:
+    """Refuse a copy request that names a bad block or target (nothing allocated yet)."""
+    try:
+        parse_tcp_address(target)
+    except KVPoolError:
+        raise MalformedRequestError(f"target {target[:200]!r} is not a tcp://host:port") from None
+    if len(refs) > MAX_COPY_REFS:
+        raise RequestTooLargeError(f"{len(refs)} blocks in one copy; at most {MAX_COPY_REFS}")
+    for ref in refs:
+        raw = ref.key.encode("utf-8", "replace")
+        if not raw or len(raw) > MAX_KEY_BYTES:
+            raise MalformedRequestError(
+                f"block key of {len(raw)} bytes: keys are 1 to {MAX_KEY_BYTES} bytes"
+            )
+        if ref.write_id == 0:
+            raise MalformedRequestError(f"block {ref.key[:100]!r}: write id 0 names no block")
+        if ref.size_bytes > max_block_size:
+            raise MalformedRequestError(
+                f"block {ref.key[:100]!r}: size {ref.size_bytes} is above this node's "
+                f"max_block_size ({max_block_size})"
+            )
+
+
+class _ByteGate:
+    """At most ``limit`` bytes held by the copies in flight (a copy larger than the limit
+    runs alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._held = 0
+        self._changed = asyncio.Condition()
+
+    async def acquire(self, size: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: self._held == 0 or self._held + size <= self._limit
+            )
+            self._held += size
+
+    async def release(self, size: int) -> None:
+        async with self._changed:
+            self._held -= size
+            self._changed.notify_all()
 
 
 async def copy_block(
@@ -85,12 +140,19 @@ async def copy_blocks(
     *,
     timeout_s: float,
     parallel: int = 8,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
 ) -> list[str]:
-    """Copy blocks, ``parallel`` at a time; per block ``""`` (published) or why not."""
+    """Copy blocks, ``parallel`` at a time and at most ``max_inflight_bytes`` of buffers at
+    once; per block ``""`` (published) or why not. Check the refs first (:func:`check_refs`)."""
     gate = asyncio.Semaphore(parallel)
+    room = _ByteGate(max_inflight_bytes)
 
     async def one(ref: BlockRef) -> str:
         async with gate:
-            return await copy_block(pool, source, target, ref, timeout_s=timeout_s)
+            await room.acquire(ref.size_bytes)
+            try:
+                return await copy_block(pool, source, target, ref, timeout_s=timeout_s)
+            finally:
+                await room.release(ref.size_bytes)
 
     return list(await asyncio.gather(*(one(r) for r in refs)))

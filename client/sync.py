@@ -244,10 +244,10 @@ class Client:
         """Whether the index has ``key`` (False on failure unless the client is strict)."""
         return self._call(self._core.exists(key), _false, None)
 
-    def sizes(self, keys: Sequence[str]) -> list[int | None]:
+    def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
         """Each key's block size in bytes, or None where the index has no such key (one lookup;
-        no bytes are read; None for all on failure unless the client is strict)."""
-        return self._call(self._core.sizes(keys), lambda: [None] * len(keys), None)
+        no bytes are read; None for all on failure unless strict)."""
+        return self._path.sizes(keys, strict=strict)
 
     def remove(self, key: str) -> bool:
         """Remove ``key``; True if the index had it."""
@@ -285,6 +285,31 @@ class Client:
         or None. The bytes are copied once, into the buffers."""
         return self._path.batch_get_into(keys, buffers, strict=strict, max_tier=max_tier)
 
+    def batch_get_alloc(
+        self,
+        keys: Sequence[str],
+        alloc: Callable[[int], T],
+        *,
+        strict: bool | None = None,
+        max_tier: str | None = None,
+    ) -> list[T | None]:
+        """Read each key into a buffer ``alloc(size)`` makes once the block's size is known
+        (writable, at least ``size`` bytes): the buffers, None where a key missed. The bytes
+        are copied once, into them; ``alloc`` runs in the calling thread."""
+        return self._path.batch_get_alloc(keys, alloc, strict=strict, max_tier=max_tier)
+
+    def batch_remove(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
+        """Remove many keys with one commit; True per key the index had (False for all on
+        failure unless strict)."""
+        return self._path.batch_remove(keys, strict=strict)
+
+    def remove_prefix(self, prefix: str, *, limit: int = 0) -> tuple[int, bool]:
+        """Remove keys that start with ``prefix`` (``""``: every key in the cluster), at most
+        ``limit`` (0: the masters' step, 4096) in one Raft commit: (keys removed, whether
+        matching keys are left — call again). Replicas are told to drop the bytes, best effort.
+        An admin call: failures raise, typed."""
+        return self._path.remove_prefix(prefix, limit=limit)
+
     def pin(self, keys: Sequence[str], replicas: int = 1) -> list[bool]:
         """Pin keys at ``replicas`` copies: never evicted, kept at that count by the masters,
         replicated in the index (survives a master failover). True per key pinned, False when
@@ -297,8 +322,9 @@ class Client:
         return self._call(self._core.pin(keys, 0), list, True)
 
     def prefix_match(self, keys: Sequence[str]) -> int:
-        """How many leading keys of a chain are cached (0 on failure)."""
-        return self._call(self._core.prefix_match(keys), lambda: 0, None)
+        """How many leading keys of a chain are cached (0 on failure), in one call to a
+        master, from the calling thread."""
+        return self._path.prefix_match(keys)
 
     def get_or_compute(self, key: str, fn: Callable[[], BytesLike]) -> bytes:
         """The cached bytes; on a miss ``fn()``'s value, stored best effort (never raises

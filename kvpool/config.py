@@ -29,6 +29,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 from kvpool.errors import ConfigError
 from kvpool.security import Security, TlsFiles, bind_problems, read_token
 from kvpool.security import is_loopback_host as is_loopback_host  # noqa: PLC0414 - re-exported
+from kvpool.transports import limits
 from kvpool.units import parse_duration, parse_size
 
 ENV_PREFIX = "KVPOOL_"
@@ -138,7 +139,54 @@ class ServerSecurityConfig(SecurityConfig):
 
 
 @dataclass(frozen=True)
-class MasterConfig(ServerSecurityConfig, LogConfig):
+class IngressConfig:
+    """What peers may cost a server (:mod:`kvpool.transports.limits`), masters and nodes."""
+
+    max_connections: int = opt(
+        limits.MAX_CONNECTIONS,
+        "most connections each data-plane/RPC port holds at once; one more is closed at once",
+    )
+    frame_timeout_s: float = opt(
+        limits.FRAME_TIMEOUT_S,
+        "a request frame (or a shared-memory reservation) not complete this long after its "
+        "first byte closes its connection, freeing what it reserved",
+        "duration",
+    )
+    request_memory: int = opt(
+        limits.REQUEST_MEMORY_BYTES,
+        "memory all connections together may hold for request payloads other than block bytes "
+        "(RPC calls, key tables); beyond it requests are refused (retryable)",
+        "size",
+    )
+    max_request_size: int = opt(
+        limits.MAX_REQUEST_BYTES,
+        "largest such payload of one request (a larger one is refused before it is read)",
+        "size",
+    )
+
+    def ingress_limits(self) -> limits.IngressLimits:
+        return limits.IngressLimits(
+            max_connections=self.max_connections,
+            frame_timeout_s=self.frame_timeout_s,
+            request_memory_bytes=self.request_memory,
+            max_request_bytes=self.max_request_size,
+        )
+
+    def _ingress_problems(self) -> list[str]:
+        errors = []
+        if self.max_connections < 1:
+            errors.append("max_connections: must be at least 1")
+        if self.frame_timeout_s <= 0:
+            errors.append("frame_timeout_s: must be positive")
+        if self.max_request_size < 64 << 10:
+            errors.append("max_request_size: must be at least 64KiB")
+        if self.request_memory < self.max_request_size:
+            errors.append("request_memory: must be at least max_request_size")
+        return errors
+
+
+@dataclass(frozen=True)
+class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
     """A `kvpool master`: one member of the Raft group holding the block index."""
 
     listen: str = opt("127.0.0.1:7300", "gRPC address (host:port) clients and nodes call")
@@ -175,6 +223,18 @@ class MasterConfig(ServerSecurityConfig, LogConfig):
     )
     raft_connection_timeout_s: float = opt(2.0, "Raft peer connection timeout", "duration")
     raft_connection_retry_s: float = opt(1.0, "Raft redial period for lost peers", "duration")
+    raft_max_message_bytes: int = opt(
+        64 << 20,
+        "longest Raft peer message accepted after the handshake (a longer length prefix closes "
+        "the connection before anything is buffered; before it: 64 KiB)",
+        "size",
+    )
+    raft_message_timeout_s: float = opt(
+        5.0,
+        "a Raft peer connection must finish its handshake, and each message must arrive whole, "
+        "within this long, else it is closed",
+        "duration",
+    )
     raft_compaction_min_entries: int = opt(20000, "compact the Raft log after this many entries")
     raft_compaction_min_time_s: float = opt(
         300.0, "compact the Raft log at least this often", "duration"
@@ -223,9 +283,22 @@ class MasterConfig(ServerSecurityConfig, LogConfig):
         "Prometheus /metrics HTTP port on the listen host: 0 = any free port (logged as "
         "metrics_serving, in the ready file), -1 = off",
     )
+    max_lookup_keys: int = opt(
+        16384,
+        "most keys in one Lookup or PrefixMatch (more is refused: REQUEST_TOO_LARGE), which "
+        "bounds the time one request holds the event loop",
+    )
+    max_node_capacity: int = opt(
+        1 << 50, "largest capacity a store node may register with (larger is refused)", "size"
+    )
 
     def validate(self) -> list[str]:
         errors = _validate_addresses(self, ("listen", "raft_listen"))
+        errors += self._ingress_problems()
+        if self.max_lookup_keys < 1:
+            errors.append("max_lookup_keys: must be at least 1")
+        if self.max_node_capacity < 1:
+            errors.append("max_node_capacity: must be positive")
         if self.rpc_listen not in ("auto", "off"):
             errors += _validate_addresses(self, ("rpc_listen",))
         # raft_listen is not refused: Raft traffic is authenticated by raft_secret already.
@@ -277,6 +350,10 @@ class MasterConfig(ServerSecurityConfig, LogConfig):
                 errors.append(f"{name}: must be at least 1")
         if self.raft_compaction_min_entries == 1:
             errors.append("raft_compaction_min_entries: must be at least 2 (PySyncObj)")
+        if self.raft_max_message_bytes < 1 << 20:
+            errors.append("raft_max_message_bytes: must be at least 1 MiB (entries go in 1 MiB)")
+        if self.raft_message_timeout_s <= 0:
+            errors.append("raft_message_timeout_s: must be positive")
         if self.raft_compaction_min_time_s <= 0:
             errors.append("raft_compaction_min_time_s: must be positive")
         if self.commit_timeout_s <= 0:
@@ -298,7 +375,7 @@ class MasterConfig(ServerSecurityConfig, LogConfig):
 
 
 @dataclass(frozen=True)
-class NodeConfig(ServerSecurityConfig, LogConfig):
+class NodeConfig(ServerSecurityConfig, LogConfig, IngressConfig):
     """A `kvpool node`: one store node holding block bytes."""
 
     node_id: str = opt("", "stable name of this node (default: the host name)")
@@ -368,6 +445,11 @@ class NodeConfig(ServerSecurityConfig, LogConfig):
         "unix socket; clients behind a proxy or NAT keep using tcp)",
     )
     max_block_size: int = opt(64 << 20, "largest block accepted", "size")
+    put_memory_fraction: float = opt(
+        0.5,
+        "most of the CPU tier that PUTs whose bytes are still arriving may hold; beyond it a "
+        "PUT is refused (NO_SPACE, retryable) without evicting anything",
+    )
     staged_ttl_s: float = opt(
         30.0,
         "staged (uncommitted) blocks older than this are checked against the index and reclaimed",
@@ -391,6 +473,9 @@ class NodeConfig(ServerSecurityConfig, LogConfig):
     def validate(self) -> list[str]:
         errors = _validate_addresses(self, ("listen", "data_listen"))
         errors += _validate_masters(self.masters)
+        errors += self._ingress_problems()
+        if not 0 < self.put_memory_fraction <= 1:
+            errors.append("put_memory_fraction: must be in (0, 1]")
         errors += self._security_problems(("listen", "data_listen"))
         if self.advertise_data_address:
             scheme, _, rest = self.advertise_data_address.partition("://")

@@ -90,6 +90,12 @@ class MalformedRequestError(KVPoolError):
     grpc_status = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class RequestTooLargeError(MalformedRequestError):
+    """A request is above a server's limit (too many keys, too many bytes): split it."""
+
+    code = "REQUEST_TOO_LARGE"
+
+
 # --- cluster state: retryable -----------------------------------------------------------------
 
 

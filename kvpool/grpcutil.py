@@ -38,13 +38,14 @@ from kvpool.errors import (
     DeadlineExceededError,
     InternalError,
     KVPoolError,
+    MalformedRequestError,
     NotLeaderError,
     ProtocolVersionError,
     UnauthenticatedError,
     UnavailableError,
     error_from_code,
 )
-from kvpool.logs import get_logger
+from kvpool.logs import OncePer, get_logger
 from kvpool.metrics import RPC_SERVER_LATENCY
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.security import NO_SECURITY, TOKEN_METADATA_KEY, Security, tokens_equal
@@ -75,6 +76,60 @@ _SERVER_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 log = get_logger("kvpool.grpc")
+_bad_requests = OncePer(log)
+
+
+class Undecodable:
+    """What a request the server could not parse becomes (instead of grpc's traceback per
+    request): the wrapped handler refuses it with INVALID_ARGUMENT and logs it once per peer
+    and minute."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def run(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as e:  # DecodeError, and whatever else a parser raises
+            return Undecodable(f"{type(e).__name__}: {e}")
+
+    return run
+
+
+class _TolerantServer:
+    """The server as a generated ``add_XServicer_to_server`` sees it: its method handlers are
+    registered with deserializers that never raise (see :class:`Undecodable`)."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+        self._generic: list[Any] = []
+        self._registered = False
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self._generic.extend(handlers)  # replaced below by the tolerant ones
+
+    def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
+        tolerant = {
+            method: h._replace(request_deserializer=_tolerant(h.request_deserializer))
+            for method, h in handlers.items()
+        }
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(name, tolerant),)
+        )
+        self._server.add_registered_method_handlers(name, tolerant)
+        self._registered = True
+
+    def finish(self) -> None:
+        if not self._registered:  # generated code of a grpc that registers generic only
+            self._server.add_generic_rpc_handlers(tuple(self._generic))
+
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -132,6 +187,16 @@ def _wrap_unary(
     anything else into INTERNAL."""
 
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            peer = context.peer() or "?"
+            _bad_requests.warning(
+                "rpc_bad_request", peer.rsplit(":", 1)[0], method=method, peer=peer,
+                reason=request.reason,
+            )  # fmt: skip
+            context.set_trailing_metadata(((ERROR_CODE_KEY, MalformedRequestError.code),))
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.reason}"
+            )
         theirs = None
         offered = None
         for key, value in context.invocation_metadata() or ():
@@ -266,17 +331,29 @@ async def start_server(
     services: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
     *,
     security: Security = NO_SECURITY,
+    max_receive_bytes: int = 0,
 ) -> ServerHandle:
     """Start a ``grpc.aio`` server on ``listen`` (``host:port``; port 0 picks one).
 
     ``services`` are ``(add_XServicer_to_server, servicer, full_service_name)``. The health and
     reflection services are added; kvpool services start NOT_SERVING until ``set_ready(True)``.
     ``security``: TLS when it has a certificate; the cluster token required on kvpool RPCs.
+    ``max_receive_bytes``: the largest request accepted (default :data:`MAX_MESSAGE_BYTES`).
+    A request that does not parse is refused (INVALID_ARGUMENT), logged once per peer and
+    minute (``rpc_bad_request``), never with a traceback.
     """
-    server = grpc.aio.server(options=_SERVER_OPTIONS)
+    options = _SERVER_OPTIONS
+    if max_receive_bytes:
+        options = [
+            *(o for o in _SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+        ]
+    server = grpc.aio.server(options=options)
     names = []
     for add, servicer, name in services:
-        add(_Served(servicer, name, security.token), server)
+        tolerant = _TolerantServer(server)
+        add(_Served(servicer, name, security.token), tolerant)
+        tolerant.finish()
         names.append(name)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -330,7 +407,10 @@ _TLS_SYMPTOMS = ("Socket closed", "SSL", "handshake", "Handshake", "certificate"
 
 def translate_rpc_error(err: grpc.aio.AioRpcError | grpc.RpcError, address: str) -> KVPoolError:
     """Rebuild the typed kvpool error from a failed call."""
-    trailing = dict(err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else {}
+    # Built from the (key, value) pairs, not with dict(): grpcio < 1.80's aio Metadata has a
+    # keys() that yields the pairs, which dict() then looks up as keys.
+    pairs = err.trailing_metadata() or () if hasattr(err, "trailing_metadata") else ()
+    trailing = {key: value for key, value in pairs}  # noqa: C416 - see above
     code = trailing.get(ERROR_CODE_KEY)
     leader = trailing.get(LEADER_KEY)
     status = err.code() if hasattr(err, "code") else None

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import MutableMapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import structlog
@@ -90,3 +92,47 @@ def bind_process(**fields: Any) -> None:
 
 def get_logger(name: str | None = None) -> Any:
     return structlog.get_logger(name) if name else structlog.get_logger()
+
+
+class OncePer:
+    """A warning logged at most once per ``period_s`` for each key (a peer, a reason): one bad
+    peer sending thousands of bad frames costs one line per period, not one per frame. The
+    lines held back are counted in the next one (``suppressed``). At most ``max_keys`` keys are
+    remembered (the oldest forgotten first), so a scan from many addresses cannot grow it."""
+
+    def __init__(
+        self,
+        log: Any,
+        period_s: float = 60.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_keys: int = 1024,
+    ) -> None:
+        self._log = log
+        self._period_s = period_s
+        self._clock = clock
+        self._max_keys = max_keys
+        self._seen: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
+        self.logged = 0
+        self.suppressed = 0
+
+    def warning(self, event: str, key: str, **fields: Any) -> bool:
+        """Log ``event`` for ``key`` unless it was logged less than a period ago; True when
+        logged."""
+        now = self._clock()
+        slot = (event, key)
+        last = self._seen.get(slot)
+        if last is not None and now - last[0] < self._period_s:
+            self._seen[slot] = (last[0], last[1] + 1)
+            self.suppressed += 1
+            return False
+        held = last[1] if last is not None else 0
+        self._seen[slot] = (now, 0)
+        self._seen.move_to_end(slot)
+        while len(self._seen) > self._max_keys:
+            self._seen.popitem(last=False)
+        self.logged += 1
+        if held:
+            fields["suppressed"] = held
+        self._log.warning(event, **fields)
+        return True

@@ -5,6 +5,10 @@
 
 The .proto files import each other as ``kvpool/proto/v1/<name>.proto`` so that the generated
 modules import ``kvpool.proto.v1``, the installed package name of this folder.
+
+It runs with the generator pinned in ``proto/requirements.txt`` (``make`` builds .venv-proto
+for it) and refuses another version: the generated code's own runtime checks (protobuf >= the
+protoc that wrote it, grpcio >= grpcio-tools) decide the lowest versions kvpool can claim.
 """
 
 from __future__ import annotations
@@ -20,6 +24,26 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
+PINNED = HERE / "requirements.txt"
+
+
+def _wrong_tools() -> list[str]:
+    """The pinned generator packages whose installed version differs from the pin."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    wrong = []
+    for raw in PINNED.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if "==" not in line:
+            continue
+        name, want = (part.strip() for part in line.split("==", 1))
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            have = "not installed"
+        if have != want:
+            wrong.append(f"{name} {have} (pinned: {want})")
+    return wrong
 
 
 def _generate(out: Path) -> list[Path]:
@@ -59,6 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if generated code is stale")
     args = parser.parse_args(argv)
+    wrong = _wrong_tools()
+    if wrong:
+        print(
+            "proto/generate.py needs the generator pinned in proto/requirements.txt: "
+            + ", ".join(wrong)
+            + "\nrun it through `make proto` / `make proto-check` (they build .venv-proto)",
+            file=sys.stderr,
+        )
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         fresh = {p.name: p for p in _generate(Path(tmp)) if p.name.endswith(GENERATED_SUFFIXES)}
         committed = _committed()

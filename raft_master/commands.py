@@ -59,10 +59,13 @@ class CommitPuts:
 
 @dataclass(frozen=True, slots=True)
 class RemoveKeys:
-    """Remove keys from the index."""
+    """Remove keys from the index, and up to ``limit`` keys that start with one of
+    ``prefixes`` ("" matches every key): a namespace- or cluster-wide removal in steps."""
 
     request_id: bytes
     keys: tuple[str, ...]
+    prefixes: tuple[str, ...] = ()
+    limit: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +229,8 @@ class RemoveKeysResult:
     removed: tuple[bool, ...]
     blocks: tuple[RemovedBlock, ...]
     revision: int
+    prefix_removed: int = 0
+    more: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +350,8 @@ def _to_proto(command: Command) -> raft_pb2.RaftCommand:
     elif isinstance(command, RemoveKeys):
         msg.remove_keys.SetInParent()
         msg.remove_keys.keys.extend(command.keys)
+        msg.remove_keys.prefixes.extend(command.prefixes)
+        msg.remove_keys.limit = command.limit
     elif isinstance(command, DropReplicas):
         msg.drop_replicas.SetInParent()
         msg.drop_replicas.member_id = command.member_id
@@ -430,7 +437,8 @@ def _from_proto(msg: raft_pb2.RaftCommand, *, nested: bool) -> Command:
             ),
         )
     if kind == "remove_keys":
-        return RemoveKeys(rid, tuple(msg.remove_keys.keys))
+        rk = msg.remove_keys
+        return RemoveKeys(rid, tuple(rk.keys), tuple(rk.prefixes), rk.limit)
     if kind == "drop_replicas":
         dr = msg.drop_replicas
         return DropReplicas(rid, dr.member_id, tuple((b.key, b.write_id) for b in dr.blocks))
@@ -517,7 +525,12 @@ def encode_result(result: Result) -> bytes:
             )
         return bytes([_TAG_COMMIT_PUTS]) + resp.SerializeToString(deterministic=True)
     if isinstance(result, RemoveKeysResult):
-        rr = master_pb2.RemoveResponse(removed=result.removed, revision=result.revision)
+        rr = master_pb2.RemoveResponse(
+            removed=result.removed,
+            revision=result.revision,
+            prefix_removed=result.prefix_removed,
+            more=result.more,
+        )
         for b in result.blocks:
             rr.blocks.add(key=b.key, write_id=b.write_id, replicas=b.replicas)
         return bytes([_TAG_REMOVE_KEYS]) + rr.SerializeToString(deterministic=True)
@@ -573,6 +586,8 @@ def decode_result(data: bytes) -> Result:
             tuple(rr.removed),
             tuple(RemovedBlock(b.key, b.write_id, tuple(b.replicas)) for b in rr.blocks),
             rr.revision,
+            rr.prefix_removed,
+            rr.more,
         )
     if tag == _TAG_DROP_REPLICAS:
         dropped, revision = _U32_U64.unpack(body)

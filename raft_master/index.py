@@ -30,6 +30,7 @@ are read, but no new replica is committed to it.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any, assert_never, cast
@@ -97,6 +98,8 @@ __all__ = [
     "unpack_record",
 ]
 
+PREFIX_REMOVE_LIMIT = 4096
+"""Most keys one prefix removal takes out of the index (RemoveRequest.limit 0)."""
 _DEDUPE_OVERHEAD_BYTES = 64  # per stored result: key bytes object + OrderedDict node
 
 
@@ -229,19 +232,37 @@ class BlockIndex(MemberTable):
         removed: list[bool] = []
         blocks: list[RemovedBlock] = []
         for key in cmd.keys:
-            record = self._entries.pop(key, None)
-            if record is None:
-                removed.append(False)
-                continue
-            _, write_id, _, _, _, replicas = unpack_record(record)
-            for m in replicas:
-                self._unlink(m, key)
-            self._pins.pop(key, None)
-            removed.append(True)
-            blocks.append(RemovedBlock(key, write_id, replicas))
+            block = self._remove_entry(key)
+            removed.append(block is not None)
+            if block is not None:
+                blocks.append(block)
+        prefix_removed, more = 0, False
+        if cmd.prefixes:
+            # The entries' order is the order of the log that built them, the same on every
+            # master (snapshots keep it), so every master removes the same keys.
+            limit = cmd.limit or PREFIX_REMOVE_LIMIT
+            matching = (k for k in self._entries if k.startswith(cmd.prefixes))
+            for key in list(itertools.islice(matching, limit + 1)):
+                if prefix_removed == limit:
+                    more = True
+                    break
+                block = self._remove_entry(key)
+                assert block is not None
+                blocks.append(block)
+                prefix_removed += 1
         if blocks:
             self._revision += 1
-        return RemoveKeysResult(tuple(removed), tuple(blocks), self._revision)
+        return RemoveKeysResult(tuple(removed), tuple(blocks), self._revision, prefix_removed, more)
+
+    def _remove_entry(self, key: str) -> RemovedBlock | None:
+        record = self._entries.pop(key, None)
+        if record is None:
+            return None
+        _, write_id, _, _, _, replicas = unpack_record(record)
+        for m in replicas:
+            self._unlink(m, key)
+        self._pins.pop(key, None)
+        return RemovedBlock(key, write_id, replicas)
 
     def _drop_replicas(self, cmd: DropReplicas) -> DropReplicasResult:
         member_id = cmd.member_id

@@ -8,7 +8,8 @@ Guards (see shared/PYSYNCOBJ.md):
 
 - tuning from ``MasterConfig.raft_*`` with ``appendEntriesUseBatch=False`` (sub-millisecond
   commits; batching is our own group commit in the service), ``leaderFallbackTimeout`` 2 s;
-- ``password`` is required (peer traffic is pickle);
+- ``password`` is required (peer traffic is pickle); the Raft port's connections are PySyncObj's
+  transport with our own connection handling (:mod:`kvpool.raft_master.raft_guard`);
 - with a ``data_dir`` both ``journalFile`` and ``fullDumpFile`` are set (a journal without a dump
   comes back empty, never applies, yet votes: :func:`check_persistence` refuses it);
 - Raft binds to ``raft_listen`` only (PySyncObj would otherwise bind 0.0.0.0);
@@ -40,6 +41,7 @@ from kvpool.logs import get_logger
 from kvpool.raft_master.commands import Command, ErrorResult, Result, encode
 from kvpool.raft_master.index import BlockIndex, IndexSnapshot
 from kvpool.raft_master.lease import LeasedSyncObj, LeaseTimes, missing_internals
+from kvpool.raft_master.raft_guard import GuardLimits, GuardStats, guarded_transport
 
 T = TypeVar("T")
 
@@ -277,6 +279,7 @@ class Replicator:
             dedupe_max_bytes=cfg.dedupe_max_bytes,
         )
         self._syncobj: SyncObj | None = None
+        self.guard_stats = GuardStats()  # what the Raft port refused (raft_guard.py)
         self._status = RaftStatus()
         self._last_status_at = 0.0
         # A group of one master commits an entry on the tick after the one that appended it;
@@ -299,13 +302,20 @@ class Replicator:
         )
         peers = [p for p in self.cfg.raft_peers if p != self.cfg.raft_listen]
         syncobj: SyncObj
+        guard = GuardLimits(self.cfg.raft_max_message_bytes, self.cfg.raft_message_timeout_s)
+        transport = guarded_transport(guard, self.guard_stats)  # the Raft port's guard
         if self.cfg.raft_read_lease:
             _check_lease_internals(None)
             times = LeaseTimes.for_election_timeout(
                 self.cfg.raft_min_timeout_s, self.cfg.raft_append_period_s
             )
             syncobj = LeasedSyncObj(
-                self.cfg.raft_listen, peers, times=times, conf=conf, consumers=[self.consumer]
+                self.cfg.raft_listen,
+                peers,
+                times=times,
+                conf=conf,
+                consumers=[self.consumer],
+                transportClass=transport,
             )
             try:
                 _check_lease_internals(syncobj)
@@ -313,7 +323,13 @@ class Replicator:
                 syncobj.destroy()
                 raise
         else:
-            syncobj = SyncObj(self.cfg.raft_listen, peers, conf=conf, consumers=[self.consumer])
+            syncobj = SyncObj(
+                self.cfg.raft_listen,
+                peers,
+                conf=conf,
+                consumers=[self.consumer],
+                transportClass=transport,
+            )
         self._syncobj = syncobj
         try:
             syncobj.waitBinded()

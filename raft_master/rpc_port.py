@@ -12,6 +12,13 @@ leader, so the caller rebuilds the same typed error.
 A master offers the port (``rpc_address`` in GetMembers) only when clients dial it directly:
 with ``advertise_address`` set (a proxy or NAT in front) it is not offered, so a proxied path,
 and any fault injected on it, stays the only one.
+
+Limits (:mod:`kvpool.transports.limits`): a request payload above ``max_request_size`` is
+answered REQUEST_TOO_LARGE and its connection closed, before anything is allocated; the buffer of
+an accepted one is charged to the process's ``request_memory`` budget until the request is
+decoded (beyond the budget: UNAVAILABLE, retryable, the payload skipped); a frame not complete
+within ``frame_timeout_s`` closes its connection; at most ``max_connections`` connections.
+Undecodable and refused requests are logged once per peer and minute (``rpc_bad_request``).
 """
 
 from __future__ import annotations
@@ -25,17 +32,31 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 
 from kvpool import tracing
-from kvpool.errors import InternalError, KVPoolError, NotLeaderError
-from kvpool.logs import get_logger
+from kvpool.errors import (
+    InternalError,
+    KVPoolError,
+    MalformedRequestError,
+    NotLeaderError,
+    RequestTooLargeError,
+    UnavailableError,
+)
+from kvpool.logs import OncePer, get_logger
 from kvpool.metrics import RPC_SERVER_LATENCY
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.v1 import master_pb2
 from kvpool.proto.wire import FrameError, Header, Op, Status, version_mismatch_message
 from kvpool.raft_master.service import MasterService
 from kvpool.transports.auth import Gate
+from kvpool.transports.limits import (
+    IngressLimits,
+    MemoryBudget,
+    overloaded_message,
+    too_large_message,
+)
 from kvpool.transports.stream import FrameStream, StreamServer, listen_tcp, tune_socket
 
-MAX_REQUEST_BYTES = 64 << 20
+BLOCKED_TIMEOUT_S = 30.0
+"""A caller that has not read its answers for this long is cut."""
 METHODS: dict[str, type[Message]] = {
     "Lookup": master_pb2.LookupRequest,
     "CommitPuts": master_pb2.CommitPutsRequest,
@@ -80,11 +101,15 @@ class RpcConnection:
     def __init__(self, port: RpcPort) -> None:
         self._port = port
         self.stream: FrameStream | None = None
+        self.peer = "?"
         self._tasks: set[asyncio.Task[None]] = set()
+        self._charged = 0  # request memory held by the frame being received
+        self._refusal: KVPoolError | None = None  # decided for the frame being received
 
     def attach(self, sock: socket.socket) -> None:
         tune_socket(sock)
         self.stream = FrameStream(sock, self, backpressure=True)
+        self.peer = self.stream.peername
         self._port.connections.add(self)
 
     def abort(self) -> None:
@@ -94,13 +119,42 @@ class RpcConnection:
     # --- StreamHandler ----------------------------------------------------------------------
 
     def frame_sink(self, header: Header, key: bytes) -> memoryview | None:
-        if header.op == Op.RPC and header.payload_len <= MAX_REQUEST_BYTES:
-            return memoryview(bytearray(header.payload_len))
-        return None
+        self._refusal = None
+        if header.op != Op.RPC or not header.payload_len:
+            return None
+        port = self._port
+        size = header.payload_len
+        if size > port.limits.max_request_bytes:
+            error = RequestTooLargeError(too_large_message(size, port.limits.max_request_bytes))
+            self._bad_request(header, key, error.message)
+            self._error(header, error)
+            if self.stream is not None:
+                self.stream.close()  # not worth reading: the answer goes, then we close
+            return None
+        if not port.budget.take(size):
+            self._refusal = UnavailableError(overloaded_message(size, port.budget))
+            self._bad_request(header, key, "request memory exhausted")
+            return None
+        self._charged = size
+        return memoryview(bytearray(size))
+
+    def _uncharge(self) -> None:
+        if self._charged:
+            self._port.budget.give(self._charged)
+            self._charged = 0
 
     def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
+        try:
+            self._handle(header, key, payload)
+        finally:
+            self._uncharge()
+
+    def _handle(self, header: Header, key: bytes, payload: memoryview | None) -> None:
         stream = self.stream
-        if stream is None:
+        if stream is None or stream.is_closing:
+            return
+        if self._refusal is not None:
+            self._error(header, self._refusal)
             return
         if header.op in (Op.PING, Op.AUTH):  # AUTH: no token here, or proved already (Gate)
             stream.send(Header(op=header.op, request_id=header.request_id))
@@ -120,6 +174,7 @@ class RpcConnection:
         name = key.decode("ascii", "replace")
         request_type = METHODS.get(name) if header.op == Op.RPC else None
         if request_type is None or (payload is None and header.payload_len):
+            self._bad_request(header, key, "not served on this port")
             stream.send_error(
                 header, Status.BAD_REQUEST, f"op {header.op} {name!r}: not served on this port"
             )
@@ -127,8 +182,11 @@ class RpcConnection:
         try:
             request = request_type.FromString(bytes(payload) if payload is not None else b"")
         except DecodeError as e:
-            self._error(header, InternalError(f"{name}: undecodable request: {e}"))
+            self._bad_request(header, key, f"undecodable: {e}")
+            self._error(header, MalformedRequestError(f"{name}: undecodable request: {e}"))
             return
+        finally:
+            self._uncharge()  # decoded: the payload's buffer is no longer needed
         budget_s = header.version / 1e6 if header.version else None
         task = asyncio.get_running_loop().create_task(self._call(header, name, request, budget_s))
         self._tasks.add(task)
@@ -196,7 +254,21 @@ class RpcConnection:
                 body,
             )
 
+    def _bad_request(self, header: Header, key: bytes, reason: str) -> None:
+        self._port.bad_requests += 1
+        self._port.once.warning(
+            "rpc_bad_request",
+            self.peer.rsplit(":", 1)[0],
+            peer=self.peer,
+            op=header.op,
+            method=key[:64].decode("ascii", "replace"),
+            reason=reason,
+        )
+
     def version_mismatch(self, theirs: int) -> None:
+        self._port.once.warning(
+            "rpc_bad_request", self.peer.rsplit(":", 1)[0], peer=self.peer, reason="version"
+        )
         if self.stream is not None:
             self.stream.send_error(
                 None,
@@ -206,36 +278,90 @@ class RpcConnection:
             )
 
     def bad_frame(self, error: FrameError) -> None:
+        self._port.bad_requests += 1
+        self._port.once.warning(
+            "rpc_bad_request", self.peer.rsplit(":", 1)[0], peer=self.peer, reason=str(error)
+        )
         if self.stream is not None:
             self.stream.send_error(None, Status.BAD_REQUEST, str(error), close=True)
 
     def stream_closed(self, error: Exception | None) -> None:
         self._port.connections.discard(self)
+        self._uncharge()
         for task in list(self._tasks):
             task.cancel()
+        self.stream = None  # nothing points back at the stream: freed by reference counting
 
 
 class RpcPort:
     """The listening side; :meth:`start` binds, :meth:`close` stops and cuts every caller."""
 
-    def __init__(self, service: MasterService, log: Any = None, token: bytes = b"") -> None:
+    def __init__(
+        self,
+        service: MasterService,
+        log: Any = None,
+        token: bytes = b"",
+        limits: IngressLimits | None = None,
+    ) -> None:
         self.service = service
         self.log = log if log is not None else get_logger("kvpool.raft_master.rpc")
-        self.gate = Gate(token, self._adopt, log=self.log)
+        self.once = OncePer(self.log)
+        self.limits = limits if limits is not None else IngressLimits()
+        self.budget = MemoryBudget(self.limits.request_memory_bytes)
         self.connections: set[RpcConnection] = set()
+        self.gate = Gate(
+            token,
+            self._adopt,
+            log=self.log,
+            max_connections=self.limits.max_connections,
+            live=lambda: len(self.connections),
+        )
         self._server: StreamServer | None = None
+        self._guard: asyncio.Task[None] | None = None
         self.port = 0
+        self.bad_requests = 0
+        self.cut = 0
 
     def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: any free port); OSError when it cannot."""
-        self._server = StreamServer(listen_tcp(host, port), self.gate)
+        self._server = StreamServer(listen_tcp(host, port), self.gate, log=self.log)
         self.port = self._server.port
+        self._guard = asyncio.get_running_loop().create_task(self._cut_slow())
         return self.port
 
     def _adopt(self, sock: socket.socket) -> None:
         RpcConnection(self).attach(sock)
 
+    def cut_slow(self, now: float) -> int:
+        """Close connections with a frame half-sent for ``frame_timeout_s`` or answers unread
+        for :data:`BLOCKED_TIMEOUT_S`."""
+        cut = 0
+        for conn in list(self.connections):
+            stream = conn.stream
+            if stream is None:
+                continue
+            started, blocked = stream.frame_since, stream.blocked_since
+            if (started is not None and now - started > self.limits.frame_timeout_s) or (
+                blocked is not None and now - blocked > BLOCKED_TIMEOUT_S
+            ):
+                self.once.warning(
+                    "slow_peer_cut", conn.peer.rsplit(":", 1)[0], peer=conn.peer, port="rpc"
+                )
+                conn.abort()
+                cut += 1
+        self.cut += cut
+        return cut
+
+    async def _cut_slow(self) -> None:
+        period_s = max(0.05, min(1.0, self.limits.frame_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period_s)
+            self.cut_slow(time.monotonic())
+
     def close(self) -> None:
+        if self._guard is not None:
+            self._guard.cancel()
+            self._guard = None
         self.gate.close()
         if self._server is not None:
             self._server.close()

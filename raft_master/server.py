@@ -200,6 +200,7 @@ class MasterProcess:
                         )
                     ],
                     security=self.security,
+                    max_receive_bytes=cfg.max_request_size,
                 )
             except (KVPoolError, RuntimeError) as e:
                 raise StartupError(f"cannot bind the gRPC address {cfg.listen}: {e}") from None
@@ -268,7 +269,9 @@ class MasterProcess:
             host, port = split_hostport(cfg.listen)[0], 0
         else:
             host, port = split_hostport(cfg.rpc_listen)
-        self._rpc = RpcPort(self.service, self.log, token=self.security.token)
+        self._rpc = RpcPort(
+            self.service, self.log, token=self.security.token, limits=self.cfg.ingress_limits()
+        )
         try:
             bound = self._rpc.start(host, port)
         except OSError as e:

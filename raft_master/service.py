@@ -63,6 +63,7 @@ from kvpool.raft_master.group_commit import GroupCommitter
 from kvpool.raft_master.index import BlockIndex, MemberRecord
 from kvpool.raft_master.members import check_registered
 from kvpool.raft_master.replication import Replicator
+from kvpool.raft_master.request_checks import check_key_count, check_registration
 
 REQUEST_ID_BYTES = 16
 MAX_REVISION_WAIT_S = 1.0
@@ -310,16 +311,22 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.RemoveRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.RemoveResponse:
         request_id = check_request_id(request.request_id)
-        keys = check_keys(request.keys, allow_empty=False)
+        prefixes = tuple(request.prefixes)
+        keys = check_keys(request.keys, allow_empty=bool(prefixes))
         self._require_leader()
-        result = await self._propose(RemoveKeys(request_id, tuple(keys)), context)
+        command = RemoveKeys(request_id, tuple(keys), prefixes, request.limit)
+        result = await self._propose(command, context)
         if not isinstance(result, RemoveKeysResult):
             raise InternalError(f"unexpected result {type(result).__name__}")
         members = self.replicator.read(
             lambda ix: _named_live_members(ix, (m for b in result.blocks for m in b.replicas))
         )
         response = master_pb2.RemoveResponse(
-            removed=result.removed, revision=result.revision, members=map(member_pb, members)
+            removed=result.removed,
+            revision=result.revision,
+            members=map(member_pb, members),
+            prefix_removed=result.prefix_removed,
+            more=result.more,
         )
         for b in result.blocks:
             response.blocks.add(key=b.key, write_id=b.write_id, replicas=b.replicas)
@@ -329,10 +336,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.RegisterNodeResponse:
         request_id = check_request_id(request.request_id)
-        if not request.node_id:
-            raise MalformedRequestError("RegisterNode without node_id")
-        if not request.data_address:
-            raise MalformedRequestError("RegisterNode without data_address")
+        check_registration(request, self.cfg.max_node_capacity)
         self._require_leader()
         result = await self._propose(
             RegisterMember(
@@ -540,6 +544,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
     async def Lookup(  # noqa: N802 - gRPC method name
         self, request: master_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.LookupResponse:
+        check_key_count(len(request.keys), self.cfg.max_lookup_keys, "Lookup")
         keys = check_keys(request.keys, allow_empty=True)
         await self._require_read_lease(context)
         await self._wait_for_revision(request.min_revision, context)
@@ -576,6 +581,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
     async def PrefixMatch(  # noqa: N802 - gRPC method name
         self, request: master_pb2.PrefixMatchRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.PrefixMatchResponse:
+        check_key_count(len(request.keys), self.cfg.max_lookup_keys, "PrefixMatch")
         keys = check_keys(request.keys, allow_empty=True)
         await self._require_read_lease(context)
         await self._wait_for_revision(request.min_revision, context)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Protocol
 
-from kvpool.client.replicate import BlockRef, copy_blocks
+from kvpool.client.replicate import BlockRef, check_refs, copy_blocks
 from kvpool.logs import get_logger
 from kvpool.proto.v1 import node_pb2, node_pb2_grpc
-from kvpool.store_node.block_store import BlockStore
+from kvpool.store_node.block_store import BlockState, BlockStore
 from kvpool.transports.tcp import ConnectionPool, open_tcp_address
 
 MAX_COPY_TIMEOUT_S = 30.0
@@ -101,14 +101,23 @@ class NodeAdmin(node_pb2_grpc.NodeAdminServicer):
         refs = [
             BlockRef(b.key, b.write_id, b.version, b.size_bytes, b.checksum) for b in request.blocks
         ]
+        check_refs(request.target_data_address, refs, max_block_size=self._store.max_block_size)
         timeout_s = min(request.timeout_s or 5.0, MAX_COPY_TIMEOUT_S)
-        errors = await copy_blocks(
+        if not timeout_s > 0:  # NaN, negative
+            timeout_s = 5.0
+        # Only blocks this node holds with exactly that size and checksum are read (the index
+        # may be stale); nothing is allocated for the others.
+        held = [self._holds(r) for r in refs]
+        todo = [r for r, ok in zip(refs, held, strict=True) if ok]
+        done = await copy_blocks(
             self._pool,
             self._identity.data_address,
             request.target_data_address,
-            refs,
+            todo,
             timeout_s=timeout_s,
         )
+        it = iter(done)
+        errors = [next(it) if ok else "not held here" for ok in held]
         failed = [(r.key, e) for r, e in zip(refs, errors, strict=True) if e]
         if failed:
             self._log.warning(
@@ -119,6 +128,15 @@ class NodeAdmin(node_pb2_grpc.NodeAdminServicer):
                 error=failed[0][1],
             )
         return node_pb2.CopyBlocksResponse(copied=[not e for e in errors])
+
+    def _holds(self, ref: BlockRef) -> bool:
+        block = self._store.block(ref.key, ref.write_id)
+        return (
+            block is not None
+            and block.state is not BlockState.RECEIVING
+            and block.size_bytes == ref.size_bytes
+            and block.checksum == ref.checksum
+        )
 
     async def UpdateBlocks(  # noqa: N802 (the gRPC method name)
         self, request: node_pb2.UpdateBlocksRequest, context: Any

@@ -9,7 +9,10 @@ A block is identified by ``(key, write_id)`` and lives in one of three states:
 A staged block is served to a read that names its exact write id: readers learn write ids only
 from the index, which names only committed writes, so such a block is committed and merely
 waiting for its PUBLISH — which the writer sends without waiting, and which a read on another
-connection may overtake.
+connection may overtake. Only for ``staged_read_window_s`` (1 s) after it was staged, though:
+a PUBLISH that never came (a broken link) leaves the block staged while newer writes of the key
+are published, and a reader whose cached entry still names it would read a replaced value for
+the entry's lifetime. After the window it misses (STAGED) until the index confirms it.
 
 At most one committed block per key: publishing version V replaces a lower committed version
 and loses against a higher one. A block's bytes live in one or more tiers (GPU, CPU, SSD), as
@@ -64,8 +67,8 @@ __all__ = [
     "StoreStats",
 ]
 
-_READABLE = (BlockState.STAGED, BlockState.COMMITTED)
-"""States a read by exact write id is served in (see the module doc)."""
+STAGED_READ_WINDOW_S = 1.0
+"""How long after staging a block is served before its PUBLISH (see the module doc)."""
 
 RECENT_EVICTIONS = 8192
 """How many evicted block ids are remembered, to answer MISS EVICTED rather than ABSENT."""
@@ -95,11 +98,16 @@ class BlockStore:
         gpu_promote_after_hits: int = 4,
         write_batch_bytes: int = 8 << 20,
         on_work: Callable[[], None] | None = None,
+        max_receiving_bytes: int | None = None,
+        staged_read_window_s: float = STAGED_READ_WINDOW_S,
     ) -> None:
+        """``max_receiving_bytes``: most CPU-tier bytes PUTs still arriving may hold together
+        (default: half the tier; ``put_memory_fraction``); one PUT alone is always considered."""
         if not 0 < low_watermark < high_watermark <= 1:
             raise ValueError("need 0 < low_watermark < high_watermark <= 1")
         self.tier = tier
         self.policy = policy
+        self.staged_read_window_s = staged_read_window_s
         self._reads: dict[str, int] = {}  # key -> reads since take_read_counts (hot blocks)
         self.max_block_size = max_block_size
         self.high_watermark = high_watermark
@@ -114,6 +122,11 @@ class BlockStore:
         self._recent_cap = recent_evictions
         self._to_report: OrderedDict[BlockId, None] = OrderedDict()
         self._backlog_cap = eviction_backlog
+        self.max_receiving_bytes = (
+            max_receiving_bytes if max_receiving_bytes is not None else tier.capacity_bytes // 2
+        )
+        self.receiving_bytes = 0  # CPU footprint of RECEIVING blocks (reservations)
+        self.staged_bytes = 0  # CPU footprint of STAGED blocks (never evicted)
         self.tiers = TierManager(
             tier,
             policy,
@@ -160,6 +173,24 @@ class BlockStore:
             return PutVerdict(
                 Status.BAD_REQUEST, message="write id already used for other bytes of this key"
             )
+        footprint = self.tier.footprint(size_bytes)
+        if self.receiving_bytes and self.receiving_bytes + footprint > self.max_receiving_bytes:
+            self.counters.no_space += 1
+            return PutVerdict(
+                Status.NO_SPACE,
+                message=f"no room for {size_bytes} bytes: PUTs still arriving hold "
+                f"{self.receiving_bytes} bytes, at most {self.max_receiving_bytes} may be "
+                "(put_memory_fraction); retry shortly",
+            )
+        if self.receiving_bytes + self.staged_bytes + footprint > self.tier.capacity_bytes:
+            # Nothing evictable could make room: evict nothing (a refused PUT loses no block).
+            self.counters.no_space += 1
+            return PutVerdict(
+                Status.NO_SPACE,
+                message=f"no room for {size_bytes} bytes: {self.receiving_bytes} bytes of the "
+                f"CPU tier are reserved by PUTs still arriving and {self.staged_bytes} are "
+                "staged; retry shortly",
+            )
         block = Block(key, write_id, size_bytes, checksum)
         copy = self.tiers.alloc_received(block)
         if copy is None:
@@ -178,6 +209,7 @@ class BlockStore:
             )
         self._blocks[block.id] = block
         self._by_key.setdefault(key, {})[write_id] = None
+        self.receiving_bytes += footprint
         return PutVerdict(Status.OK, block)
 
     def view(self, block: Block) -> memoryview:
@@ -199,6 +231,9 @@ class BlockStore:
             self.counters.checksum_mismatches += 1
             self._remove(block)
             return Status.CHECKSUM_MISMATCH
+        footprint = self.tier.footprint(block.size_bytes)
+        self.receiving_bytes -= footprint
+        self.staged_bytes += footprint
         block.state = BlockState.STAGED
         block.staged_at = self._clock()
         self._staged[block.id] = None
@@ -224,6 +259,7 @@ class BlockStore:
         if not self._make_current(block, version):
             return ReadResult(Status.MISS, MissReason.WRONG_VERSION)
         del self._staged[block.id]
+        self.staged_bytes -= self.tier.footprint(block.size_bytes)
         block.state = BlockState.COMMITTED
         block.version = version
         self._committed[key] = write_id
@@ -231,12 +267,45 @@ class BlockStore:
         self.counters.publishes += 1
         return ReadResult(Status.OK)
 
+    def retire_older(self, key: str, write_id: int, claimed_version: int) -> bool:
+        """A PUBLISH of ``write_id`` claims ``claimed_version``: the key's committed block, if
+        it is another write with a lower version, leaves the table now (reported to the index
+        as gone), so that a reader holding a stale entry misses rather than reads the value the
+        new write replaces, while the index is asked about the new one. The claim is only the
+        sender's word: the worst a false one can do is this miss (a lost block), never a wrong
+        or poisoned read — the new block is published only with the index's version."""
+        incoming = self._blocks.get((key, write_id))
+        if incoming is not None and incoming.state is BlockState.STAGED:
+            incoming.claimed_version = max(incoming.claimed_version, claimed_version)
+        older = []
+        for other_id in self._by_key.get(key, ()):
+            if other_id == write_id:
+                continue
+            other = self._blocks[(key, other_id)]
+            if (other.state is BlockState.COMMITTED and other.version < claimed_version) or (
+                other.state is BlockState.STAGED and 0 < other.claimed_version < claimed_version
+            ):  # a staged write whose own PUBLISH could not be confirmed yet counts too
+                older.append(other)
+        for other in older:
+            self._remove(other, report=True)
+            self.counters.superseded += 1
+        return bool(older)
+
+    def _readable(self, block: Block) -> bool:
+        """Committed, or staged within the read window (see the module doc)."""
+        if block.state is BlockState.COMMITTED:
+            return True
+        return (
+            block.state is BlockState.STAGED
+            and self._clock() - block.staged_at <= self.staged_read_window_s
+        )
+
     def get(self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY) -> ReadResult:
         """The staged or committed block with exactly this write id, its copy leased (release
         it when the bytes have left), or a miss with its reason. Never another write's bytes. A copy
         only on tiers slower than ``max_level`` is a MISS SLOW_TIER."""
         block = self._blocks.get((key, write_id))
-        if block is not None and block.state in _READABLE:
+        if block is not None and self._readable(block):
             copy, promote = self.tiers.lease_for_read(block, max_level)
             if copy is not None:
                 self.counters.hits += 1
@@ -263,7 +332,7 @@ class BlockStore:
         when its fastest acceptable copy is on another tier (to be read with a single GET);
         else the miss :meth:`get` gives. One table lookup for the common case."""
         block = self._blocks.get((key, write_id))
-        if block is not None and block.state in _READABLE:
+        if block is not None and self._readable(block):
             cpu = block.copies.get(TierLevel.CPU)
             if not (cpu is not None and cpu.ready):
                 fastest = block.fastest(max_level)
@@ -498,6 +567,9 @@ class BlockStore:
             del self._committed[block.key]
         if block.state is BlockState.STAGED:
             del self._staged[block_id]
+            self.staged_bytes -= self.tier.footprint(block.size_bytes)
+        elif block.state is BlockState.RECEIVING:
+            self.receiving_bytes -= self.tier.footprint(block.size_bytes)
         block.detached = True
         self.tiers.detach_block(block)
         if evicted:
@@ -525,4 +597,12 @@ class BlockStore:
             assert (block_id in self._staged) == (block.state is BlockState.STAGED)
             assert block.copies, f"{block_id} has no copy"
         assert sum(len(ids) for ids in self._by_key.values()) == len(self._blocks)
+        for state, counted in (
+            (BlockState.RECEIVING, self.receiving_bytes),
+            (BlockState.STAGED, self.staged_bytes),
+        ):
+            held = sum(
+                self.tier.footprint(b.size_bytes) for b in self._blocks.values() if b.state is state
+            )
+            assert held == counted, f"{state.name}: {held} bytes held, {counted} counted"
         self.tiers.check_invariants(self._blocks.values())

@@ -55,6 +55,7 @@ class Block:
     hits: int = 0  # reads served
     slow_hits: int = 0  # reads served from a tier slower than CPU since it was last promoted
     level_reported: TierLevel = TierLevel.CPU  # the tier hint the index was last given
+    claimed_version: int = 0  # what its PUBLISH claimed: orders staged writes, never published
 
     @property
     def id(self) -> BlockId:

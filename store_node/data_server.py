@@ -17,7 +17,12 @@ tier is marked DEFERRED: the client reads it with a single GET). HELLO tells a c
 node offers (MGET; same-host shared memory, see :mod:`kvpool.store_node.shm_server`).
 
 No reader can hold a lease for ever: a connection whose sent bytes have not left after
-``lease_timeout_s`` (a peer that stopped reading) is cut, which ends its leases.
+``lease_timeout_s`` (a peer that stopped reading) is cut, which ends its leases. No writer can
+hold a reservation for ever either: a connection with a frame half-received (a PUT whose payload
+stops coming) for ``frame_timeout_s`` is cut, which frees the PUT's memory. Key tables (MGET,
+shared memory) are charged to the process's ``request_memory`` budget while they are read
+(beyond it: NO_SPACE, retryable); at most ``max_connections`` connections per port
+(:mod:`kvpool.transports.limits`). Bad frames are logged once per peer and minute.
 
 Refusals: a PUT without room, above ``max_block_size`` or otherwise refused has its payload read
 and discarded (the connection stays usable); a payload above :data:`MAX_DISCARD_BYTES` is not
@@ -42,7 +47,8 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
-from kvpool.logs import get_logger
+from kvpool.errors import KVPoolError
+from kvpool.logs import OncePer, get_logger
 from kvpool.metrics import TRANSFER_LATENCY
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.wire import (
@@ -62,6 +68,7 @@ from kvpool.proto.wire import (
 )
 from kvpool.store_node.block_store import (
     Block,
+    BlockState,
     BlockStore,
     PutVerdict,
     ReadOutcome,
@@ -75,10 +82,12 @@ from kvpool.store_node.node_metrics import (
     TIER_LABELS,
     get_attributes,
 )
+from kvpool.store_node.publish_check import IndexVersions
 from kvpool.store_node.tier_worker import TierWorker, WorkerStoppedError
 from kvpool.transports import host_id
 from kvpool.transports.auth import Gate
 from kvpool.transports.inproc import register_inproc, unregister_inproc
+from kvpool.transports.limits import IngressLimits, MemoryBudget, overloaded_message
 from kvpool.transports.stream import Buffer, FrameStream, StreamServer, listen_tcp, tune_socket
 
 LEASE_TIMEOUT_S = 30.0
@@ -106,6 +115,7 @@ class DataConnection:
         self._receiving: Block | None = None  # the PUT whose payload is arriving
         self._refusal: tuple[Status, str] | None = None  # decided for the current frame
         self._closing = False
+        self._charged = 0  # request memory held by the table being received
         self._span: Any = None  # the current frame's span (traced requests only)
 
     # --- connection lifecycle ---------------------------------------------------------------
@@ -122,11 +132,23 @@ class DataConnection:
         are not)."""
         return self.stream.blocked_since if self.stream is not None else None
 
+    @property
+    def frame_since(self) -> float | None:
+        """Since when a request frame has been half-received (None: none is)."""
+        return self.stream.frame_since if self.stream is not None else None
+
     def stream_closed(self, error: Exception | None) -> None:
         self._server.connections.discard(self)
         if self._receiving is not None:
             self._store.abort_put(self._receiving)
             self._receiving = None
+        self._uncharge()
+        self.stream = None  # nothing points back at the stream: freed by reference counting
+
+    def _uncharge(self) -> None:
+        if self._charged:
+            self._server.budget.give(self._charged)
+            self._charged = 0
 
     def abort(self) -> None:
         if self.stream is not None:
@@ -162,16 +184,23 @@ class DataConnection:
             try:
                 verdict = self._decide_put(header, key)
             except Exception as e:  # the server keeps serving whatever happens
-                self._log.exception("put_failed", peer=self.peer)
+                self._server.once.warning(
+                    "put_failed", self.peer_host, peer=self.peer, exc_info=True
+                )
                 verdict = PutVerdict(Status.INTERNAL, message=f"{type(e).__name__}: {e}")
             if verdict.block is not None:
                 self._receiving = verdict.block
                 return self._store.view(verdict.block)
             self._refusal = (verdict.status, verdict.message)
         elif op in TABLE_OPS:
-            if header.payload_len <= MAX_TABLE_BYTES:
-                return memoryview(bytearray(header.payload_len))
-            self._refusal = (Status.TOO_LARGE, f"a table of {header.payload_len} bytes")
+            size = header.payload_len
+            if size > MAX_TABLE_BYTES:
+                self._refusal = (Status.TOO_LARGE, f"a table of {size} bytes")
+            elif not self._server.budget.take(size):
+                self._refusal = (Status.NO_SPACE, overloaded_message(size, self._server.budget))
+            else:
+                self._charged = size
+                return memoryview(bytearray(size))
         elif op == Op.AUTH:
             pass  # the token is checked before a connection gets here (auth.Gate); dropped
         elif header.payload_len:
@@ -215,20 +244,30 @@ class DataConnection:
             else:
                 self._dispatch(header, key)
         except Exception as e:
-            self._log.exception("frame_failed", peer=self.peer, op=header.op)
+            self._server.once.warning(
+                "frame_failed", self.peer_host, peer=self.peer, op=header.op, exc_info=True
+            )
             if self._receiving is not None:
                 self._store.abort_put(self._receiving)
                 self._receiving = None
             self.send_error(header, Status.INTERNAL, f"{type(e).__name__}: {e}")
+        finally:
+            self._uncharge()
+
+    @property
+    def peer_host(self) -> str:
+        return self.peer.rsplit(":", 1)[0]
 
     def bad_frame(self, error: FrameError) -> None:
         self._store.counters.bad_frames += 1
-        self._log.warning("bad_frame", peer=self.peer, error=str(error))
+        self._server.once.warning("bad_frame", self.peer_host, peer=self.peer, error=str(error))
         self.send_error(None, Status.BAD_REQUEST, str(error), close=True)
 
     def version_mismatch(self, theirs: int) -> None:
         self._store.counters.bad_frames += 1
-        self._log.warning("peer_version_mismatch", peer=self.peer, peer_version=theirs)
+        self._server.once.warning(
+            "peer_version_mismatch", self.peer_host, peer=self.peer, peer_version=theirs
+        )
         self.send_error(
             None,
             Status.VERSION_MISMATCH,
@@ -279,8 +318,7 @@ class DataConnection:
             self._answer(header, Status.BAD_REQUEST, "write id 0 names no block")
             return
         if op == Op.PUBLISH:
-            result = self._store.publish(name, header.write_id, header.version)
-            self._answer(header, result.status, flags=result.reason)
+            self._publish(header, name)
             return
         if header.flags not in _TIER_LIMITS:
             self._answer(header, Status.BAD_REQUEST, f"unknown tier limit {header.flags}")
@@ -305,6 +343,54 @@ class DataConnection:
         task = asyncio.get_running_loop().create_task(self._send_slow(header, result, worker))
         self._server.reads.add(task)
         task.add_done_callback(self._server.reads.discard)
+
+    def _publish(self, header: Header, name: str) -> None:
+        """Staged → committed, with the version the index gives this write (see
+        :mod:`kvpool.store_node.publish_check`); the frame's version only where the server
+        has no index to ask (a standalone data server: benchmarks, data-plane tests)."""
+        versions = self._server.versions
+        store = self._store
+        if versions is None:
+            result = store.publish(name, header.write_id, header.version)
+            self._answer(header, result.status, flags=result.reason, version=header.version)
+            return
+        block = store.block(name, header.write_id)
+        if block is None or block.state is BlockState.RECEIVING:
+            self._answer(header, Status.MISS, flags=MissReason.ABSENT)
+            return
+        if block.state is BlockState.COMMITTED:
+            self._answer(header, Status.OK, version=block.version)  # an idempotent re-publish
+            return
+        store.retire_older(name, header.write_id, header.version)
+        task = asyncio.get_running_loop().create_task(self._publish_checked(header, name))
+        self._server.publishing.add(task)
+        task.add_done_callback(self._server.publishing.discard)
+
+    async def _publish_checked(self, header: Header, name: str) -> None:
+        versions = self._server.versions
+        assert versions is not None
+        try:
+            version, other = await versions.version_of(name, header.write_id)
+        except KVPoolError:
+            # Left staged (readable by its write id); the staged reaper settles it.
+            self._answer(header, Status.MISS, flags=MissReason.STAGED)
+            return
+        if version is None:  # the index holds another write of the key, or none
+            replaced = other and other >= header.version
+            if replaced:  # replaced, or never committed: no reader may get it any more
+                self._store.reap(name, header.write_id, report=False)
+            self._server.once.warning(
+                "publish_refused",
+                self.peer_host,
+                peer=self.peer,
+                reason="the index names another write" if other else "the index names none",
+                claimed_version=header.version,
+                dropped=bool(replaced),
+            )
+            self._answer(header, Status.MISS, flags=MissReason.WRONG_VERSION)
+            return
+        result = self._store.publish(name, header.write_id, version)
+        self._answer(header, result.status, flags=result.reason, version=version)
 
     def _dispatch_table(self, header: Header, payload: memoryview | None) -> None:
         """Multi-key ops: their payload is a table of keys (see :mod:`kvpool.proto.wire`)."""
@@ -458,7 +544,14 @@ class DataConnection:
             flags=int(level),
         )
 
-    def _answer(self, request: Header, status: Status, message: str = "", flags: int = 0) -> None:
+    def _answer(
+        self,
+        request: Header,
+        status: Status,
+        message: str = "",
+        flags: int = 0,
+        version: int = 0,
+    ) -> None:
         if status not in (Status.OK, Status.MISS):
             self.send_error(request, status, message)
             return
@@ -468,7 +561,7 @@ class DataConnection:
                 status=status,
                 request_id=request.request_id,
                 write_id=request.write_id,
-                version=request.version if request.op == Op.PUBLISH else 0,
+                version=version,
                 flags=int(flags),
             )
         )
@@ -509,14 +602,23 @@ class DataServer:
         shm: bool = False,
         inproc_name: str = "",
         token: bytes = b"",
+        limits: IngressLimits | None = None,
     ) -> None:
         self.store = store
         self.worker = worker
         self.log = log if log is not None else get_logger("kvpool.node.data")
+        self.once = OncePer(self.log)
+        """Bad frames and refusals: one line per peer host, event and minute."""
+        self.limits = limits if limits is not None else IngressLimits()
+        self.budget = MemoryBudget(self.limits.request_memory_bytes)
         self.lease_timeout_s = lease_timeout_s
         self.clock = clock
         self.connections: set[DataConnection] = set()
         self.reads: set[asyncio.Task[None]] = set()  # slow-tier reads in progress
+        self.publishing: set[asyncio.Task[None]] = set()  # PUBLISHes asking the index
+        self.versions: IndexVersions | None = None
+        """Where PUBLISH versions come from: the index (a node sets it once it has its master
+        client); None only for a standalone data server, which takes them from the frames."""
         self._server: StreamServer | None = None
         self._shm: Any = None  # the ShmListener, when serving shared memory
         self._want_shm = shm
@@ -527,13 +629,20 @@ class DataServer:
         self.shm_address = ""
         """``shm://<name>`` once same-host clients can connect ("" when not offered)."""
         self.inproc_address = ""
-        self.gate = Gate(token, self._adopt, log=self.log)
-        """Every accepted connection passes here: the cluster token, when there is one."""
+        self.gate = Gate(
+            token,
+            self._adopt,
+            log=self.log,
+            max_connections=self.limits.max_connections,
+            live=lambda: len(self.connections),
+        )
+        """Every accepted connection passes here: the connection limit, and the cluster token
+        when there is one."""
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 = any free port); returns the bound port. OSError when
         the address cannot be bound."""
-        self._server = StreamServer(listen_tcp(host, port), self.gate)
+        self._server = StreamServer(listen_tcp(host, port), self.gate, log=self.log)
         self.port = self._server.port
         if self._want_shm:
             from kvpool.store_node.shm_server import ShmListener, shm_supported
@@ -553,20 +662,35 @@ class DataServer:
     def cut_stalled(self) -> int:
         """Cut connections whose responses have not left (or whose shared-memory leases have
         been held) for ``lease_timeout_s``: a peer that stopped reading must not keep blocks
-        leased (so unevictable) for ever."""
+        leased (so unevictable) for ever; and those with a request half-received (or a
+        shared-memory reservation uncommitted) for ``frame_timeout_s``: a peer that stopped
+        writing must not keep tier memory reserved."""
         now = self.clock()
         cut = 0
+        frame_timeout_s = self.limits.frame_timeout_s
         for conn in list(self.connections):
             since = conn.blocked_since
+            started = conn.frame_since
             if since is not None and now - since > self.lease_timeout_s:
-                self.log.warning("stalled_reader_cut", peer=conn.peer, stalled_s=round(now - since))
-                conn.abort()
-                cut += 1
+                self.once.warning(
+                    "stalled_reader_cut",
+                    conn.peer_host,
+                    peer=conn.peer,
+                    stalled_s=round(now - since),
+                )
+            elif started is not None and now - started > frame_timeout_s:
+                self.once.warning(
+                    "slow_writer_cut", conn.peer_host, peer=conn.peer, after_s=frame_timeout_s
+                )
+            else:
+                continue
+            conn.abort()
+            cut += 1
         self.stalled_cut += cut
         return cut
 
     async def _lease_guard(self) -> None:
-        period_s = max(0.05, min(1.0, self.lease_timeout_s / 4))
+        period_s = max(0.05, min(1.0, self.lease_timeout_s / 4, self.limits.frame_timeout_s / 4))
         while True:
             await asyncio.sleep(period_s)
             self.cut_stalled()
@@ -597,3 +721,5 @@ class DataServer:
             await asyncio.sleep(0)
         if self.reads:  # slow-tier reads end on their own (their leases are given back)
             await asyncio.wait(list(self.reads), timeout=5.0)
+        for task in list(self.publishing):
+            task.cancel()

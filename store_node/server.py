@@ -43,6 +43,7 @@ from kvpool.store_node.block_store import BlockStore
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.eviction import POLICIES, make_policy
 from kvpool.store_node.node_metrics import node_families
+from kvpool.store_node.publish_check import IndexVersions
 from kvpool.store_node.registration import NodeRegistration
 from kvpool.store_node.tier_worker import TierWorker
 from kvpool.store_node.tiers import Tier
@@ -143,6 +144,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 promote_after_hits=cfg.promote_after_hits,
                 gpu_promote_after_hits=cfg.gpu_promote_after_hits,
                 write_batch_bytes=cfg.ssd_write_batch_size,
+                max_receiving_bytes=int(cfg.put_memory_fraction * tier.capacity_bytes),
             )
             worker = TierWorker(store, read_threads=cfg.tier_threads, log=log)
             recovered = []
@@ -158,6 +160,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 lease_timeout_s=cfg.lease_timeout_s,
                 shm=cfg.data_shm,
                 token=security.token,
+                limits=cfg.ingress_limits(),
             )
             try:
                 port = await data.start(data_host, data_port)
@@ -174,6 +177,10 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 security=security,
             )
             stack.push_async_callback(masters.close)
+            # Short: a put replacing a block on this node waits for its PUBLISH's answer.
+            versions = IndexVersions(masters, timeout_s=min(1.0, cfg.request_timeout_s), log=log)
+            stack.push_async_callback(versions.close)
+            data.versions = versions  # PUBLISH versions from the index, never from frames
             registration = NodeRegistration(
                 cfg, store, masters, data_address=data_address, admin_address="", log=log
             )
@@ -185,6 +192,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                     cfg.listen,
                     [(node_pb2_grpc.add_NodeAdminServicer_to_server, admin, SERVICE_NAME)],
                     security=security,
+                    max_receive_bytes=cfg.max_request_size,
                 )
             except (KVPoolError, RuntimeError, OSError) as e:
                 raise StartupError(f"listen: cannot serve gRPC on {cfg.listen}: {e}") from e

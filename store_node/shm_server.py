@@ -11,8 +11,8 @@ memfd (``SCM_RIGHTS``), then speaks frames: every op of the TCP data port, plus
 * ``SHM_RESERVE`` — per (key, write id, size, checksum): the arena offset the client writes the
   value to, reserved exactly as for a TCP PUT whose payload is arriving (invisible to reads,
   never evicted); ``SHM_COMMIT`` then verifies the checksum and stages the block, as at the end
-  of a TCP PUT. A reservation never committed is aborted when the connection closes (or is cut
-  after ``lease_timeout_s``).
+  of a TCP PUT. A reservation never committed is aborted when the connection closes; a
+  connection holding one uncommitted for ``frame_timeout_s`` is cut.
 
 Blocks only on a slower tier (SSD, GPU) are answered DEFERRED: the client reads them with a
 plain GET on the same socket (bytes inline).
@@ -77,8 +77,14 @@ class ShmListener:
             listener.close()
             raise
         # The arena's fd goes only to a peer that proved the cluster token (when there is one).
-        self._gate = Gate(self.server.gate.token, self._adopt, log=self.server.log)
-        self._server = StreamServer(listener, self._gate)
+        self._gate = Gate(
+            self.server.gate.token,
+            self._adopt,
+            log=self.server.log,
+            max_connections=self.server.limits.max_connections,
+            live=lambda: len(self.server.connections),
+        )
+        self._server = StreamServer(listener, self._gate, log=self.server.log)
         return f"shm://{self.name}"
 
     def _adopt(self, sock: socket.socket) -> None:
@@ -89,7 +95,12 @@ class ShmListener:
             return
         sock.setblocking(True)
         sock.settimeout(1.0)  # a fresh socket: the preamble always fits in its buffer
-        socket.send_fds(sock, [PREAMBLE.pack(SHM_MAGIC, tier.capacity_bytes, self.token)], [fd])
+        try:
+            socket.send_fds(sock, [PREAMBLE.pack(SHM_MAGIC, tier.capacity_bytes, self.token)], [fd])
+        except OSError as e:  # the peer left already (a connect-and-close, a port scan)
+            sock.close()
+            self.server.once.warning("shm_peer_left", "shm", error=repr(e))
+            return
         ShmConnection(self.server).attach(sock)
 
     def close(self) -> None:
@@ -114,8 +125,15 @@ class ShmConnection(DataConnection):
         since = [s for s in (super().blocked_since,) if s is not None]
         if self._leases:
             since.append(next(iter(self._leases.values()))[1])  # the oldest: dicts keep order
+        return min(since) if since else None
+
+    @property
+    def frame_since(self) -> float | None:
+        """A half-received frame, or the oldest reservation not yet committed: both are cut
+        after ``frame_timeout_s`` (a reservation holds tier memory nobody can use)."""
+        since = [s for s in (super().frame_since,) if s is not None]
         if self._reserved:
-            since.append(next(iter(self._reserved.values()))[1])
+            since.append(next(iter(self._reserved.values()))[1])  # the oldest
         return min(since) if since else None
 
     def stream_closed(self, error: Exception | None) -> None:

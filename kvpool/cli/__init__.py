@@ -6,7 +6,7 @@ run the demo.
     kvpool cluster up [--detach --dir DIR]      kvpool cluster down --dir DIR
     kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
     kvpool demo [chat|vllm]
-    kvpool bench cluster | index | data-plane | tiers | peers | client
+    kvpool bench cluster | index | data-plane | tiers | peers | engines | client
     kvpool chaos list | run --scenario NAME [--seed S] [--duration D] [--json]
 
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
@@ -80,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Stop every process listed in DIR/cluster.json (nodes first).",
     )
     down.add_argument("--dir", required=True, help="the directory given to `cluster up`")
+    down.add_argument(
+        "--grace-s",
+        type=float,
+        default=10.0,
+        help="SIGTERM, then SIGKILL what has not exited after this many seconds [10]; returns "
+        "once every process has exited",
+    )
 
     p = sub.add_parser(
         "status",
@@ -243,6 +250,18 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dir", help="keep logs and data here [a temp dir, removed]")
     b.add_argument("--seed", type=int, default=0, help="seed of the block contents [0]")
     b = bsub.add_parser(
+        "engines",
+        help="inside SGLang's HiCache code: its Mooncake backend on Mooncake Store and on "
+        "kvpool's Mooncake API, and kvpool's native backend (run in .venv-sglang)",
+        description="SGLang's real host KV pool on the CPU; 128-page batch_set_v1, "
+        "batch_exists and batch_get_v1 through SGLang's Mooncake backend on Mooncake Store, the "
+        "same code on kvpool's Mooncake API, and kvpool's native HiCache backend, interleaved "
+        "in rounds; every page read compared with what was set; medians and ratios.",
+    )
+    from kvpool.cli.bench_engines import add_arguments as engines_arguments
+
+    engines_arguments(b)
+    b = bsub.add_parser(
         "data-plane",
         help="one store node's data server over loopback TCP (PUT/GET p50 and MB/s)",
         add_help=False,
@@ -349,8 +368,13 @@ def _cluster_down(args: argparse.Namespace) -> int:
     from kvpool.launcher.cluster import LocalCluster
 
     cluster = LocalCluster.from_dir(args.dir)
-    stopped = cluster.stop()
-    print(f"stopped {len(stopped)} processes" + (f": {', '.join(stopped)}" if stopped else ""))
+    stopped = cluster.stop(timeout_s=args.grace_s)
+    # stop() returns once every process has exited (SIGKILL after the grace): its ports are free
+    print(
+        f"stopped {len(stopped)} processes"
+        + (f": {', '.join(stopped)}" if stopped else "")
+        + " (all exited)"
+    )
     return EXIT_OK
 
 
@@ -464,6 +488,10 @@ def _bench(args: argparse.Namespace) -> int:
         from kvpool.cli.bench_peers import main_peers
 
         return main_peers(args)
+    if args.bench_command == "engines":
+        from kvpool.cli.bench_engines import main_engines
+
+        return main_engines(args)
     from kvpool.cli.bench import bench_cluster, bench_index, bench_tiers, print_result
 
     if args.bench_command == "tracing":

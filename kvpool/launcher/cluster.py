@@ -42,7 +42,12 @@ from kvpool.launcher.placement import (
     free_port,
 )
 from kvpool.launcher.probe import leader_of, probe_masters
-from kvpool.launcher.procfs import pid_runs_kvpool, process_state
+from kvpool.launcher.procfs import (
+    pid_runs_kvpool,
+    process_start_ticks,
+    process_state,
+    same_process,
+)
 from kvpool.security import Security, is_loopback_host, read_token
 
 # pid_runs_kvpool and free_port lived here before placement.py and procfs.py: still exported.
@@ -583,7 +588,11 @@ class LocalCluster:
 
     # --- stop ------------------------------------------------------------------------------
 
-    def _reap(self, name: str, timeout_s: float) -> bool:
+    def _reap(self, name: str, timeout_s: float, start_ticks: int | None = None) -> bool:
+        """Wait until the process has exited (True) or ``timeout_s`` passed (False). A process
+        we did not start (``cluster down`` of a detached cluster) counts as exited only once it
+        is gone or a zombie — it holds its ports until then — or its pid belongs to another
+        process (``start_ticks``: its start time when it was signalled)."""
         proc = self._popen.get(name)
         if proc is not None:
             try:
@@ -594,28 +603,35 @@ class LocalCluster:
         info = self.processes[name]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not pid_runs_kvpool(info.pid):
+            if not same_process(info.pid, start_ticks):
                 return True
-            time.sleep(0.05)
-        return False
+            time.sleep(0.02)
+        return not same_process(info.pid, start_ticks)
 
     def stop(self, timeout_s: float = 10.0) -> list[str]:
-        """SIGTERM the nodes, then the masters; SIGKILL whatever is left after ``timeout_s``.
-        Returns what was stopped. Only pids that still run a kvpool command are signalled."""
+        """SIGTERM the nodes, then the masters; SIGKILL whatever is left after ``timeout_s``;
+        return once every one has exited. Returns what was stopped. Only pids that still run
+        a kvpool command are signalled."""
         stopped: list[str] = []
         order = [*self.nodes, *self.masters]
         for group in (self.nodes, self.masters):
+            started: dict[str, int | None] = {}
             for info in group:
                 if info.pid and self.is_running(info.name):
+                    started[info.name] = process_start_ticks(info.pid)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(info.pid, signal.SIGCONT)  # a paused process cannot exit
                         os.kill(info.pid, signal.SIGTERM)
                     stopped.append(info.name)
             for info in group:
-                if info.name in stopped and not self._reap(info.name, timeout_s):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(info.pid, signal.SIGKILL)
-                    self._reap(info.name, 5.0)
+                if info.name not in started:
+                    continue
+                ticks = started[info.name]
+                if not self._reap(info.name, timeout_s, ticks):
+                    if self._popen.get(info.name) is not None or same_process(info.pid, ticks):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(info.pid, signal.SIGKILL)
+                    self._reap(info.name, 5.0, ticks)
         self._paused.clear()
         for info in order:
             with contextlib.suppress(FileNotFoundError):

@@ -39,3 +39,19 @@ def process_start_ticks(pid: int) -> int | None:
         return int(fields[19])  # field 22 of proc(5)'s stat
     except (IndexError, ValueError):
         return None
+
+
+def same_process(pid: int, start_ticks: int | None) -> bool:
+    """True while ``pid`` is still the process that started at ``start_ticks`` and has not
+    exited: not gone, not a zombie, not a new process under a reused pid. (``/proc/PID/cmdline``
+    is empty as soon as an exiting process has released its memory, while it still holds its
+    files and listening ports: it cannot tell "exited".)"""
+    fields = _stat_fields(pid)
+    if not fields or fields[0] in ("Z", "X", "x"):
+        return False
+    if start_ticks is None:
+        return True
+    try:
+        return int(fields[19]) == start_ticks
+    except (IndexError, ValueError):
+        return False

@@ -27,6 +27,7 @@ from kvpool.errors import (
     TransportError,
     UnauthenticatedError,
 )
+from kvpool.logs import OncePer
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.wire import (
     HEADER_SIZE,
@@ -270,15 +271,41 @@ class Gate:
         *,
         log: Any = None,
         timeout_s: float = AUTH_TIMEOUT_S,
+        max_connections: int = 0,
+        live: Callable[[], int] | None = None,
     ) -> None:
+        """``max_connections`` (0: no bound): with ``live()`` connections open, and those still
+        proving their token, a new one is closed at once."""
         self.token = token
         self._adopt = adopt
         self._log = log
+        self._once = OncePer(log) if log is not None else None
         self._timeout_s = timeout_s
         self._tasks: set[asyncio.Task[None]] = set()
+        self._max_connections = max_connections
+        self._live = live
         self.refused = 0
+        self.over_limit = 0
 
     def __call__(self, sock: socket.socket) -> None:
+        live = self._live
+        if (
+            self._max_connections
+            and live is not None
+            and live() + len(self._tasks) >= self._max_connections
+        ):
+            self.over_limit += 1
+            peer = _peer(sock)
+            with contextlib.suppress(OSError):
+                sock.close()
+            if self._once is not None:
+                self._once.warning(
+                    "connection_refused",
+                    peer.rsplit(":", 1)[0],
+                    peer=peer,
+                    reason=f"more than max_connections ({self._max_connections}) open",
+                )
+            return
         if not self.token:
             self._adopt(sock)
             return
@@ -297,16 +324,18 @@ class Gate:
             raise
         if reason is not None:
             self.refused += 1
-            if self._log is not None:
-                self._log.warning("connection_refused", peer=peer, reason=reason)
+            if self._once is not None:  # once per peer host and period, not per connection
+                self._once.warning(
+                    "connection_refused", peer.rsplit(":", 1)[0], peer=peer, reason=reason
+                )
             return
         try:
             self._adopt(sock)
-        except Exception:
+        except Exception as e:
             with contextlib.suppress(OSError):
                 sock.close()
-            if self._log is not None:
-                self._log.exception("adopt_failed", peer=peer)
+            if self._once is not None:
+                self._once.warning("adopt_failed", peer.rsplit(":", 1)[0], peer=peer, error=repr(e))
 
     def close(self) -> None:
         """Drop the connections still proving their token."""

@@ -9,6 +9,12 @@ payload is copied from scratch; a run of small frames switches back to full scra
 
 The reader knows nothing about sockets; feed it with :meth:`get_buffer` / :meth:`buffer_updated`
 (the BufferedProtocol calls) or with :meth:`feed` in tests.
+
+Memory: the scratch buffer starts at :data:`INITIAL_SCRATCH_BYTES` (a header and the longest
+key) and grows, four times at a step, up to ``scratch_bytes`` only while reads keep filling it
+(pipelined small frames), so an idle or one-request connection costs 4 KiB, not 256 KiB.
+:meth:`release` drops the buffers and the handler when the connection closes, so nothing waits
+for the cyclic garbage collector (which a node may have frozen, :mod:`kvpool.gctune`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ DIRECT_THRESHOLD = 64 * 1024
 """Payload remainders at least this large are received straight into their destination."""
 PEEK_BYTES = HEADER_SIZE + TRACE_CONTEXT_SIZE + MAX_KEY_BYTES
 """What is read between frames after a large payload: a header and the longest key."""
+INITIAL_SCRATCH_BYTES = 4096
+"""A new connection's scratch buffer (at least PEEK_BYTES); it grows with pipelining."""
 
 
 class FrameHandler(Protocol):
@@ -52,8 +60,9 @@ class FrameHandler(Protocol):
 
 class FrameReader:
     def __init__(self, handler: FrameHandler, scratch_bytes: int = SCRATCH_BYTES) -> None:
-        self._handler = handler
-        self._scratch = bytearray(scratch_bytes)
+        self._handler: FrameHandler | None = handler
+        self._max_scratch = max(scratch_bytes, PEEK_BYTES)
+        self._scratch = bytearray(min(INITIAL_SCRATCH_BYTES, self._max_scratch))
         self._view = memoryview(self._scratch)
         self._start = 0  # first unparsed byte in scratch
         self._end = 0  # end of received bytes in scratch
@@ -64,6 +73,8 @@ class FrameReader:
         self._filled = 0
         self._direct = False  # payload remainder goes straight into the sink
         self._peek = True  # between frames, read only a header's worth (see get_buffer)
+        self._offered = 0  # bytes of scratch the last get_buffer offered
+        self._want_grow = False
         self.stopped = False
         self.frames = 0
 
@@ -73,20 +84,46 @@ class FrameReader:
         return self._header is not None
 
     @property
+    def busy(self) -> bool:
+        """True while part of a frame (header, key or payload) has arrived and the rest has
+        not: the peer owes bytes."""
+        return self._header is not None or self._end > self._start
+
+    @property
     def current_request_id(self) -> int | None:
         return self._header.request_id if self._header is not None else None
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The scratch buffer's size now."""
+        return len(self._scratch)
+
+    def release(self) -> None:
+        """The connection is closed: drop the buffers, the frame in progress and the handler
+        (breaking the handler ↔ reader cycle). The reader reads nothing more."""
+        self.stopped = True
+        self._handler = None
+        self._header, self._key, self._sink, self._filled = None, b"", None, 0
+        self._direct = False
+        self._scratch = bytearray()
+        self._view = memoryview(self._scratch)
+        self._start = self._end = 0
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._direct:
             assert self._sink is not None
             return self._sink[self._filled :]
-        if self._end == len(self._scratch):
+        if self._want_grow:
+            self._grow()  # the last read filled what it was offered: more is waiting
+        elif self._end == len(self._scratch):
             self._compact()
         if self._peek and self._start == self._end:
             # After a large payload (and on a new connection), read the next header alone: if
             # a large payload follows it, that goes straight into its destination instead of
             # through scratch. Small frames turn this off (one read then takes many of them).
+            self._offered = 0
             return self._view[self._end : self._end + PEEK_BYTES]
+        self._offered = len(self._scratch) - self._end
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -100,6 +137,12 @@ class FrameReader:
                 self._finish()
                 self._parse()
             return
+        if (
+            nbytes == self._offered
+            and nbytes * 2 >= len(self._scratch)
+            and len(self._scratch) < self._max_scratch
+        ):
+            self._want_grow = True
         self._end += nbytes
         self._parse()
 
@@ -115,6 +158,16 @@ class FrameReader:
 
     # --- internals -------------------------------------------------------------------------
 
+    def _grow(self) -> None:
+        self._want_grow = False
+        size = min(self._max_scratch, len(self._scratch) * 4)
+        grown = bytearray(size)
+        remaining = self._end - self._start
+        grown[:remaining] = self._scratch[self._start : self._end]
+        self._start, self._end = 0, remaining
+        self._scratch = grown
+        self._view = memoryview(grown)
+
     def _compact(self) -> None:
         remaining = self._end - self._start
         if self._start:
@@ -123,7 +176,8 @@ class FrameReader:
 
     def _stop_with(self, error: FrameError) -> None:
         self.stopped = True
-        self._handler.bad_frame(error)
+        if self._handler is not None:
+            self._handler.bad_frame(error)
 
     def _parse(self) -> None:
         while not self.stopped:
@@ -138,7 +192,8 @@ class FrameReader:
                     return
                 if version != PROTOCOL_VERSION:
                     self.stopped = True
-                    self._handler.version_mismatch(version)
+                    if self._handler is not None:
+                        self._handler.version_mismatch(version)
                     return
                 if avail < HEADER_SIZE:
                     break
@@ -154,7 +209,12 @@ class FrameReader:
                 self._start = key_start + header.key_len
                 if header.ext:
                     header, key = split_trace(header, key)
-                sink = self._handler.frame_sink(header, key)
+                handler = self._handler
+                if handler is None:
+                    return
+                sink = handler.frame_sink(header, key)
+                if self._handler is None:  # the handler closed the connection (release)
+                    return
                 if sink is not None and len(sink) != header.payload_len:
                     self._stop_with(
                         FrameError(
@@ -191,4 +251,5 @@ class FrameReader:
         self._peek = header.payload_len >= DIRECT_THRESHOLD
         self._header, self._key, self._sink, self._filled = None, b"", None, 0
         self.frames += 1
-        self._handler.frame_received(header, key, sink)
+        if self._handler is not None:
+            self._handler.frame_received(header, key, sink)

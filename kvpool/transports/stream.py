@@ -29,8 +29,9 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
+from kvpool.logs import OncePer, get_logger
 from kvpool.proto.wire import MAX_ERROR_MESSAGE_BYTES, Header, Status
 from kvpool.transports.frames import SCRATCH_BYTES, FrameHandler, FrameReader
 
@@ -113,6 +114,9 @@ class FrameStream:
         self.blocked_since: float | None = None
         """When the kernel last refused bytes and has not taken them all since (None: not
         blocked)."""
+        self.frame_since: float | None = None
+        """Since when part of a request frame has arrived without the rest (None: between
+        frames). A server cuts a peer that keeps a frame half-sent (its reservation ends)."""
         self.peername = _address(sock, peer=True)
         self.sockname = _address(sock, peer=False)
         self.family = sock.family
@@ -322,6 +326,11 @@ class FrameStream:
             self._in_read = False
         if self._closed:
             return
+        if reader.busy:
+            if self.frame_since is None:
+                self.frame_since = self._clock()
+        else:
+            self.frame_since = None
         if reader.stopped:
             self._pause_reading()
         if self._queue and not self._writer_armed:
@@ -365,12 +374,42 @@ class FrameStream:
         self.blocked_since = None
         callbacks, self._callbacks = self._callbacks, deque()
         self._sent_total = self._queued_total
+        self.frame_since = None
         try:
             for _, cb in callbacks:  # the bytes will never leave: let go of their memory
                 cb()
         finally:
             self.closed.set()
-            self._handler.stream_closed(error)
+            handler, self._handler = self._handler, _CLOSED
+            try:
+                handler.stream_closed(error)
+            finally:
+                # Break the handler <-> stream <-> reader cycle now: the connection's buffers
+                # are freed by reference counting as soon as its owner lets go, without
+                # waiting for a full garbage collection (which gctune may have frozen out).
+                self.reader.release()
+
+
+class _ClosedHandler:
+    """What a closed stream points at instead of its handler (nothing more is delivered)."""
+
+    def stream_closed(self, error: Exception | None) -> None:
+        return None
+
+    def frame_sink(self, header: Header, key: bytes) -> memoryview | None:
+        return None
+
+    def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
+        return None
+
+    def version_mismatch(self, theirs: int) -> None:
+        return None
+
+    def bad_frame(self, error: Exception) -> None:
+        return None
+
+
+_CLOSED: StreamHandler = _ClosedHandler()
 
 
 # --- servers ------------------------------------------------------------------------------------
@@ -385,10 +424,13 @@ class StreamServer:
         listener: socket.socket,
         adopt: Callable[[socket.socket], object],
         loop: asyncio.AbstractEventLoop | None = None,
+        log: Any = None,
     ) -> None:
         listener.setblocking(False)
         self._listener = listener
         self._adopt = adopt
+        self._once = OncePer(log if log is not None else get_logger("kvpool.transports"))
+        self.adopt_failures = 0
         self._loop = loop or asyncio.get_running_loop()
         self._closed = False
         self._loop.add_reader(listener.fileno(), self._on_accept)
@@ -408,10 +450,11 @@ class StreamServer:
                 return  # EMFILE and friends: try again on the next readable event
             try:
                 self._adopt(sock)
-            except Exception:
+            except Exception as e:  # a peer that left at once (shm: send_fds fails), a bug
+                self.adopt_failures += 1
                 with contextlib.suppress(OSError):
                     sock.close()
-                raise
+                self._once.warning("accept_failed", type(e).__name__, error=repr(e))
 
     def close(self) -> None:
         if self._closed:

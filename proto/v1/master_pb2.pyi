@@ -321,18 +321,30 @@ class RemoveRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
+    PREFIXES_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.bytes
+    limit: _builtins.int
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def prefixes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Also remove the keys that start with one of these ("" matches every key): a namespace-
+        or cluster-wide removal, at most `limit` keys of it per call (0: 4096) so that one Raft
+        entry and its answer stay small; RemoveResponse.more says whether matching keys are left.
+        """
+
     def __init__(
         self,
         *,
         request_id: _builtins.bytes = ...,
         keys: _abc.Iterable[_builtins.str] | None = ...,
+        prefixes: _abc.Iterable[_builtins.str] | None = ...,
+        limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "limit", b"limit", "prefixes", b"prefixes", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -372,7 +384,13 @@ class RemoveResponse(_message.Message):
     BLOCKS_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    PREFIX_REMOVED_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
+    prefix_removed: _builtins.int
+    """keys removed because they matched `prefixes`"""
+    more: _builtins.bool
+    """keys matching `prefixes` are left: call again"""
     @_builtins.property
     def removed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
         """one per key: was it in the index"""
@@ -392,10 +410,12 @@ class RemoveResponse(_message.Message):
         blocks: _abc.Iterable[Global___RemovedBlock] | None = ...,
         members: _abc.Iterable[_common_pb2.Member] | None = ...,
         revision: _builtins.int = ...,
+        prefix_removed: _builtins.int = ...,
+        more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "members", b"members", "removed", b"removed", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "members", b"members", "more", b"more", "prefix_removed", b"prefix_removed", "removed", b"removed", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,7 +5,7 @@ import warnings
 
 from kvpool.proto.v1 import master_pb2 as kvpool_dot_proto_dot_v1_dot_master__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class MasterStub:
+class MasterStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -106,7 +106,7 @@ class MasterStub:
                 _registered_method=True)
 
 
-class MasterServicer:
+class MasterServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def CommitPuts(self, request, context):
@@ -289,7 +289,7 @@ def add_MasterServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Master:
+class Master(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

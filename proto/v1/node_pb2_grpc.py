@@ -5,7 +5,7 @@ import warnings
 
 from kvpool.proto.v1 import node_pb2 as kvpool_dot_proto_dot_v1_dot_node__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class NodeAdminStub:
+class NodeAdminStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -51,7 +51,7 @@ class NodeAdminStub:
                 _registered_method=True)
 
 
-class NodeAdminServicer:
+class NodeAdminServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def GetStats(self, request, context):
@@ -103,7 +103,7 @@ def add_NodeAdminServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class NodeAdmin:
+class NodeAdmin(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

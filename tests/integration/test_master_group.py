@@ -80,7 +80,7 @@ async def register_node(client: MasterClient, node_id: str) -> master_pb2.Regist
             request_id=new_rid(),
             node_id=node_id,
             incarnation=int.from_bytes(os.urandom(8), "big"),
-            data_address=f"tcp://127.0.0.1:1/{node_id}",
+            data_address=f"tcp://{node_id}.nodes.test:1",
             admin_address="127.0.0.1:2",
             capacity_bytes=1 << 30,
         ),

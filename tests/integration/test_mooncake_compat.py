@@ -1,11 +1,13 @@
 """kvpool.compat.mooncake.MooncakeDistributedStore: a script written for Mooncake Store runs
-unchanged on kvpool (and, where Mooncake is installed, on Mooncake Store too), plus what the
-compat layer adds: registered-buffer checks, error codes, replica counts, tensors."""
+unchanged on kvpool (and, where Mooncake is installed, on Mooncake Store too: its expectations
+are Mooncake's), plus what the compat layer decides: tenant namespaces and remove_all, setup's
+signatures, registered-buffer checks, failure codes within the deadline, replicas, tensors."""
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import mmap
 import socket
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvpool.client.sync import Client
 from kvpool.compat import mooncake as mc
 from kvpool.compat.mooncake import MooncakeDistributedStore, ReplicateConfig
 from kvpool.launcher.cluster import LocalCluster
@@ -177,34 +180,139 @@ def test_replica_num_is_honoured(store: MooncakeDistributedStore) -> None:
     assert len(store._clients) == 2  # one client per replica count
 
 
-def test_remove_all_removes_what_this_store_put(
+def _setup(store: MooncakeDistributedStore, cluster: LocalCluster, **kw: object) -> int:
+    masters = ",".join(cluster.client_master_addresses)
+    return store.setup("h", "P2PHANDSHAKE", 0, 0, "tcp", "", masters, **kw)  # type: ignore[arg-type]
+
+
+def test_remove_all_removes_the_tenants_objects_cluster_wide(
+    cluster: LocalCluster, store: MooncakeDistributedStore
+) -> None:
+    """remove_all is Mooncake's "every object": here every object of the tenant, whoever put
+    it, and nothing of another tenant or of native kvpool clients."""
+    writer, other_tenant = MooncakeDistributedStore(), MooncakeDistributedStore()
+    assert _setup(writer, cluster) == 0
+    assert _setup(other_tenant, cluster, tenant_id="other") == 0
+    native = Client(cluster.client_master_addresses)
+    try:
+        assert writer.put_batch([f"compat/w{i}" for i in range(10)], [b"w"] * 10) == 0
+        assert store.put("compat/mine", b"1") == 0
+        assert other_tenant.put("compat/mine", b"theirs") == 0
+        assert native.put("compat/native", b"n")
+        assert store.remove_all() >= 11
+        assert writer.batch_is_exist(["compat/w0", "compat/w9", "compat/mine"]) == [0, 0, 0]
+        assert other_tenant.get("compat/mine") == b"theirs"
+        assert native.get("compat/native") == b"n"
+        assert store.remove_all(force=True) == 0
+    finally:
+        native.close()
+        writer.close()
+        other_tenant.close()
+
+
+def test_tenants_do_not_see_each_others_keys(
     cluster: LocalCluster, store: MooncakeDistributedStore
 ) -> None:
     other = MooncakeDistributedStore()
-    assert other.setup("h", "", 0, 0, "tcp", "", ",".join(cluster.client_master_addresses)) == 0
+    assert _setup(other, cluster, tenant_id="t2") == 0
     try:
-        assert other.put("compat/others", b"kept") == 0
-        assert store.put_batch(["compat/mine-1", "compat/mine-2"], [b"1", b"2"]) == 0
-        assert store.remove_all() >= 2
-        assert store.batch_is_exist(["compat/mine-1", "compat/mine-2", "compat/others"]) == [
-            0,
-            0,
-            1,
-        ]
+        assert store.put("compat/same-name", b"default") == 0
+        assert other.is_exist("compat/same-name") == 0
+        assert other.put("compat/same-name", b"t2") == 0
+        assert store.get("compat/same-name") == b"default"
+        assert other.get("compat/same-name") == b"t2"
     finally:
         other.close()
+
+
+def test_setup_takes_mooncakes_signatures(cluster: LocalCluster) -> None:
+    """The 8th positional (SGLang passes its transfer engine there), Mooncake's keywords, and
+    the one-dict form; a typo in the dict is refused, naming nothing silently."""
+    masters = ",".join(cluster.client_master_addresses)
+    s = MooncakeDistributedStore()
+    try:
+        assert (
+            s.setup(
+                "h", "P2PHANDSHAKE", 1 << 30, 16 << 20, "rdma", "mlx5_0", masters, object(),
+                enable_ssd_offload=True, ssd_offload_path="/tmp/x", tenant_id="kw",
+                enable_client_http_server=True, client_http_port=9301,
+            )
+            == 0
+        )  # fmt: skip
+        assert s.put("compat/kw", b"1") == 0
+        assert s.setup({"local_hostname": "h", "metadata_server": "P2PHANDSHAKE",
+                        "master_server_addr": masters, "tenant_id": "kw",
+                        "global_segment_size": 1 << 20, "protocol": "tcp"}) == 0  # fmt: skip
+        assert s.get("compat/kw") == b"1"  # the same tenant again
+        assert s.setup({"local_hostname": "h", "master_server_adr": masters}) == mc.INVALID_PARAMS
+        assert s.setup({"metadata_server": "x", "master_server_addr": masters}) == mc.INVALID_PARAMS
+        assert _setup(s, cluster, tenant_id="a/b") == mc.INVALID_PARAMS
+        assert _setup(s, cluster, tenant_id="") == mc.INVALID_PARAMS
+        assert s.setup_dummy(1 << 30, 16 << 20, "127.0.0.1:50052") == mc.NOT_SUPPORTED
+    finally:
+        s.close()
+
+
+def test_health_check(cluster: LocalCluster) -> None:
+    s = MooncakeDistributedStore()
+    assert s.health_check() == mc.HC_NOT_INITIALIZED
+    assert _setup(s, cluster) == 0
+    assert s.health_check() == mc.HC_HEALTHY
+    s.close()
+    assert s.health_check() == mc.HC_NOT_INITIALIZED
+
+
+def test_a_failed_store_answers_codes_within_the_deadline(tmp_path: Path) -> None:
+    """Masters gone after setup: every call answers a Mooncake failure code (never raises),
+    within about the configured deadline."""
+    c = LocalCluster(tmp_path / "c", masters=1, nodes=1, cpu_cache_size="128MiB", in_memory=True)
+    s = MooncakeDistributedStore()
+    try:
+        c.start()
+        assert _setup(s, c, timeout_s=0.5) == 0
+        assert s.put("compat/f", b"v") == 0
+        c.stop()
+        started = time.monotonic()
+        assert s.put("compat/g", b"v") in (mc.RPC_FAIL, mc.RPC_TIMEOUT)
+        assert s.is_exist("compat/f") in (mc.RPC_FAIL, mc.RPC_TIMEOUT)
+        assert s.get("compat/f") == b""
+        assert s.get_buffer("compat/f") is None
+        assert s.batch_remove(["compat/f"])[0] in (mc.RPC_FAIL, mc.RPC_TIMEOUT)
+        assert s.remove_all() in (mc.RPC_FAIL, mc.RPC_TIMEOUT)
+        assert s.health_check() == mc.HC_MASTER_UNREACHABLE
+        assert time.monotonic() - started < 7 * 3.0
+    finally:
+        s.close()
+        c.stop()
+
+
+def test_register_buffer_refuses_memory_it_must_not_touch(
+    store: MooncakeDistributedStore,
+) -> None:
+    read_only = mmap.mmap(-1, 4096, prot=mmap.PROT_READ)
+    try:
+        ro_ptr = np.frombuffer(read_only, dtype=np.uint8).ctypes.data
+        assert store.register_buffer(ro_ptr, 4096) == mc.INVALID_PARAMS
+    finally:
+        read_only.close()
+    assert store.register_buffer(4096, 4096) == mc.INVALID_PARAMS  # the unmapped first page
+    buf = np.zeros(8192, dtype=np.uint8)
+    assert store.register_buffer(buf.ctypes.data, 1 << 40) == mc.INVALID_PARAMS  # runs off
+    assert store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
 
 
 def test_setup_failures_and_calls_before_setup() -> None:
     s = MooncakeDistributedStore()
     assert s.put("k", b"v") == mc.RPC_FAIL
     assert s.get("k") == b""
-    assert s.is_exist("k") == -1
-    assert s.batch_is_exist(["a", "b"]) == [-1, -1]
+    assert s.is_exist("k") == mc.RPC_FAIL  # Mooncake: a negative ErrorCode, never 1 or 0
+    assert s.batch_is_exist(["a", "b"]) == [mc.RPC_FAIL] * 2
+    assert s.get_buffer("k") is None
+    assert s.remove_all() == mc.RPC_FAIL
     assert s.get_batch(["a"]) == [b""]
     started = time.monotonic()
     dead = f"127.0.0.1:{_free_port()}"
-    assert s.setup("h", "", 0, 0, "tcp", "", dead, timeout_s=0.5) == mc.RPC_FAIL
+    assert s.setup("h", "", 0, 0, "tcp", "", dead, timeout_s=0.5) in (mc.RPC_FAIL, mc.RPC_TIMEOUT)
     assert time.monotonic() - started < 3.0
     assert s.setup("h", "", 0, 0, "tcp", "", "not an address") == mc.INVALID_PARAMS
     assert s.setup("h", "", 0, 0, "carrier-pigeon", "", dead) == mc.INVALID_PARAMS

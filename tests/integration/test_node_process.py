@@ -187,6 +187,10 @@ def test_node_registers_reaps_reports_reregisters_and_leaves(tmp_path: Path) -> 
                             timeout_s=5,
                         )
                         assert r.status == Status.OK
+                        # The node publishes only what the index committed (with its version).
+                        fake.index[evict_key.decode()] = common_pb2.BlockEntry(
+                            key=evict_key.decode(), found=True, version=1, write_id=1, replicas=[1]
+                        )
                         r = await conn.request(
                             Op.PUBLISH, evict_key, write_id=1, version=1, timeout_s=5
                         )

@@ -121,6 +121,21 @@ def test_a_staged_block_is_read_only_by_its_exact_write_id(store: BlockStore) ->
     assert read(store, "k", 1) == data_for("k", 1, 4 * KIB)
 
 
+def test_a_staged_block_whose_publish_never_came_stops_being_served(
+    store: BlockStore, clock: FakeClock
+) -> None:
+    """Its PUBLISH lost on a broken link while newer writes of the key were published: a reader
+    whose cached entry names it must miss (and look again), not read the replaced value."""
+    assert stage(store, "k", 1) == Status.OK
+    clock.now += store.staged_read_window_s
+    assert read(store, "k", 1) == data_for("k", 1, 4 * KIB)  # its PUBLISH may still come
+    assert commit(store, "k", 2, version=20) == Status.OK  # a newer write, published
+    clock.now += 0.001
+    assert read(store, "k", 1) == MissReason.STAGED
+    assert read(store, "k", 2) == data_for("k", 2, 4 * KIB)
+    assert store.publish("k", 1, 10).status == Status.MISS  # older than what is held
+
+
 def test_get_returns_only_the_exact_write_id(store: BlockStore) -> None:
     assert commit(store, "k", 1, version=5) == Status.OK
     assert read(store, "k", 2) == MissReason.WRONG_VERSION

@@ -114,3 +114,16 @@ def test_an_older_value_left_on_a_node_the_newer_write_never_reached_is_counted_
     assert result.ok, result.details
     assert result.counters["stale_orphan"] == 1
     assert "known limit" in result.summary
+
+
+def test_an_older_value_on_a_node_faulted_meanwhile_is_counted_apart() -> None:
+    ops = [
+        put(1, 1, "a", 1.0, 2.0, version=5, members=(1,)),
+        put(3, 1, "a", 3.0, 4.0, version=9, members=(1,)),  # same node: it replaces the old one
+        get(2, 1, "a", 4.5, 4.6, read=ValueId(1, 1)),
+    ]
+    assert not run(ops).ok  # no fault: the old copy should have been gone
+    cut = FaultWindow("link", ("node-1",), 3.5, 6.0)
+    result = run(ops, faults=[cut])
+    assert result.ok, result.details
+    assert result.counters["stale_node_fault"] == 1

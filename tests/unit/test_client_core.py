@@ -561,6 +561,25 @@ def test_prefix_match_exists_and_remove(client: Client, cluster: FakeCluster) ->
     assert client.prefix_match(chain) == 0
 
 
+def test_prefix_match_then_a_batch_get_of_the_hits_asks_the_index_once(
+    client_factory: Callable[..., Client], cluster: FakeCluster
+) -> None:
+    """The engine flow (SGLang, LMCache): how many blocks are cached, then read them."""
+    chain = [f"engine/{i}" for i in range(8)]
+    values = [k.encode() * 10 for k in chain[:5]]
+    assert client_factory().batch_put(dict(zip(chain, values, strict=False))) == [True] * 5
+    fresh = client_factory()  # another engine: nothing cached
+
+    def index_calls() -> int:
+        return sum(cluster.master.calls.get(m, 0) for m in ("Lookup", "PrefixMatch"))
+
+    before = index_calls()
+    matched = fresh.prefix_match(chain)
+    assert matched == 5
+    assert fresh.batch_get(chain[:matched]) == values
+    assert index_calls() - before == 1
+
+
 # --- data errors become misses ----------------------------------------------------------------
 
 

@@ -1,0 +1,189 @@
+"""The fuzz suite, in one process (issue 16): hypothesis over the frame header and every message
+into the frame reader and the decoders, and into a real data server over loopback (after each
+input: the store consistent, no request memory held, no connection left, the known block read
+back exactly); atheris (coverage-guided) on the parsers, briefly here and longer as a slow test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool.checksum import block_checksum
+from kvpool.proto.wire import FrameError, Header, Op, Status, decode_ids, decode_key_table
+from kvpool.raft_master.rpc_port import METHODS
+from kvpool.store_node.block_store import BlockStore
+from kvpool.store_node.cpu_tier import CpuTier
+from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.eviction import LruPolicy
+from kvpool.store_node.publish_check import IndexVersions
+from kvpool.transports.frames import FrameReader
+from kvpool.transports.limits import IngressLimits
+from kvpool.transports.tcp import TcpConnection
+from tests.fuzzing import hostile, messages
+from tests.unit.test_hostile_input import FakeIndex
+
+MIB = 1 << 20
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.frames: list[tuple[Header, bytes, bytes | None]] = []
+        self.stopped = ""
+
+    def frame_sink(self, header: Header, key: bytes) -> memoryview | None:
+        if header.payload_len <= 4096:
+            return memoryview(bytearray(header.payload_len))
+        return None
+
+    def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
+        self.frames.append((header, key, bytes(payload) if payload is not None else None))
+
+    def version_mismatch(self, theirs: int) -> None:
+        self.stopped = "version"
+
+    def bad_frame(self, error: FrameError) -> None:
+        self.stopped = "bad"
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=hostile(), cut=st.integers(1, 97))
+def test_the_frame_reader_takes_anything_in_any_pieces(data: bytes, cut: int) -> None:
+    rec = Recorder()
+    reader = FrameReader(rec, scratch_bytes=64 * 1024)
+    for i in range(0, len(data), cut):
+        if reader.stopped:
+            break
+        reader.feed(data[i : i + cut])
+        assert reader.scratch_bytes <= 64 * 1024
+    for header, _, payload in rec.frames:
+        assert payload is None or len(payload) == header.payload_len
+    reader.release()
+    assert reader.scratch_bytes == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=messages())
+def test_every_message_parses_back_whole(data: bytes) -> None:
+    rec = Recorder()
+    FrameReader(rec).feed(data)
+    assert not rec.stopped
+    assert len(rec.frames) == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=512))
+def test_decoders_raise_only_their_own_errors(data: bytes) -> None:
+    for parse in (decode_key_table, decode_ids):
+        with contextlib.suppress(FrameError):
+            parse(data)
+    for request_type in METHODS.values():
+        with contextlib.suppress(DecodeError):
+            request_type.FromString(data)
+
+
+class _Node:
+    """A data server on loopback with one known committed block, kept across examples."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.tier = CpuTier(32 * MIB)
+        self.store = BlockStore(self.tier, LruPolicy(), max_block_size=8 * MIB, clock=lambda: 0.0)
+        self.server = DataServer(self.store, limits=IngressLimits(frame_timeout_s=0.3))
+        self.index = FakeIndex()
+        self.server.versions = IndexVersions(self.index, timeout_s=1.0)
+        self.port = self.loop.run_until_complete(self.server.start("127.0.0.1", 0))
+        self.known = b"known block " * 1000
+        self.loop.run_until_complete(self._put_known())
+
+    async def _put_known(self) -> None:
+        conn = await TcpConnection.open("127.0.0.1", self.port, timeout_s=5)
+        put = await conn.request(
+            Op.PUT, b"known", write_id=9, checksum=block_checksum(self.known),
+            payload=self.known, timeout_s=5,
+        )  # fmt: skip
+        assert put.status == Status.OK
+        self.index.entries["known"] = (9, 1)
+        assert (await conn.request(Op.PUBLISH, b"known", write_id=9, timeout_s=5)).status == 0
+        conn.close()
+
+    async def attack(self, data: bytes) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        writer.write(data)
+        try:
+            await asyncio.wait_for(writer.drain(), 0.5)
+            await asyncio.wait_for(reader.read(1 << 16), 0.05)
+        except (TimeoutError, OSError):
+            pass
+        writer.close()
+
+    async def check(self) -> None:
+        deadline = self.loop.time() + 2.0
+        while self.server.connections and self.loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        assert not self.server.connections
+        assert self.server.budget.used_bytes == 0
+        assert self.store.receiving_bytes == 0
+        self.store.check_invariants()
+        conn = await TcpConnection.open("127.0.0.1", self.port, timeout_s=5)
+        sink = bytearray(len(self.known))
+        got = await conn.request(Op.GET, b"known", write_id=9, sink=memoryview(sink), timeout_s=5)
+        assert (got.status, bytes(sink)) == (Status.OK, self.known)
+        conn.close()
+
+    def close(self) -> None:
+        assert self.server.versions is not None
+        self.loop.run_until_complete(self.server.versions.close())
+        self.loop.run_until_complete(self.server.close())
+        self.loop.close()
+        self.tier.close()
+
+
+@pytest.fixture(scope="module")
+def data_node() -> Any:
+    node = _Node()
+    yield node
+    node.close()
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=hostile())
+def test_a_data_server_survives_anything_and_keeps_its_blocks(
+    data_node: _Node, data: bytes
+) -> None:
+    data_node.loop.run_until_complete(data_node.attack(data))
+    data_node.loop.run_until_complete(data_node.check())
+
+
+def _atheris(runs: int) -> None:
+    if importlib.util.find_spec("atheris") is None:
+        pytest.skip("atheris is not installed (the dev extra installs it on Linux x86-64)")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.fuzz.atheris_frames", f"-runs={runs}", "-max_len=8192"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "DONE" in done.stderr
+
+
+def test_atheris_briefly() -> None:
+    _atheris(20_000)
+
+
+@pytest.mark.slow
+def test_atheris_long() -> None:
+    _atheris(1_000_000)

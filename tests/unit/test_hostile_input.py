@@ -1,0 +1,416 @@
+"""Hostile and broken input at a node's data port and a master's frame RPC port (issue 16):
+memory bounded and returned at close without the garbage collector (finding 1), half-done
+requests cut (finding 5), a refused PUT evicts nothing (5), versions from the index (4),
+CopyBlocks checked before it allocates (2). Real loopback sockets, one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import socket
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+
+from kvpool.checksum import block_checksum
+from kvpool.client.replicate import BlockRef, check_refs
+from kvpool.errors import MalformedRequestError, RequestTooLargeError, UnavailableError
+from kvpool.proto.v1 import common_pb2, master_pb2
+from kvpool.proto.wire import (
+    HEADER_SIZE,
+    Header,
+    MissReason,
+    Op,
+    Status,
+    encode_key_table,
+    unpack_header,
+)
+from kvpool.store_node.block_store import BlockState, BlockStore
+from kvpool.store_node.cpu_tier import CpuTier
+from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.eviction import LruPolicy
+from kvpool.store_node.publish_check import IndexVersions
+from kvpool.transports.limits import IngressLimits
+from kvpool.transports.tcp import TcpConnection
+
+MIB = 1 << 20
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T]) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, 60)
+
+    return asyncio.run(bounded())
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """The cyclic collector off: what is freed here is freed by reference counting alone."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.asynccontextmanager
+async def node(
+    capacity: int = 64 * MIB,
+    max_block: int = 16 * MIB,
+    limits: IngressLimits | None = None,
+    versions: Any = None,
+) -> AsyncIterator[tuple[DataServer, int]]:
+    tier = CpuTier(capacity)
+    store = BlockStore(tier, LruPolicy(), max_block_size=max_block, clock=lambda: 0.0)
+    server = DataServer(store, limits=limits)
+    server.versions = versions
+    try:
+        port = await server.start("127.0.0.1", 0)
+        yield server, port
+    finally:
+        await server.close()
+        store.check_invariants()
+        tier.close()
+
+
+async def raw(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def answer(reader: asyncio.StreamReader) -> tuple[Header, bytes]:
+    header = unpack_header(await reader.readexactly(HEADER_SIZE))
+    await reader.readexactly(header.key_len)
+    return header, await reader.readexactly(header.payload_len)
+
+
+async def eventually(check: Any, timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not check():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+# --- finding 1: memory after close -------------------------------------------------------------
+
+
+def test_closed_connections_are_freed_without_the_garbage_collector() -> None:
+    async def scenario() -> None:
+        async with node() as (server, port):
+            refs: list[weakref.ref[Any]] = []
+            with no_gc():
+                for i in range(50):
+                    _reader, writer = await raw(port)
+                    if i % 2:  # an MGET table declared and never sent: memory is charged
+                        writer.write(Header(op=Op.MGET, payload_len=4 << 20).pack())
+                    else:  # half a header
+                        writer.write(Header(op=Op.GET).pack()[:20])
+                    await writer.drain()
+                    await eventually(lambda: len(server.connections) == 1)
+                    conn = next(iter(server.connections))
+                    refs.append(weakref.ref(conn))
+                    assert conn.stream is not None
+                    refs.append(weakref.ref(conn.stream))
+                    del conn
+                    writer.close()
+                    await eventually(lambda: not server.connections)
+                for _ in range(5):
+                    await asyncio.sleep(0)
+                alive = [r for r in refs if r() is not None]
+                assert not alive, f"{len(alive)} connection objects still alive after close"
+            assert server.budget.used_bytes == 0
+            assert server.budget.peak_bytes == 4 << 20
+
+    run(scenario())
+
+
+def test_an_idle_connection_costs_a_small_buffer() -> None:
+    async def scenario() -> None:
+        async with node() as (server, port):
+            _, writer = await raw(port)
+            await eventually(lambda: len(server.connections) == 1)
+            conn = next(iter(server.connections))
+            assert conn.stream is not None
+            assert conn.stream.reader.scratch_bytes <= 4096
+            writer.close()
+
+    run(scenario())
+
+
+def test_key_tables_beyond_the_request_budget_are_refused_not_allocated() -> None:
+    limits = IngressLimits(request_memory_bytes=6 * MIB, frame_timeout_s=30.0)
+
+    async def scenario() -> None:
+        async with node(limits=limits) as (server, port):
+            first_r, first_w = await raw(port)
+            first_w.write(Header(op=Op.MGET, request_id=1, payload_len=4 << 20).pack())
+            await eventually(lambda: server.budget.used_bytes == 4 << 20)
+            second_r, second_w = await raw(port)
+            table = encode_key_table([(b"k", 1, 0, 0)])
+            big = table + b"\0" * ((3 << 20) - len(table))  # a 3 MiB table: over the budget
+            second_w.write(Header(op=Op.MGET, request_id=2, payload_len=len(big)).pack() + big)
+            header, body = await answer(second_r)
+            assert header.status == Status.NO_SPACE
+            assert b"memory left for requests" in body
+            assert server.budget.used_bytes == 4 << 20  # the refused one was never charged
+            first_w.close()
+            await eventually(lambda: server.budget.used_bytes == 0)
+            second_w.close()
+            del first_r
+
+    run(scenario())
+
+
+# --- finding 5: reservations ------------------------------------------------------------------
+
+
+async def hold_put(port: int, key: bytes, size: int) -> tuple[Any, Any]:
+    """A PUT header declaring ``size`` bytes and none of them."""
+    reader, writer = await raw(port)
+    writer.write(Header(op=Op.PUT, write_id=7, payload_len=size, key_len=len(key)).pack() + key)
+    await writer.drain()
+    return reader, writer
+
+
+def test_silent_puts_are_cut_and_a_refused_put_evicts_nothing() -> None:
+    limits = IngressLimits(frame_timeout_s=1.0)
+
+    async def scenario() -> None:
+        async with node(capacity=256 * MIB, max_block=64 * MIB, limits=limits) as (server, port):
+            store = server.store
+            conn = await TcpConnection.open("127.0.0.1", port, timeout_s=5)
+            for i in range(40):  # committed blocks that a careless PUT could evict
+                data = bytes([i]) * MIB
+                put = await conn.request(
+                    Op.PUT, f"c{i}".encode(), write_id=1, checksum=block_checksum(data),
+                    payload=data, timeout_s=5,
+                )  # fmt: skip
+                assert put.status == Status.OK
+                assert store.publish(f"c{i}", 1, 1).status == Status.OK
+            held = [await hold_put(port, f"big{i}".encode(), 64 * MIB) for i in range(3)]
+            await asyncio.sleep(0.2)
+            # put_memory_fraction (1/2): two 64 MiB reservations; the third was refused.
+            assert store.receiving_bytes == 128 * MIB
+            assert store.stats().evictions == 0
+            data = b"x" * (60 * MIB)
+            refused = await conn.request(
+                Op.PUT, b"fourth", write_id=1, checksum=block_checksum(data), payload=data,
+                timeout_s=10,
+            )  # fmt: skip
+            assert refused.status == Status.NO_SPACE
+            assert store.stats().evictions == 0
+            assert all(store.state_of(f"c{i}", 1) is BlockState.COMMITTED for i in range(40))
+            # The silent ones are cut after frame_timeout_s: their memory comes back.
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            await eventually(lambda: store.receiving_bytes == 0, timeout_s=5)
+            assert loop.time() - started < 3.0
+            assert server.stalled_cut >= 2
+            for _, writer in held:
+                writer.close()
+            conn.close()
+
+    run(scenario())
+
+
+# --- finding 4: versions from the index ------------------------------------------------------
+
+
+class FakeIndex:
+    """The masters as a node's IndexVersions sees them: key -> (write id, version)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[int, int]] = {}
+        self.calls = 0
+        self.down = False
+
+    async def call(
+        self, method: str, request: Any, *, deadline: float, leader_only: bool = False
+    ) -> Any:
+        assert method == "Lookup"
+        assert leader_only
+        self.calls += 1
+        if self.down:
+            raise UnavailableError("no master")
+        response = master_pb2.LookupResponse()
+        for key in request.keys:
+            if key in self.entries:
+                write_id, version = self.entries[key]
+                response.entries.append(
+                    common_pb2.BlockEntry(key=key, found=True, write_id=write_id, version=version)
+                )
+            else:
+                response.entries.append(common_pb2.BlockEntry(key=key, found=False))
+        return response
+
+
+def test_a_publish_with_a_forged_version_poisons_nothing() -> None:
+    index = FakeIndex()
+
+    async def scenario() -> None:
+        versions = IndexVersions(index, timeout_s=2.0)
+        async with node(versions=versions) as (server, port):
+            conn = await TcpConnection.open("127.0.0.1", port, timeout_s=5)
+
+            async def put(write_id: int, data: bytes) -> None:
+                r = await conn.request(
+                    Op.PUT, b"k", write_id=write_id, checksum=block_checksum(data),
+                    payload=data, timeout_s=5,
+                )  # fmt: skip
+                assert r.status == Status.OK
+
+            # The attacker stages its own write and publishes it with version 2^64-1.
+            await put(666, b"evil")
+            forged = await conn.request(
+                Op.PUBLISH, b"k", write_id=666, version=2**64 - 1, timeout_s=5
+            )
+            assert (forged.status, forged.header.flags) == (Status.MISS, MissReason.WRONG_VERSION)
+            assert server.store.state_of("k", 666) is BlockState.STAGED  # nothing changed
+            # An honest write the index committed at version 12 (the frame's version ignored).
+            await put(1, b"good")
+            index.entries["k"] = (1, 12)
+            ok = await conn.request(Op.PUBLISH, b"k", write_id=1, version=3, timeout_s=5)
+            assert ok.status == Status.OK
+            assert ok.header.version == 12
+            block = server.store.block("k", 1)
+            assert block is not None
+            assert block.state is BlockState.COMMITTED
+            assert block.version == 12
+            sink = bytearray(4)
+            got = await conn.request(Op.GET, b"k", write_id=1, sink=memoryview(sink), timeout_s=5)
+            assert (got.status, bytes(sink)) == (Status.OK, b"good")
+            # A write the index has already replaced (it names write 1 at 12 >= the 5 claimed):
+            # dropped at once, so a reader holding a stale entry misses instead of reading it.
+            await put(3, b"gone")
+            stale = await conn.request(Op.PUBLISH, b"k", write_id=3, version=5, timeout_s=5)
+            assert (stale.status, stale.header.flags) == (Status.MISS, MissReason.WRONG_VERSION)
+            assert server.store.state_of("k", 3) is None
+            # A later write while the masters are unreachable: left staged (readable by its
+            # write id), and the older one leaves at once: a stale reader misses, never reads
+            # the replaced value after the put was acknowledged.
+            await put(2, b"next")
+            index.down = True
+            unknown = await conn.request(Op.PUBLISH, b"k", write_id=2, version=13, timeout_s=5)
+            assert (unknown.status, unknown.header.flags) == (Status.MISS, MissReason.STAGED)
+            assert server.store.state_of("k", 2) is BlockState.STAGED
+            assert server.store.state_of("k", 1) is None
+            block = server.store.block("k", 2)
+            assert block is not None
+            assert block.version == 0  # no version from a frame
+            conn.close()
+        await versions.close()
+
+    run(scenario())
+
+
+# --- finding 2: CopyBlocks -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ref", "error"),
+    [
+        (BlockRef("", 1, 1, 10, 0), MalformedRequestError),
+        (BlockRef("k" * 1025, 1, 1, 10, 0), MalformedRequestError),
+        (BlockRef("k", 0, 1, 10, 0), MalformedRequestError),
+        (BlockRef("k", 1, 1, 2**40, 0), MalformedRequestError),
+        (BlockRef("k", 1, 1, 2**64 - 1, 0), MalformedRequestError),
+    ],
+)
+def test_copy_refs_are_checked_before_anything_is_allocated(
+    ref: BlockRef, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        check_refs("tcp://127.0.0.1:1", [ref], max_block_size=64 * MIB)
+
+
+def test_copy_requests_name_a_tcp_target_and_a_bounded_number_of_blocks() -> None:
+    with pytest.raises(MalformedRequestError):
+        check_refs("not-an-address", [], max_block_size=MIB)
+    with pytest.raises(RequestTooLargeError):
+        check_refs("tcp://h:1", [BlockRef("k", 1, 1, 1, 0)] * 5000, max_block_size=MIB)
+    check_refs("tcp://h:1", [BlockRef("k", 1, 1, MIB, 0)], max_block_size=MIB)
+
+
+# --- the RPC port ----------------------------------------------------------------------------
+
+
+def test_a_socket_that_declares_a_huge_payload_gets_no_memory() -> None:
+    """The master's frame RPC port: a 64 MiB declared request is refused before allocating."""
+    from kvpool.raft_master.rpc_port import RpcPort
+
+    class NoService:
+        pass
+
+    async def scenario() -> None:
+        port = RpcPort(NoService(), limits=IngressLimits(frame_timeout_s=0.5))  # type: ignore[arg-type]
+        bound = port.start("127.0.0.1", 0)
+        try:
+            reader, writer = await raw(bound)
+            writer.write(
+                Header(op=Op.RPC, request_id=1, payload_len=64 << 20, key_len=6).pack() + b"Lookup"
+            )
+            header, body = await answer(reader)
+            assert header.status == Status.RPC_ERROR
+            assert b"REQUEST_TOO_LARGE" in body
+            assert await reader.read() == b""  # closed
+            assert port.budget.peak_bytes == 0
+            # Half a request within the limit: charged, then cut after frame_timeout_s.
+            reader, writer = await raw(bound)
+            writer.write(
+                Header(op=Op.RPC, request_id=2, payload_len=1 << 20, key_len=6).pack() + b"Lookup"
+            )
+            await eventually(lambda: port.budget.used_bytes == 1 << 20)
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert port.budget.used_bytes == 0
+            assert port.cut == 1
+        finally:
+            port.close()
+
+    run(scenario())
+
+
+def test_many_silent_connections_beyond_the_limit_are_closed_at_once() -> None:
+    async def scenario() -> None:
+        async with node(limits=IngressLimits(max_connections=8)) as (server, port):
+            socks = []
+            for _ in range(20):
+                s = socket.create_connection(("127.0.0.1", port))
+                s.setblocking(False)
+                socks.append(s)
+            await eventually(lambda: server.gate.over_limit == 12)
+            assert len(server.connections) == 8
+            for s in socks:
+                s.close()
+
+    run(scenario())
+
+
+def test_same_process_tells_an_exited_process_from_a_running_one() -> None:
+    import subprocess
+    import sys
+
+    from kvpool.launcher.procfs import process_start_ticks, same_process
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ticks = process_start_ticks(child.pid)
+        assert same_process(child.pid, ticks)
+        assert not same_process(child.pid, (ticks or 0) + 1)  # a reused pid: another process
+        child.kill()
+        deadline = 50
+        while same_process(child.pid, ticks) and deadline:
+            deadline -= 1
+            import time
+
+            time.sleep(0.05)
+        assert not same_process(child.pid, ticks)  # a zombie counts as exited
+    finally:
+        child.kill()
+        child.wait()
