@@ -118,8 +118,9 @@ $(VLLM_VENV)/.installed: pyproject.toml
 # kvpool's ranges admit both, so it installs beside LMCache with nothing changed.
 $(LMCACHE_VENV)/.installed: pyproject.toml
 	@test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
-	$(LMCACHE_VENV)/bin/python -m pip install --quiet 'lmcache==0.5.6' 'torch==2.13.0'
-	$(LMCACHE_VENV)/bin/python -m pip install --quiet -e . 'pytest>=8' 'pytest-timeout>=2.3'
+	@# one resolution, so that kvpool's dependencies are chosen within LMCache's pins
+	$(LMCACHE_VENV)/bin/python -m pip install --quiet 'lmcache==0.5.6' 'torch==2.13.0' -e . \
+		'pytest>=8' 'pytest-timeout>=2.3'
 	$(LMCACHE_VENV)/bin/python -m pip check
 	@touch $@
 
