@@ -91,28 +91,33 @@ class LookupCache:
     def store(self, key: str, entry: common_pb2.BlockEntry, revision: int) -> None:
         """Cache a found entry answered at ``revision`` unless the cache holds a newer write of
         the key or the key was removed after ``revision``."""
-        if not self.capacity or not entry.found:
-            return
-        now = self._clock()
-        with self._lock:
-            removed_at = self._tombstones.get(key)
-            if removed_at is not None:
-                if revision <= removed_at:
-                    return
-                del self._tombstones[key]
-            current = self._entries.get(key)
-            if current is not None and current.entry.version > entry.version:
-                return
-            if current is None and len(self._entries) >= self.capacity:
-                self._evict()
-            self._entries[key] = Cached(entry, revision, now)
+        self.store_many([key], [entry], revision)
 
     def store_many(
         self, keys: list[str], entries: list[common_pb2.BlockEntry], revision: int
     ) -> None:
-        for key, entry in zip(keys, entries, strict=True):
-            if entry.found:
-                self.store(key, entry, revision)
+        """:meth:`store` for a whole Lookup answer: one lock, one clock reading."""
+        if not self.capacity:
+            return
+        now = self._clock()
+        table, tombstones = self._entries, self._tombstones
+        with self._lock:
+            for key, entry in zip(keys, entries, strict=True):
+                if not entry.found:
+                    continue
+                if tombstones:
+                    removed_at = tombstones.get(key)
+                    if removed_at is not None:
+                        if revision <= removed_at:
+                            continue
+                        del tombstones[key]
+                current = table.get(key)
+                if current is not None:
+                    if current.entry.version > entry.version:
+                        continue
+                elif len(table) >= self.capacity:
+                    self._evict()
+                table[key] = Cached(entry, revision, now)
 
     def committed(self, key: str, entry: common_pb2.BlockEntry, revision: int) -> None:
         """This client committed ``entry``: replace a cached older write (a key that is not
