@@ -133,8 +133,13 @@ class MasterRouting:
             self.leader = None
         return False
 
-    def failed(self, address: str) -> None:
-        self._failed_at[address] = time.monotonic()
+    def failed(self, address: str, *, slow: bool = False) -> None:
+        """A call to ``address`` failed; ``slow``: it took the whole attempt (a paused or cut-off
+        master), so it is not asked again for ``FAILED_HOLD_S`` while another master can be. A
+        master that answered (no lease yet, not caught up) or refused the connection at once
+        costs nothing to ask again."""
+        if slow:
+            self._failed_at[address] = time.monotonic()
         if self.leader == address:
             self.leader = None
 
@@ -275,7 +280,7 @@ class MasterClient:
                     continue
                 except (UnavailableError, DeadlineExceededError, NotCaughtUpError) as e:
                     last = e
-                    routing.failed(address)
+                    routing.failed(address, slow=isinstance(e, DeadlineExceededError))
                     continue
                 except KVPoolError as e:
                     if not e.retryable:
@@ -448,7 +453,7 @@ class SyncMasterClient:
                     continue
                 except (UnavailableError, DeadlineExceededError, NotCaughtUpError) as e:
                     last = e
-                    routing.failed(address)
+                    routing.failed(address, slow=isinstance(e, DeadlineExceededError))
                     continue
                 except KVPoolError as e:
                     if not e.retryable:

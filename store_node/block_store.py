@@ -292,13 +292,28 @@ class BlockStore:
         return bool(older)
 
     def _readable(self, block: Block) -> bool:
-        """Committed, or staged within the read window (see the module doc)."""
+        """Committed; or staged within the read window and not behind another write of the key
+        that is published here (committed, or its PUBLISH arrived claiming a version), unless
+        its own PUBLISH claims a higher version. A staged block's own version is unknown until
+        its PUBLISH comes: any doubt is a miss (see the module doc)."""
         if block.state is BlockState.COMMITTED:
             return True
-        return (
-            block.state is BlockState.STAGED
-            and self._clock() - block.staged_at <= self.staged_read_window_s
-        )
+        if block.state is not BlockState.STAGED:
+            return False
+        if self._clock() - block.staged_at > self.staged_read_window_s:
+            return False
+        others = self._by_key.get(block.key, ())
+        if len(others) == 1:
+            return True
+        mine = block.claimed_version
+        for write_id in others:
+            if write_id == block.write_id:
+                continue
+            other = self._blocks[(block.key, write_id)]
+            theirs = other.version if other.state is BlockState.COMMITTED else other.claimed_version
+            if theirs and (not mine or theirs > mine):
+                return False
+        return True
 
     def get(self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY) -> ReadResult:
         """The staged or committed block with exactly this write id, its copy leased (release

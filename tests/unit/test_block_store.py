@@ -136,6 +136,22 @@ def test_a_staged_block_whose_publish_never_came_stops_being_served(
     assert store.publish("k", 1, 10).status == Status.MISS  # older than what is held
 
 
+def test_a_staged_block_behind_a_published_write_of_its_key_is_not_served(
+    store: BlockStore,
+) -> None:
+    """Two writers overwrite a key; the newer write's PUBLISH arrives first. Until the older
+    one's own PUBLISH says which is newer, a reader holding the older one's entry misses."""
+    assert stage(store, "k", 1) == Status.OK  # older: committed first, PUBLISH still on the way
+    assert stage(store, "k", 2) == Status.OK
+    assert read(store, "k", 1) == data_for("k", 1, 4 * KIB)  # nothing published yet
+    assert store.publish("k", 2, 20).status == Status.OK
+    assert read(store, "k", 1) == MissReason.STAGED
+    assert read(store, "k", 2) == data_for("k", 2, 4 * KIB)
+    assert stage(store, "k", 3) == Status.OK
+    store.retire_older("k", 3, 30)  # its PUBLISH arrived claiming a newer version
+    assert read(store, "k", 3) == data_for("k", 3, 4 * KIB)
+
+
 def test_get_returns_only_the_exact_write_id(store: BlockStore) -> None:
     assert commit(store, "k", 1, version=5) == Status.OK
     assert read(store, "k", 2) == MissReason.WRONG_VERSION

@@ -30,7 +30,7 @@ def test_the_leader_is_asked_first_once_a_redirect_named_it(clock: list[float]) 
 def test_a_master_that_failed_is_left_out_for_a_while(clock: list[float]) -> None:
     routing = MasterRouting([A, B, C])
     routing.not_leader(B, NotLeaderError("not me", leader=A))
-    routing.failed(A)  # the leader paused: the call to it timed out
+    routing.failed(A, slow=True)  # the leader paused: the call to it timed out
     assert A not in routing.order()
     # A follower that has not seen the election yet still names it: not followed.
     assert not routing.not_leader(B, NotLeaderError("not me", leader=A))
@@ -42,11 +42,19 @@ def test_a_master_that_failed_is_left_out_for_a_while(clock: list[float]) -> Non
 
 def test_when_every_master_failed_lately_all_are_asked(clock: list[float]) -> None:
     routing = MasterRouting([A, B])
-    routing.failed(A)
-    routing.failed(B)
+    routing.failed(A, slow=True)
+    routing.failed(B, slow=True)
     assert sorted(routing.order()) == [A, B]
     routing.succeeded(A, leader_only=True)
     assert routing.order() == [A]
+
+
+def test_a_master_that_answered_an_error_is_asked_again_at_once(clock: list[float]) -> None:
+    routing = MasterRouting([A, B])
+    routing.not_leader(B, NotLeaderError("not me", leader=A))
+    routing.failed(A)  # e.g. the leader has no read lease yet: it answered, retry it
+    assert A in routing.order()
+    assert routing.not_leader(B, NotLeaderError("not me", leader=A))
 
 
 def test_a_refused_rpc_port_is_learned_again() -> None:
