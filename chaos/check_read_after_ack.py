@@ -97,6 +97,18 @@ class _Judge:
             return "stale_node_fault"
         return None
 
+    def wrote(self, result: object) -> str:
+        """Where the value a stale read returned came from (the writes that stored it)."""
+        key, value = getattr(result, "key", ""), getattr(result, "read", None)
+        if value is None:
+            return ""
+        parts = []
+        for w in self.history.writes_of(key, value):
+            receipt = w.receipt
+            where = f" version {receipt.version} on {','.join(receipt.nodes)}" if receipt else ""
+            parts.append(f"{describe_op(w.op)}{where}")
+        return f", written by {'; '.join(parts)}" if parts else ""
+
     def excuse(self, floor: Write, get: Op) -> str | None:
         receipt = floor.receipt
         assert receipt is not None
@@ -141,7 +153,8 @@ def check(history: History, context: CheckContext) -> CheckResult:
             assert floor.receipt is not None
             where = (
                 f"{describe_op(op)} after {describe_op(floor.op)} acknowledged "
-                f"{floor.value} (version {floor.receipt.version})"
+                f"{floor.value} (version {floor.receipt.version} on "
+                f"{','.join(floor.receipt.nodes)})"
             )
             if r.read is not None:
                 counters["judged"] += 1
@@ -151,7 +164,7 @@ def check(history: History, context: CheckContext) -> CheckResult:
                     counters[stale_why] += 1
                 else:
                     counters["stale"] += 1
-                    findings.add(f"{where}: read the older value {r.read}")
+                    findings.add(f"{where}: read the older value {r.read}{judge.wrote(r)}")
                 continue
             if op.kind == "batch_get":
                 counters["unjudged_batch"] += 1

@@ -152,10 +152,13 @@ def superseded(
     results: list[master_pb2.PutResult],
     member: Callable[[int], MemberInfo | None],
 ) -> tuple[list[BlockRef], bool]:
-    """The replaced writes' blocks to DELETE (on members outside the new replicas), and whether
-    a replaced write sits on a member the new one is published to — where the PUBLISH replaces
-    it, so the put waits for that PUBLISH. Either way, once the put returns no node serves the
-    replaced write to a reader holding a stale cached entry (unless the node was unreachable)."""
+    """The replaced writes' blocks to DELETE (on every member the index had them on), and
+    whether a replaced write sits on a member the new one is published to — where the PUBLISH
+    replaces it too, so the put waits for that PUBLISH. The DELETE goes there as well: the
+    PUBLISH may find nothing to publish (a remove of the key deleted the new write first) and
+    the exact (key, replaced write id) is never wanted again. Once the put returns no node
+    serves the replaced write to a reader holding a stale cached entry (unless the node was
+    unreachable)."""
     deletes: list[BlockRef] = []
     wait = False
     for it, result in zip(staged, results, strict=True):
@@ -165,7 +168,6 @@ def superseded(
         for member_id in result.superseded_replicas:
             if member_id in kept:
                 wait = True
-                continue
             m = member(member_id)
             if m is not None:
                 deletes.append(BlockRef(it.key_bytes, result.superseded_write_id, 0, m))

@@ -356,6 +356,11 @@ class DataConnection:
             return
         block = store.block(name, header.write_id)
         if block is None or block.state is BlockState.RECEIVING:
+            # The write is gone here (a remove of the key deleted it first, or its PUT never
+            # came), but its claim still names a newer version than what is held: the older
+            # write leaves all the same, else a reader's cached entry would read it after the
+            # put was acknowledged (a remove racing an overwrite; chaos read_after_ack).
+            store.retire_older(name, header.write_id, header.version)
             self._answer(header, Status.MISS, flags=MissReason.ABSENT)
             return
         if block.state is BlockState.COMMITTED:

@@ -62,6 +62,24 @@ def rpc(address: str, method: str, request: bytes) -> Call:
 def test_every_master_offers_its_rpc_port_and_answers_as_over_grpc(cluster: LocalCluster) -> None:
     with Client(cluster.master_addresses, timeout_s=5.0) as kv:
         assert kv.put("rpc/k", b"v" * 1000)
+    # A follower names the leader once it has heard from it: on a loaded machine an election
+    # may still be settling (a follower then answers "no leader known yet"), so ask again.
+    deadline = time.monotonic() + 15.0
+    while True:
+        unsettled = _rpc_port_answers(cluster)
+        if unsettled is None:
+            break
+        assert time.monotonic() < deadline, unsettled
+        time.sleep(0.2)
+    leader = cluster.processes[cluster.leader_name()].grpc
+    unknown = rpc(members_of(leader).rpc_address, "RegisterNode", b"")
+    assert unknown.status == Status.BAD_REQUEST
+    assert NotLeaderError.code == "NOT_LEADER"
+
+
+def _rpc_port_answers(cluster: LocalCluster) -> str | None:
+    """Check every master's frame RPC port once: None when all answered as they must, or why a
+    follower could not name the leader yet (asserting on any other wrong answer)."""
     leader = cluster.processes[cluster.leader_name()].grpc
     for address in cluster.master_addresses:
         offered = members_of(address).rpc_address
@@ -69,7 +87,8 @@ def test_every_master_offers_its_rpc_port_and_answers_as_over_grpc(cluster: Loca
         lookup = master_pb2.LookupRequest(keys=["rpc/k", "rpc/absent"])
         call = rpc(offered, "Lookup", lookup.SerializeToString())
         if address == leader:
-            assert call.status == Status.OK
+            if call.status != Status.OK:
+                return f"the leader {leader} refused a Lookup: {bytes(call.data or b'')!r}"
             answer = master_pb2.LookupResponse.FromString(bytes(call.data or b""))
             assert [e.found for e in answer.entries] == [True, False]
             assert answer.entries[0].size_bytes == 1000
@@ -82,11 +101,11 @@ def test_every_master_offers_its_rpc_port_and_answers_as_over_grpc(cluster: Loca
         )
         for refused in (call, rpc(offered, "CommitPuts", commit.SerializeToString())):
             assert refused.status == Status.RPC_ERROR
-            assert b"NOT_LEADER" in bytes(refused.data or b"")
-            assert leader.encode() in bytes(refused.data or b"")
-    unknown = rpc(members_of(leader).rpc_address, "RegisterNode", b"")
-    assert unknown.status == Status.BAD_REQUEST
-    assert NotLeaderError.code == "NOT_LEADER"
+            data = bytes(refused.data or b"")
+            assert b"NOT_LEADER" in data
+            if leader.encode() not in data:
+                return f"follower {address} answered {data!r}, not naming the leader {leader}"
+    return None
 
 
 NEEDS_SHM = pytest.mark.skipif(not shm_supported(), reason="shared memory needs Linux")

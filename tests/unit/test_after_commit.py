@@ -1,5 +1,6 @@
 """What a put does after its commit (client/commits.py ``superseded``): the replaced write's
-blocks are deleted where the new write is not, and the PUBLISH is waited for where it is."""
+blocks are deleted wherever the index had them, and the PUBLISH is waited for where the new
+write goes too."""
 
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ def test_a_fresh_key_needs_nothing_more() -> None:
     assert (deletes, wait) == ([], False)
 
 
-def test_replaced_blocks_elsewhere_are_deleted_and_a_replaced_block_here_is_waited_for() -> None:
+def test_replaced_blocks_are_deleted_and_a_replaced_block_here_is_waited_for() -> None:
     deletes, wait = superseded([item("a")], [result([1], old=77, old_on=[1, 2, 3])], member)
     assert wait  # member 1 gets the new block: its PUBLISH drops the old one there
+    # ... and the DELETE too (the PUBLISH may find the new write already removed)
     assert [(d.key_bytes, d.write_id, d.member.member_id) for d in deletes] == [
+        (b"a", 77, 1),
         (b"a", 77, 2),
         (b"a", 77, 3),
     ]

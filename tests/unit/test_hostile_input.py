@@ -310,6 +310,54 @@ def test_a_publish_with_a_forged_version_poisons_nothing() -> None:
     run(scenario())
 
 
+def test_a_publish_of_a_write_deleted_first_still_retires_the_older_write() -> None:
+    """An overwrite raced by a remove: the remove's DELETE of the new write reaches the node
+    before the new write's PUBLISH. The PUBLISH finds nothing to publish, but the older write
+    (which the index replaced before the remove) must leave all the same: a reader's cached
+    entry naming it would otherwise read the replaced value after both calls returned."""
+    index = FakeIndex()
+
+    async def scenario() -> None:
+        versions = IndexVersions(index, timeout_s=2.0)
+        async with node(versions=versions) as (server, port):
+            conn = await TcpConnection.open("127.0.0.1", port, timeout_s=5)
+            for write_id, data in ((1, b"old"), (2, b"new")):
+                r = await conn.request(
+                    Op.PUT, b"k", write_id=write_id, checksum=block_checksum(data),
+                    payload=data, timeout_s=5,
+                )  # fmt: skip
+                assert r.status == Status.OK
+            index.entries["k"] = (1, 10)
+            first = await conn.request(Op.PUBLISH, b"k", write_id=1, version=10, timeout_s=5)
+            assert first.status == Status.OK
+            # write 2 replaced write 1 at version 11, then a remove deleted write 2 here
+            del index.entries["k"]
+            gone = await conn.request(Op.DELETE, b"k", write_id=2, timeout_s=5)
+            assert gone.status == Status.OK
+            late = await conn.request(Op.PUBLISH, b"k", write_id=2, version=11, timeout_s=5)
+            assert (late.status, late.header.flags) == (Status.MISS, MissReason.ABSENT)
+            assert server.store.state_of("k", 1) is None  # the replaced value is not served
+            sink = bytearray(3)
+            got = await conn.request(Op.GET, b"k", write_id=1, sink=memoryview(sink), timeout_s=5)
+            assert got.status == Status.MISS
+            # A late PUBLISH claiming an older version than what is held retires nothing.
+            r = await conn.request(
+                Op.PUT, b"k", write_id=3, checksum=block_checksum(b"v3"), payload=b"v3",
+                timeout_s=5,
+            )  # fmt: skip
+            assert r.status == Status.OK
+            index.entries["k"] = (3, 20)
+            ok = await conn.request(Op.PUBLISH, b"k", write_id=3, version=20, timeout_s=5)
+            assert ok.status == Status.OK
+            stale = await conn.request(Op.PUBLISH, b"k", write_id=9, version=15, timeout_s=5)
+            assert stale.status == Status.MISS
+            assert server.store.state_of("k", 3) is BlockState.COMMITTED
+            conn.close()
+        await versions.close()
+
+    run(scenario())
+
+
 # --- finding 2: CopyBlocks -------------------------------------------------------------------
 
 
