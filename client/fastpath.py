@@ -52,6 +52,7 @@ from kvpool.client.core import (
 from kvpool.client.masters import SyncMasterClient
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
+    BlockLocation,
     BlockRef,
     PutItem,
     ReadItem,
@@ -305,6 +306,23 @@ class SyncPath:
                 raise
             return [None] * len(names)
         return [int(e.size_bytes) if e.found else None for e in response.entries]
+
+    def locate(
+        self, keys: Sequence[str], *, strict: bool | None = None
+    ) -> list[BlockLocation | None]:
+        names = [k for k, _ in check_keys(keys)]
+        if not names:
+            return []
+        try:
+            response = self._within_deadline("locate", lambda d: self._lookup(names, d))
+        except InvalidArgumentError:
+            raise
+        except KVPoolError:
+            if self.core._strict(strict):
+                raise
+            return [None] * len(names)
+        members = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
+        return [BlockLocation.from_entry(e, members) if e.found else None for e in response.entries]
 
     def prefix_match(self, keys: Sequence[str], *, strict: bool | None = None) -> int:
         names = [k for k, _ in check_keys(keys)]

@@ -47,6 +47,7 @@ from kvpool.proto.wire import (
     MissReason,
     Op,
     Status,
+    TierLevel,
     encode_ids,
     encode_key_table,
 )
@@ -186,6 +187,39 @@ class BlockRef:
     write_id: int
     version: int
     member: MemberInfo
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLocation:
+    """Where the index has a key's block (:meth:`kvpool.Client.locate`): a hint, as of the
+    lookup; a read still checks the bytes against ``checksum``."""
+
+    key: str
+    size_bytes: int
+    version: int
+    checksum: int
+    tier: str
+    """The fastest tier a replica last reported ("gpu", "cpu", "ssd"), or "" when none has
+    reported a change since the put (a put lands in a node's CPU memory)."""
+    replicas: tuple[MemberInfo, ...]
+    """The live members holding it, in the index's order (a replica on a member declared
+    down is left out)."""
+    pinned: bool = False
+
+    @classmethod
+    def from_entry(
+        cls, entry: common_pb2.BlockEntry, members: dict[int, MemberInfo]
+    ) -> BlockLocation:
+        tier = TierLevel(entry.tier).name.lower() if entry.tier else ""
+        return cls(
+            key=entry.key,
+            size_bytes=int(entry.size_bytes),
+            version=int(entry.version),
+            checksum=int(entry.checksum),
+            tier=tier,
+            replicas=tuple(members[m] for m in entry.replicas if m in members),
+            pinned=bool(entry.pinned),
+        )
 
 
 def new_write_ids(n: int) -> list[int]:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from kvpool.client.core import ClientCore, PutReceipt
 from kvpool.client.fastpath import SyncPath
+from kvpool.client.plans import BlockLocation
 from kvpool.client.settings import make_config
 from kvpool.client.values import BytesLike, WritableBuffer, as_payload
 from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
@@ -248,6 +249,14 @@ class Client:
         """Each key's block size in bytes, or None where the index has no such key (one lookup;
         no bytes are read; None for all on failure unless strict)."""
         return self._path.sizes(keys, strict=strict)
+
+    def locate(
+        self, keys: Sequence[str], *, strict: bool | None = None
+    ) -> list[BlockLocation | None]:
+        """Where the index has each key's block — its size, version, checksum, the fastest tier
+        a replica reported and the live nodes holding it — or None where it has no such key
+        (one lookup; no bytes are read; None for all on failure unless strict)."""
+        return self._path.locate(keys, strict=strict)
 
     def remove(self, key: str) -> bool:
         """Remove ``key``; True if the index had it."""

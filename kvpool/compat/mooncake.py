@@ -58,6 +58,11 @@ from kvpool.compat.mooncake_types import (
     RPC_TIMEOUT,
     TRANSFER_FAIL,
     BufferHandle,
+    Descriptor,
+    DiskDescriptor,
+    MemoryDescriptor,
+    ReplicaDescriptor,
+    ReplicaStatus,
     ReplicateConfig,
     error_code,
 )
@@ -83,7 +88,12 @@ __all__ = [
     "RPC_TIMEOUT",
     "TRANSFER_FAIL",
     "BufferHandle",
+    "Descriptor",
+    "DiskDescriptor",
+    "MemoryDescriptor",
     "MooncakeDistributedStore",
+    "ReplicaDescriptor",
+    "ReplicaStatus",
     "ReplicateConfig",
     "error_code",
 ]
@@ -108,6 +118,11 @@ _SETUP_KEYS = {
     "timeout_s",
 }
 _TRUE = {"1", "true", "yes", "on"}
+_SETUP_ALIASES = {"master_server_address": "master_server_addr", "device_name": "rdma_devices"}
+"""Names other callers of Mooncake's ``setup(dict)`` use (LMCache 0.5's Mooncake connector
+passes its legacy ``master_server_address`` and ``device_name``): read as the setting they
+name when that one is not given, and said so once. Mooncake itself ignores them (its master
+address then falls back to 127.0.0.1:50051)."""
 
 _said: set[str] = set()
 _said_lock = threading.Lock()
@@ -212,7 +227,7 @@ class MooncakeDistributedStore:
         return OK
 
     def _setup_from_dict(self, config: Mapping[str, Any]) -> int:
-        unknown = sorted(str(k) for k in config if k not in _SETUP_KEYS)
+        unknown = sorted(str(k) for k in config if k not in _SETUP_KEYS | _SETUP_ALIASES.keys())
         if unknown or "local_hostname" not in config:
             self._log.warning(
                 "mooncake_setup_refused",
@@ -221,6 +236,15 @@ class MooncakeDistributedStore:
             )
             return INVALID_PARAMS
         values = {str(k): str(v) for k, v in config.items()}  # Mooncake reads them as strings
+        for alias, setting in _SETUP_ALIASES.items():
+            if alias in values:
+                value = values.pop(alias)
+                shown = value if alias == "device_name" else "(not shown: an address)"
+                if setting not in values:
+                    values[setting] = value
+                    _say_once(self._log, f"{alias} (read as {setting})", shown)
+                else:
+                    _say_once(self._log, f"{alias} (ignored: {setting} is given too)", shown)
         try:
             return self.setup(
                 values["local_hostname"],
@@ -417,6 +441,30 @@ class MooncakeDistributedStore:
         except KVPoolError as e:
             return [error_code(e)] * len(keys)
         return [0 if size is None else 1 for size in sizes]
+
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        """The replicas of ``key`` as the index has them (one descriptor per live node holding
+        it; memory or disk by the tier the nodes last reported); [] when missing or on error,
+        as Mooncake answers."""
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """``{key: [descriptor, ...]}`` for the keys the index has, in one lookup; a missing
+        key is left out (and every key on error), as Mooncake answers."""
+        try:
+            found = self._client().locate(self._names(keys))
+        except KVPoolError as e:
+            self._log.warning("mooncake_replica_desc_failed", keys=len(keys), error=e.message)
+            return {}
+        out: dict[str, list[ReplicaDescriptor]] = {}
+        for key, where in zip(keys, found, strict=True):
+            if where is not None:
+                on_disk = where.tier == "ssd"
+                out[key] = [
+                    ReplicaDescriptor(where.size_bytes, m.data_address, on_disk)
+                    for m in where.replicas
+                ]
+        return out
 
     def get_size(self, key: str) -> int:
         """The object's size in bytes, or a negative code (OBJECT_NOT_FOUND when missing)."""

@@ -9,6 +9,7 @@ code) read the same on kvpool.
 from __future__ import annotations
 
 import ctypes
+import enum
 
 from kvpool.errors import (
     BlockMissError,
@@ -70,6 +71,89 @@ def error_code(error: KVPoolError) -> int:
     if isinstance(error, UnavailableError | NotLeaderError):
         return RPC_FAIL
     return INTERNAL_ERROR
+
+
+class ReplicaStatus(enum.IntEnum):
+    """Mooncake's ``ReplicaStatus``. Every replica kvpool's index names is COMPLETE: a write
+    enters the index only once its bytes are staged on its nodes."""
+
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+class Descriptor:
+    """Mooncake's buffer ``Descriptor``: ``size``, ``buffer_address`` and
+    ``transport_endpoint``. On kvpool the endpoint is the store node's data address and the
+    address is 0: a node's memory is not addressable by clients (no one-sided reads)."""
+
+    def __init__(
+        self, size: int = 0, buffer_address: int = 0, transport_endpoint: str = ""
+    ) -> None:
+        self.size = size
+        self.buffer_address = buffer_address
+        self.transport_endpoint = transport_endpoint
+
+    def __repr__(self) -> str:
+        return (
+            f"<Descriptor size={self.size} buffer_address={self.buffer_address} "
+            f"transport_endpoint={self.transport_endpoint}>"
+        )
+
+
+class MemoryDescriptor:
+    """A memory replica's ``buffer_descriptor``."""
+
+    def __init__(self, buffer_descriptor: Descriptor) -> None:
+        self.buffer_descriptor = buffer_descriptor
+
+
+class DiskDescriptor:
+    """A disk replica's ``file_path`` ("" on kvpool: the node's SSD tier names no file to
+    clients) and ``object_size``."""
+
+    def __init__(self, file_path: str = "", object_size: int = 0) -> None:
+        self.file_path = file_path
+        self.object_size = object_size
+
+
+class ReplicaDescriptor:
+    """One replica as ``get_replica_desc`` answers it: a memory replica when the node last
+    reported the block in its GPU or CPU tier, a disk replica when on its SSD tier."""
+
+    def __init__(self, size: int, endpoint: str, on_disk: bool) -> None:
+        self.status = ReplicaStatus.COMPLETE
+        self._size = size
+        self._endpoint = endpoint
+        self._on_disk = on_disk
+
+    def is_memory_replica(self) -> bool:
+        return not self._on_disk
+
+    def is_disk_replica(self) -> bool:
+        return self._on_disk
+
+    def is_local_disk_replica(self) -> bool:
+        return False  # kvpool's SSD tier belongs to a store node, never to a client
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        if self._on_disk:
+            raise TypeError(
+                "a disk replica has no memory descriptor (is_memory_replica() is False)"
+            )
+        return MemoryDescriptor(Descriptor(self._size, 0, self._endpoint))
+
+    def get_disk_descriptor(self) -> DiskDescriptor:
+        if not self._on_disk:
+            raise TypeError("a memory replica has no disk descriptor (is_disk_replica() is False)")
+        return DiskDescriptor("", self._size)
+
+    def __repr__(self) -> str:
+        kind = "disk" if self._on_disk else "memory"
+        return f"<ReplicaDescriptor {kind} size={self._size} endpoint={self._endpoint}>"
 
 
 class ReplicateConfig:

@@ -244,6 +244,15 @@ def test_setup_takes_mooncakes_signatures(cluster: LocalCluster) -> None:
                         "master_server_addr": masters, "tenant_id": "kw",
                         "global_segment_size": 1 << 20, "protocol": "tcp"}) == 0  # fmt: skip
         assert s.get("compat/kw") == b"1"  # the same tenant again
+        # LMCache 0.5's Mooncake connector: its legacy names, its defaults, as strings
+        lmcache = {"local_hostname": "h", "metadata_server": "P2PHANDSHAKE",
+                   "global_segment_size": "3355443200", "local_buffer_size": "1073741824",
+                   "protocol": "tcp", "device_name": "", "master_server_address": masters,
+                   "tenant_id": "kw"}  # fmt: skip
+        assert s.setup(lmcache) == 0
+        assert s.get("compat/kw") == b"1"
+        both = dict(lmcache, master_server_addr=masters, master_server_address="nowhere:1")
+        assert s.setup(both) == 0  # the current name wins
         assert s.setup({"local_hostname": "h", "master_server_adr": masters}) == mc.INVALID_PARAMS
         assert s.setup({"metadata_server": "x", "master_server_addr": masters}) == mc.INVALID_PARAMS
         assert _setup(s, cluster, tenant_id="a/b") == mc.INVALID_PARAMS
@@ -335,3 +344,46 @@ def test_tensors(store: MooncakeDistributedStore) -> None:
     assert got[2] is None
     store.put("compat/raw", b"not a tensor")
     assert store.get_tensor("compat/raw") is None
+
+
+def test_replica_descriptors_name_the_nodes_and_tier_that_hold_a_key(cluster: LocalCluster) -> None:
+    """``get_replica_desc`` / ``batch_get_replica_desc``, as vLLM's MooncakeStoreConnector reads
+    them to log which tier its loads came from: one COMPLETE descriptor per live replica, a
+    memory replica while a node holds it in memory; missing keys left out, as Mooncake does."""
+    s = MooncakeDistributedStore()
+    assert _setup(s, cluster) == 0
+    try:
+        two = ReplicateConfig()
+        two.replica_num = 2
+        assert s.put("compat/rd-1", b"x" * 5000) == 0
+        assert s.put("compat/rd-2", b"y" * 700, two) == 0
+        found = s.batch_get_replica_desc(["compat/rd-1", "compat/rd-absent", "compat/rd-2"])
+        assert sorted(found) == ["compat/rd-1", "compat/rd-2"]
+        (one,) = found["compat/rd-1"]
+        assert one.status == mc.ReplicaStatus.COMPLETE
+        assert one.is_memory_replica()
+        assert not one.is_disk_replica()
+        assert not one.is_local_disk_replica()
+        buffer = one.get_memory_descriptor().buffer_descriptor
+        assert (buffer.size, buffer.buffer_address) == (5000, 0)
+        with Client(cluster.client_master_addresses, timeout_s=5.0) as kv:
+            where = kv.locate(["mooncake/default/compat/rd-2", "mooncake/default/compat/rd-1"])
+            assert kv.locate(["mooncake/default/compat/rd-absent"]) == [None]
+        assert where[0] is not None
+        assert where[1] is not None
+        # a fresh block: no node has reported a tier change yet (puts land in CPU memory)
+        assert (where[0].size_bytes, where[0].tier, len(where[0].replicas)) == (700, "", 2)
+        nodes = {m.data_address for m in where[0].replicas}
+        assert len(nodes) == 2
+        assert buffer.transport_endpoint == where[1].replicas[0].data_address
+        with pytest.raises(TypeError, match="no disk descriptor"):
+            one.get_disk_descriptor()
+        pair = found["compat/rd-2"]
+        assert len(pair) == 2
+        endpoints = {d.get_memory_descriptor().buffer_descriptor.transport_endpoint for d in pair}
+        assert endpoints == nodes  # two replicas on the cluster's two nodes
+        assert len(s.get_replica_desc("compat/rd-2")) == 2
+        assert s.get_replica_desc("compat/rd-absent") == []
+    finally:
+        s.close()
+    assert s.batch_get_replica_desc(["compat/rd-1"]) == {}  # closed: nothing, as on error

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -290,3 +291,120 @@ def test_bad_settings_are_refused_by_name(
     bare = load_engine_config_with_overrides(overrides={"chunk_size": CHUNK})
     with pytest.raises(ConfigError, match="no kvpool masters"):
         lmcache_settings("plugin://kvpool", bare)
+
+
+# --- LMCache's own Mooncake connector on kvpool's Mooncake API ----------------------------------
+
+SHIM = Path(__file__).parents[1] / "sglang" / "shim"
+"""A ``mooncake`` package whose ``store`` is :mod:`kvpool.compat.mooncake` (docs/mooncake.md)."""
+
+
+@pytest.fixture(scope="module")
+def mooncake_shim() -> Iterator[None]:
+    """``import mooncake.store`` finds kvpool's Mooncake API, as ``PYTHONPATH=<shim>`` does for
+    a user; LMCache's ``MooncakestoreConnector`` imports it when it is created."""
+    sys.path.insert(0, str(SHIM))
+    try:
+        import mooncake.store
+
+        assert Path(mooncake.store.__file__).is_relative_to(SHIM), mooncake.store.__file__
+        yield
+    finally:
+        sys.path.remove(str(SHIM))
+        for name in ("mooncake.store", "mooncake"):
+            sys.modules.pop(name, None)
+
+
+def mooncake_yaml(tmp_path: Path, masters: str, **extra: Any) -> Path:
+    """LMCache's Mooncake connector configured as LMCache documents it, with
+    ``master_server_address`` naming the kvpool masters (or ``mooncake_<setting>`` names)."""
+    lines = [
+        f"chunk_size: {CHUNK}",
+        "local_cpu: true",
+        "max_local_cpu_size: 0.2",
+        f'remote_url: "mooncakestore://{masters.split(",", maxsplit=1)[0]}"',
+        "extra_config:",
+        '  local_hostname: "127.0.0.1"',
+        '  metadata_server: "P2PHANDSHAKE"',
+        '  protocol: "tcp"',
+        "  transfer_timeout: 5",
+    ]
+    if not any(k.endswith("master_server_addr") for k in extra):
+        lines.append(f'  master_server_address: "{masters}"')
+    lines += [f"  {k}: {v}" for k, v in extra.items()]
+    path = tmp_path / f"mooncake-{len(list(tmp_path.iterdir()))}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def mooncake_engines(
+    cluster: LocalCluster,
+    loop: asyncio.AbstractEventLoop,
+    tmp_path: Path,
+    mooncake_shim: None,
+) -> Iterator[Any]:
+    made: list[Engine] = []
+    masters = ",".join(cluster.client_master_addresses)
+
+    def make(current_names: bool = False, **extra: Any) -> Engine:
+        if current_names:  # Mooncake's current name for the master, through LMCache's prefix
+            extra["mooncake_master_server_addr"] = f'"{masters}"'
+        engine = Engine(mooncake_yaml(tmp_path, masters, **extra), loop)
+        assert type(engine.connector._connector).__name__ == "MooncakestoreConnector"
+        assert type(engine.connector._connector.store).__module__ == "kvpool.compat.mooncake"
+        made.append(engine)
+        return engine
+
+    try:
+        yield make
+    finally:
+        for e in made:
+            e.close()
+
+
+def test_lmcaches_mooncake_connector_with_its_defaults_runs_on_kvpool(
+    mooncake_engines: Any,
+) -> None:
+    """Its defaults: ``save_chunk_meta`` on, so chunks are written with ``put_parts`` (LMCache's
+    metadata, then the KV bytes) and read with ``batch_get_buffer``; ``is_exist`` for contains."""
+    writer, reader = mooncake_engines(), mooncake_engines()
+    assert writer.connector._connector.save_chunk_meta
+    keys = [key(400 + i, model="mc-model") for i in range(4)]
+    objs = [writer.chunk(40 + i) for i in range(3)] + [writer.chunk(43, tokens=5)]
+    for k, obj in zip(keys[:2] + keys[3:], objs[:2] + objs[3:], strict=True):
+        put(writer, k, obj)  # key 2 is missing: a gap
+
+    assert reader.call(reader.connector.exists(keys[0]))
+    assert not reader.connector.exists_sync(keys[2])
+    assert reader.call(reader.connector.batched_async_contains("look", keys)) == 2
+    got = reader.call(reader.connector.batched_get(keys))
+    assert [g is not None for g in got] == [True, True, False, True]
+    for g, obj in zip(got, objs, strict=True):
+        if g is not None:
+            assert g.get_shapes() == obj.get_shapes()
+            assert bytes(raw(g)) == bytes(raw(obj))
+            g.ref_count_down()
+
+
+def test_lmcaches_mooncake_connector_zero_copy_mode_runs_on_kvpool(
+    mooncake_engines: Any,
+) -> None:
+    """``save_chunk_meta: false``: LMCache registers its CPU pool (``register_buffer``), writes
+    with ``batch_put_from`` / ``put_from`` and reads with ``batch_get_into`` into its memory
+    objects; the master named by Mooncake's current setting name (``mooncake_`` prefixed)."""
+    writer = mooncake_engines(current_names=True, save_chunk_meta="false")
+    reader = mooncake_engines(current_names=True, save_chunk_meta="false")
+    assert not writer.connector._connector.save_chunk_meta
+    keys = [key(500 + i, model="mc-zero-copy") for i in range(3)]
+    objs = [writer.chunk(50 + i) for i in range(3)]
+    for obj in objs:
+        obj.ref_count_up()
+    writer.call(writer.connector.batched_put(keys[:2], objs[:2]))
+    put(writer, keys[2], objs[2])
+    got = reader.call(reader.connector.batched_get([*keys, key(599, model="mc-zero-copy")]))
+    assert [g is not None for g in got] == [True, True, True, False]
+    for g, obj in zip(got, objs, strict=False):
+        assert g is not None
+        assert bytes(raw(g)) == bytes(raw(obj))
+        g.ref_count_down()
