@@ -420,8 +420,11 @@ def _judge(
     while time.monotonic() < deadline:
         sample = sample_masters(names)
         commit_samples.append(sample)
-        values = list(sample.commit_index.values())
-        if values and None not in values and len(set(values)) == 1:
+        # Done when every master has the same commit index and has applied it (the same
+        # revision): a follower can know the commit index before it has applied the entries,
+        # and the convergence check asks for both.
+        values = list(zip(sample.commit_index.values(), sample.revision.values(), strict=True))
+        if values and all(None not in v for v in values) and len(set(values)) == 1:
             break
         time.sleep(0.25)
     history = load_history(workloads.paths)

@@ -844,7 +844,10 @@ class ClientCore:
                 return
             try:
                 response: master_pb2.GetMembersResponse = await self._masters.call(
-                    "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
+                    "GetMembers",
+                    master_pb2.GetMembersRequest(),
+                    deadline=deadline,
+                    leader_only=self._placement.needs_leader(),
                 )
             except KVPoolError:
                 if self._placement.has_ring:

@@ -518,7 +518,10 @@ class SyncPath:
                 return
             try:
                 response: master_pb2.GetMembersResponse = self._masters.call(
-                    "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
+                    "GetMembers",
+                    master_pb2.GetMembersRequest(),
+                    deadline=deadline,
+                    leader_only=placement.needs_leader(),
                 )
             except KVPoolError:
                 if placement.has_ring:

@@ -98,7 +98,17 @@ class Placement:
         return self._ring is not None
 
     def needs_refresh(self) -> bool:
-        return self._ring is None or self._stale
+        """No ring yet, a stale one, or one with no node that takes puts (nodes may have
+        registered since: ask again rather than fail the put)."""
+        ring = self._ring
+        return ring is None or self._stale or not len(ring)
+
+    def needs_leader(self) -> bool:
+        """Whether the next membership refresh should ask the leader: with no ring, or an
+        empty one, a follower that has not applied the nodes' registrations yet would answer
+        "no nodes" (right after a cluster starts)."""
+        ring = self._ring
+        return ring is None or not len(ring)
 
     def member(self, member_id: int) -> MemberInfo | None:
         return self._members.get(member_id)
