@@ -1,6 +1,7 @@
 """kvpool as an LMCache remote-storage plugin, through LMCache's own code on CPU: its config
 loader, ``CreateStorageBackends`` / ``CreateConnector``, its ``LocalCPUBackend`` (whose memory
-objects reads land in) and ``RemoteBackend``, against a real kvpool cluster on 127.0.0.1.
+objects reads land in) and ``RemoteBackend``, against a real kvpool cluster on 127.0.0.1; and
+LMCache's own Mooncake connector (``mooncakestore://``), unchanged, on kvpool's Mooncake API.
 
 Run by ``make test-engines-lmcache`` in its own environment (``.venv-lmcache``); skipped where
 LMCache is not installed.
