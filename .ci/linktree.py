@@ -3,6 +3,8 @@
 The top-level folders are installed as kvpool.client, kvpool.raft_master, ... (setuptools
 package-dir). Static tools (mypy, import-linter) read files, not the editable install's import
 hook, so they are pointed at this mirror: real directories, each file a symlink to its source.
+The folder -> package mapping is read from pyproject.toml's [tool.setuptools] package-dir, the
+one place it is written.
 """
 
 from __future__ import annotations
@@ -10,23 +12,24 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAPPING = {
-    "kvpool": "kvpool",
-    "client": "kvpool/client",
-    "raft_master": "kvpool/raft_master",
-    "store_node": "kvpool/store_node",
-    "proto": "kvpool/proto",
-    "chaos": "kvpool/chaos",
-}
+
+
+def mapping(root: Path = ROOT) -> dict[str, str]:
+    """Source folder -> its path in the installed tree ("client" -> "kvpool/client"), from
+    pyproject.toml's package-dir (installed package name -> source folder)."""
+    with (root / "pyproject.toml").open("rb") as f:
+        package_dir: dict[str, str] = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    return {folder: package.replace(".", "/") for package, folder in package_dir.items()}
 
 
 def main() -> int:
     out = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT / ".typecheck"
     shutil.rmtree(out, ignore_errors=True)
-    for src_name, dst_name in MAPPING.items():
+    for src_name, dst_name in mapping().items():
         src = ROOT / src_name
         if not src.is_dir():
             continue

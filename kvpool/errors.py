@@ -12,13 +12,27 @@ timeout, a checksum mismatch) become a miss unless the caller asked for strict m
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import grpc
+if TYPE_CHECKING:
+    import grpc
 
 ERROR_CODE_KEY = "kvpool-error-code"
 LEADER_KEY = "kvpool-leader"
 PROTOCOL_VERSION_KEY = "kvpool-protocol-version"
+
+
+class _GrpcStatus:
+    """``cls.grpc_status``: the ``grpc.StatusCode`` named by ``cls.grpc_status_name``.
+
+    Looked up when read, so that importing this module does not import grpc (~50 ms): the
+    processes and tools that only raise or catch these errors never pay for the transport.
+    """
+
+    def __get__(self, obj: object, owner: type[KVPoolError]) -> grpc.StatusCode:
+        import grpc
+
+        return getattr(grpc.StatusCode, owner.grpc_status_name)
 
 
 class KVPoolError(Exception):
@@ -26,7 +40,10 @@ class KVPoolError(Exception):
 
     code: ClassVar[str] = "INTERNAL"
     retryable: ClassVar[bool] = False
-    grpc_status: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    # The gRPC status a server answers with, by name (grpc.StatusCode member); read it as
+    # ``grpc_status`` to get the StatusCode itself.
+    grpc_status_name: ClassVar[str] = "INTERNAL"
+    grpc_status = _GrpcStatus()
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message or self.__class__.__doc__ or self.code)
@@ -40,7 +57,7 @@ class InvalidArgumentError(KVPoolError, ValueError):
     """An argument the caller passed is not acceptable."""
 
     code = "INVALID_ARGUMENT"
-    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+    grpc_status_name = "INVALID_ARGUMENT"
 
 
 class InvalidKeyError(InvalidArgumentError):
@@ -80,14 +97,14 @@ class ProtocolVersionError(KVPoolError):
     """The peer speaks another kvpool protocol version."""
 
     code = "PROTOCOL_VERSION"
-    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+    grpc_status_name = "FAILED_PRECONDITION"
 
 
 class MalformedRequestError(KVPoolError):
     """A request is malformed (the server kept serving)."""
 
     code = "MALFORMED"
-    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+    grpc_status_name = "INVALID_ARGUMENT"
 
 
 class RequestTooLargeError(MalformedRequestError):
@@ -104,7 +121,7 @@ class NotLeaderError(KVPoolError):
 
     code = "NOT_LEADER"
     retryable = True
-    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+    grpc_status_name = "FAILED_PRECONDITION"
 
     def __init__(self, message: str = "", leader: str | None = None) -> None:
         super().__init__(message)
@@ -116,7 +133,7 @@ class NotCaughtUpError(KVPoolError):
 
     code = "NOT_CAUGHT_UP"
     retryable = True
-    grpc_status = grpc.StatusCode.UNAVAILABLE
+    grpc_status_name = "UNAVAILABLE"
 
 
 class UnavailableError(KVPoolError):
@@ -124,7 +141,7 @@ class UnavailableError(KVPoolError):
 
     code = "UNAVAILABLE"
     retryable = True
-    grpc_status = grpc.StatusCode.UNAVAILABLE
+    grpc_status_name = "UNAVAILABLE"
 
 
 class UnauthenticatedError(KVPoolError):
@@ -132,7 +149,7 @@ class UnauthenticatedError(KVPoolError):
     or no client certificate where the server requires one)."""
 
     code = "UNAUTHENTICATED"
-    grpc_status = grpc.StatusCode.UNAUTHENTICATED
+    grpc_status_name = "UNAUTHENTICATED"
 
 
 class DeadlineExceededError(KVPoolError, TimeoutError):
@@ -140,7 +157,7 @@ class DeadlineExceededError(KVPoolError, TimeoutError):
 
     code = "DEADLINE_EXCEEDED"
     retryable = True
-    grpc_status = grpc.StatusCode.DEADLINE_EXCEEDED
+    grpc_status_name = "DEADLINE_EXCEEDED"
 
 
 class StaleRingError(KVPoolError):
@@ -148,7 +165,7 @@ class StaleRingError(KVPoolError):
 
     code = "STALE_RING"
     retryable = True
-    grpc_status = grpc.StatusCode.ABORTED
+    grpc_status_name = "ABORTED"
 
     def __init__(self, message: str = "", ring_version: int = 0) -> None:
         super().__init__(message)
@@ -160,7 +177,7 @@ class NoNodesError(KVPoolError):
 
     code = "NO_NODES"
     retryable = True
-    grpc_status = grpc.StatusCode.UNAVAILABLE
+    grpc_status_name = "UNAVAILABLE"
 
 
 class NoSpaceError(KVPoolError):
@@ -168,14 +185,14 @@ class NoSpaceError(KVPoolError):
 
     code = "NO_SPACE"
     retryable = True
-    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    grpc_status_name = "RESOURCE_EXHAUSTED"
 
 
 class UnknownMemberError(KVPoolError):
     """The index does not know this node incarnation as live; register again."""
 
     code = "UNKNOWN_MEMBER"
-    grpc_status = grpc.StatusCode.NOT_FOUND
+    grpc_status_name = "NOT_FOUND"
 
 
 class NodeDrainedError(KVPoolError):
@@ -183,7 +200,7 @@ class NodeDrainedError(KVPoolError):
     its process restarts (a new incarnation)."""
 
     code = "NODE_DRAINED"
-    grpc_status = grpc.StatusCode.FAILED_PRECONDITION
+    grpc_status_name = "FAILED_PRECONDITION"
 
 
 class PinQuotaExceededError(InvalidArgumentError):
@@ -191,7 +208,7 @@ class PinQuotaExceededError(InvalidArgumentError):
     size x replicas over pinned keys). Unpin something, pin fewer replicas, or raise the quota."""
 
     code = "PIN_QUOTA_EXCEEDED"
-    grpc_status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    grpc_status_name = "RESOURCE_EXHAUSTED"
 
 
 # --- data errors: become a miss unless strict ---------------------------------------------------
@@ -201,7 +218,7 @@ class BlockMissError(KVPoolError, KeyError):
     """The block is not in the cache (absent, evicted, or its node is down)."""
 
     code = "MISS"
-    grpc_status = grpc.StatusCode.NOT_FOUND
+    grpc_status_name = "NOT_FOUND"
 
     def __init__(self, message: str = "", reason: str = "absent") -> None:
         super().__init__(message)
@@ -216,7 +233,7 @@ class ChecksumMismatchError(KVPoolError):
 
     code = "CHECKSUM_MISMATCH"
     retryable = True
-    grpc_status = grpc.StatusCode.DATA_LOSS
+    grpc_status_name = "DATA_LOSS"
 
 
 class TransportError(KVPoolError):
@@ -224,7 +241,7 @@ class TransportError(KVPoolError):
 
     code = "TRANSPORT"
     retryable = True
-    grpc_status = grpc.StatusCode.UNAVAILABLE
+    grpc_status_name = "UNAVAILABLE"
 
 
 class InternalError(KVPoolError):
@@ -246,14 +263,15 @@ ERRORS_BY_CODE: dict[str, type[KVPoolError]] = {
 }
 ERRORS_BY_CODE.setdefault("INTERNAL", InternalError)
 
-_STATUS_FALLBACK: dict[grpc.StatusCode, type[KVPoolError]] = {
-    grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-    grpc.StatusCode.INVALID_ARGUMENT: MalformedRequestError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: NoSpaceError,
-    grpc.StatusCode.CANCELLED: UnavailableError,
-    grpc.StatusCode.UNIMPLEMENTED: ProtocolVersionError,
-    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+# By grpc.StatusCode member name (see KVPoolError.grpc_status_name).
+_STATUS_FALLBACK: dict[str, type[KVPoolError]] = {
+    "UNAVAILABLE": UnavailableError,
+    "DEADLINE_EXCEEDED": DeadlineExceededError,
+    "INVALID_ARGUMENT": MalformedRequestError,
+    "RESOURCE_EXHAUSTED": NoSpaceError,
+    "CANCELLED": UnavailableError,
+    "UNIMPLEMENTED": ProtocolVersionError,
+    "UNAUTHENTICATED": UnauthenticatedError,
 }
 
 
@@ -267,7 +285,8 @@ def error_from_code(
     """Rebuild the error a server raised from its code (or, lacking one, its gRPC status)."""
     cls = ERRORS_BY_CODE.get(code or "")
     if cls is None:
-        cls = _STATUS_FALLBACK.get(status, InternalError) if status is not None else InternalError
+        name = getattr(status, "name", None)
+        cls = _STATUS_FALLBACK.get(name, InternalError) if isinstance(name, str) else InternalError
     if cls is NotLeaderError:
         return NotLeaderError(message, leader=leader)
     return cls(message)

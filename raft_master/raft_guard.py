@@ -1,7 +1,7 @@
 """The guard on the Raft port: PySyncObj's TCP transport, with its connections replaced by ours.
 
 What PySyncObj 0.3.17 does with the bytes of a peer (``pysyncobj/tcp_connection.py``), measured
-by an attacker's probe (issue 16, finding 3):
+by an attacker's probe:
 
 - a message is a 4-byte length and that many bytes; the length is trusted: the connection keeps
   appending what arrives to one ``bytes`` buffer (``readBuffer += incoming``, a copy of the

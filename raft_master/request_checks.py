@@ -1,5 +1,5 @@
 """Checks of what nodes and clients ask the masters, before anything is proposed or read
-(issue 16, findings 6 and 7): a registration whose every field is valid, a read of a bounded
+(hostile-input hardening): a registration whose every field is valid, a read of a bounded
 number of keys. A refused request raises a typed error and changes nothing."""
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def node_families(store: BlockStore, registered: bool = True) -> Iterator[Metric
     yield _one(
         counter(
             "kvpool_node_replica_repairs",
-            "replicas this node re-created for under-replicated blocks (issue 6)",
+            "replicas this node re-created for under-replicated blocks",
         ),
         getattr(c, "repairs", 0),
     )

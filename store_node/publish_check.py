@@ -1,4 +1,4 @@
-"""Versions come from the index, never from a PUBLISH frame (issue 16, finding 4).
+"""Versions come from the index, never from a PUBLISH frame (a peer's claim is not trusted).
 
 A node keeps at most one committed block per key and decides between two writes of a key by
 their versions. The version a PUBLISH frame names is only the sender's word: one raw PUBLISH of

@@ -3,6 +3,7 @@ run the demo.
 
     kvpool master --raft-listen 10.0.0.1:7310 --raft-peers 10.0.0.2:7310,10.0.0.3:7310 ...
     kvpool node --masters 10.0.0.1:7300,10.0.0.2:7300,10.0.0.3:7300 --cpu-cache-size 16GiB
+    kvpool node drain NODE_ID --masters HOST:PORT,... [--cancel] [--timeout S]
     kvpool cluster up [--detach --dir DIR]      kvpool cluster down --dir DIR
     kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
     kvpool demo [chat|vllm]
@@ -25,6 +26,8 @@ from pathlib import Path
 
 from kvpool import __version__
 from kvpool.cli.args import add_config_flags, config_from_args
+from kvpool.cli.node import DESCRIPTION as DRAIN_DESCRIPTION
+from kvpool.cli.node import add_drain_arguments, drain
 from kvpool.config import MasterConfig, NodeConfig
 from kvpool.errors import ConfigError, KVPoolError
 
@@ -50,10 +53,20 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "node",
-        help="run one store node (holds block bytes in its CPU tier)",
-        description="Run one kvpool store node; it registers with the masters.",
+        help="run one store node (holds block bytes in its CPU tier), or drain one",
+        description="Without an ACTION: run one kvpool store node; it registers with the "
+        "masters. `kvpool node drain NODE_ID --masters ...` drains a running node instead "
+        "(see `kvpool node drain --help`).",
     )
     add_config_flags(p, NodeConfig)
+    nsub = p.add_subparsers(dest="node_command", metavar="ACTION", required=False)
+    add_drain_arguments(
+        nsub.add_parser(
+            "drain",
+            help="hand a running node's blocks to other nodes, then make it leave the cluster",
+            description=DRAIN_DESCRIPTION,
+        )
+    )
 
     p = sub.add_parser("cluster", help="start or stop a whole local cluster on 127.0.0.1")
     csub = p.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
@@ -315,6 +328,8 @@ def _run_master(args: argparse.Namespace) -> int:
 
 
 def _run_node(args: argparse.Namespace) -> int:
+    if args.node_command == "drain":
+        return drain(args)
     cfg = config_from_args(NodeConfig, args, "node")
     from kvpool.store_node.server import main as node_main
 
@@ -582,10 +597,6 @@ def _chaos(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["node", "drain"]:  # `kvpool node` itself runs a node: drain is its action
-        from kvpool.cli.bench_replicas import main_drain
-
-        return main_drain(argv[2:])
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "forward_unknown", False):

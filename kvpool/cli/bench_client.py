@@ -1,6 +1,7 @@
 """``kvpool bench client``: the data path through ``kvpool.Client`` on a local cluster.
 
-Measures what issue 5 asks of the client, with the machine's limits measured in the same run:
+Measures the data path the client is held to (the targets in docs/performance.md), with the
+machine's limits measured in the same run:
 
 * single-key ``get_into`` of 1, 4 and 16 MiB blocks (GB/s, p50) over TCP and shared memory;
 * one 4 KiB get (p50, p99): index entry cached, and not (a Lookup call each);

@@ -1,4 +1,4 @@
-"""`kvpool bench replicas` and `kvpool node drain`: hot-block replicas, repair and drain.
+"""`kvpool bench replicas`: hot-block replicas and repair.
 
 The bench starts local clusters and measures: how long a block read in a loop takes to reach
 ``hot_max_replicas``; how long the masters take to bring N blocks back to 2 replicas after a
@@ -11,42 +11,27 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvpool.cli.node import call_master
 from kvpool.client.sync import Client
-from kvpool.errors import KVPoolError, UnknownMemberError
-from kvpool.grpcutil import call_once_sync
 from kvpool.launcher.cluster import LocalCluster
-from kvpool.proto.v1 import master_pb2, master_pb2_grpc
-from kvpool.security import env_security
-
-
-def _stub_call(address: str, method: str, request: Any, timeout_s: float = 10.0) -> Any:
-    """One master call, with the cluster token and TLS from the environment (KVPOOL_*)."""
-    return call_once_sync(
-        address,
-        master_pb2_grpc.MasterStub,
-        method,
-        request,
-        timeout_s=timeout_s,
-        security=env_security(),
-    )
+from kvpool.proto.v1 import master_pb2
 
 
 def replica_counts(cluster: LocalCluster, keys: list[str]) -> list[int]:
-    response = _stub_call(
+    response = call_master(
         cluster.wait_for_leader(), "ReplicaStatus", master_pb2.ReplicaStatusRequest(keys=keys)
     )
     return list(response.replicas)
 
 
 def live_nodes(cluster: LocalCluster) -> set[str]:
-    response = _stub_call(cluster.wait_for_leader(), "GetMembers", master_pb2.GetMembersRequest())
+    response = call_master(cluster.wait_for_leader(), "GetMembers", master_pb2.GetMembersRequest())
     return {m.node_id for m in response.members}
 
 
@@ -219,73 +204,3 @@ def main_bench(args: argparse.Namespace) -> dict[str, Any]:
                 "hedged": bench_paused_replica(base / "paused-hedged", True, window),
             },
         }
-
-
-_STOP_NOW = (
-    "node {node}: its process may be stopped now; until then it holds nothing and does not "
-    "rejoin (only a restart of the process joins it again, as a new empty member)"
-)
-
-
-def main_drain(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvpool node drain",
-        description="Make a store node hand every block it holds to other nodes, then leave "
-        "the cluster (declared left; stop its process afterwards: it does not rejoin until "
-        "restarted). The draining mark is replicated: clients stop placing puts on the node at "
-        "once, and the drain carries on through a master failover.",
-    )
-    parser.add_argument("node_id", help="the node's id (as `kvpool status` lists it)")
-    parser.add_argument(
-        "--masters",
-        required=True,
-        help="master gRPC addresses, comma-separated (any; the leader is found)",
-    )
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait [300]")
-    parser.add_argument(
-        "--cancel",
-        action="store_true",
-        help="stop a drain in progress: clear the mark, the node takes puts again",
-    )
-    opts = parser.parse_args(argv)
-    masters = [a for a in opts.masters.split(",") if a]
-    deadline = time.monotonic() + opts.timeout
-    last_error = ""
-    asked = False  # a master accepted the drain: the node is marked draining in the index
-    while time.monotonic() < deadline:
-        for address in masters:
-            try:
-                response = _stub_call(
-                    address,
-                    "DrainNode",
-                    master_pb2.DrainNodeRequest(
-                        node_id=opts.node_id, wait=not opts.cancel, cancel=opts.cancel
-                    ),
-                    timeout_s=max(1.0, min(30.0, deadline - time.monotonic())),
-                )
-            except UnknownMemberError as e:
-                if asked:  # drained and declared left while we re-asked (a failover)
-                    print(f"node {opts.node_id}: left the cluster")
-                    print(_STOP_NOW.format(node=opts.node_id))
-                    return 0
-                print(f"kvpool node drain: {e.message}", file=sys.stderr)
-                return 1
-            except KVPoolError as e:
-                last_error = e.message
-                continue
-            if opts.cancel:
-                print(f"node {opts.node_id}: drain cancelled, {response.blocks_left} blocks on it")
-                return 0
-            asked = True
-            print(
-                f"node {opts.node_id}: {response.blocks_left} blocks left"
-                + (", left the cluster" if response.left else "")
-            )
-            if response.left:
-                print(_STOP_NOW.format(node=opts.node_id))
-                return 0
-            break
-        time.sleep(0.5)
-    what = "not cancelled" if opts.cancel else "not drained in time"
-    print(f"kvpool node drain: {what} ({last_error})", file=sys.stderr)
-    return 1

@@ -1,5 +1,5 @@
 """What a server lets one peer, and all peers together, cost it: the limits every listening port
-of a master or node applies to what arrives (issue 16).
+of a master or node applies to what arrives, so that a hostile or broken peer cannot exhaust it.
 
 Every length, count and size a peer declares is checked against a limit before anything is
 allocated for it; memory taken for a request's payload (a frame RPC call, an MGET or shared-memory

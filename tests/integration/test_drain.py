@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import Client
-from kvpool.cli.bench_replicas import main_drain
+from kvpool.cli import main
 from kvpool.grpcutil import call_once_sync
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto.v1 import common_pb2, master_pb2, master_pb2_grpc
@@ -147,7 +147,8 @@ def test_a_drain_survives_a_leader_kill_and_can_be_cancelled(
         assert isinstance(response, master_pb2.DrainNodeResponse)
         assert response.draining
         assert member_of(cluster, other).draining
-        assert main_drain([other, "--masters", ",".join(cluster.master_addresses), "--cancel"]) == 0
+        masters = ",".join(cluster.master_addresses)
+        assert main(["node", "drain", other, "--masters", masters, "--cancel"]) == 0
         assert not member_of(cluster, other).draining
 
         response = drain(cluster, victim, wait=False)
@@ -204,7 +205,7 @@ def test_a_drained_node_that_keeps_running_does_not_rejoin_until_restarted(
         before = [f"kept/{i}" for i in range(200)]
         assert all(kv.batch_put([(k, _value(k)) for k in before]))
 
-        assert main_drain([victim, "--masters", masters, "--timeout", "60"]) == 0
+        assert main(["node", "drain", victim, "--masters", masters, "--timeout", "60"]) == 0
         answered = time.time()
         out = capsys.readouterr().out
         assert "left the cluster" in out
