@@ -217,7 +217,9 @@ def _parser() -> argparse.ArgumentParser:
         "TCP): GB/s, keys/s, p50, p99, ratios",
         description="Start a local kvpool cluster, Redis (redis-server, persistence off) and "
         "Mooncake Store (mooncake_master + one store process) on 127.0.0.1; run puts and gets "
-        "of 4 KiB to 16 MiB, one key per call and batched, from 1 and 2 client processes, "
+        "of 4 KiB to 16 MiB, one key per call and batched (and, with --modes first-read, "
+        "first reads: one process puts, another reads each block once), from 1 and 2 client "
+        "processes, "
         "every system in turn at every size, for several rounds; compare every byte read with "
         "what was put; print medians and ratios. Peers that are not installed are skipped: "
         "pip install -e '.[bench]' and apt-get install redis-server libibverbs1.",
@@ -234,7 +236,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--sizes", help="block sizes [4KiB,64KiB,1MiB,4MiB,16MiB; quick 4KiB,1MiB]")
     b.add_argument("--rounds", type=int, help="interleaved rounds, medians over them [5; quick 1]")
     b.add_argument("--clients", help="client process counts [1,2]")
-    b.add_argument("--modes", help="single,batch [both]")
+    b.add_argument(
+        "--modes",
+        help="single,batch,first-read [single,batch]: one key per call, batched (each client "
+        "reads back its own keys), first read (one process puts, another reads each block once)",
+    )
     b.add_argument("--peers", help="redis,mooncake [both]; none: kvpool and the limits only")
     b.add_argument(
         "--gc-freeze",

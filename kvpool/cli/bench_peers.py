@@ -4,6 +4,7 @@ Redis and Mooncake Store — and with the machine's own limits, in one run.
     kvpool bench peers                 # ~5 min: 5 sizes x single/batched x 1/2 clients x 5 rounds
     kvpool bench peers --quick         # seconds: a smoke run (CI)
     kvpool bench peers --json out.json # the table, and every number in out.json
+    kvpool bench peers --modes single,first-read   # a client's own keys vs another's first read
 
 What runs (all on 127.0.0.1, all started and stopped by this command, by pid):
 
@@ -16,7 +17,11 @@ What runs (all on 127.0.0.1, all started and stopped by this command, by pid):
   ``batch_get_into`` on registered buffers;
 * the limits: numpy memcpy, and one loopback TCP stream between two Python processes.
 
-The clients are one or two worker processes (:mod:`kvpool.cli.bench_worker`). A round visits
+The clients are one or two worker processes (:mod:`kvpool.cli.bench_worker`). The modes:
+*single* (one key per call) and *batch* (many keys per call), where each client reads back the
+keys it put itself, and *first-read* (one key per call), where one worker puts and the other
+reads each block once — the first read by another client, as a decode engine reads what a
+prefill engine put; with two clients each worker reads the other's keys. A round visits
 every size; at each size every mode and client count; there, every system in turn — the order
 rotating from one size and round to the next — so that the machine's noise falls on all of
 them alike. The limits are measured at the start of every round. Every byte read is compared
@@ -59,6 +64,8 @@ KiB, MiB = 1 << 10, 1 << 20
 FULL_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
 QUICK_SIZES = (4 * KiB, 1 * MiB)
 PEERS = ("redis", "mooncake")
+MODES = bench_report.MODES
+"""single, batch: each client reads its own keys back; first-read: another client reads them."""
 KVPOOL_APIS = ("auto", "sync", "async", "both")
 BATCH_BYTES = 32 * MiB
 """A batched call carries at most this much (and at most MAX_BATCH_KEYS keys)."""
@@ -127,8 +134,8 @@ class PeersOptions:
             errors.append("rounds: at least 1")
         if not self.clients or any(c not in (1, 2) for c in self.clients):
             errors.append("clients: 1, 2 or 1,2")
-        if not self.modes or any(m not in ("single", "batch") for m in self.modes):
-            errors.append("modes: single, batch or single,batch")
+        if not self.modes or any(m not in MODES for m in self.modes):
+            errors.append(f"modes: a subset of {','.join(MODES)}")
         if any(p not in PEERS for p in self.peers):
             errors.append(f"peers: a subset of {','.join(PEERS)}")
         if self.kvpool_api not in KVPOOL_APIS:
@@ -146,7 +153,7 @@ class CellPlan:
 def plan_cell(opts: PeersOptions, size: int, mode: str) -> CellPlan:
     """How many keys a pass holds (it must fit the arena) and how many passes a cell runs."""
     fit = max(1, opts.arena_bytes // size)
-    if mode == "single":
+    if mode in ("single", "first-read"):
         lo, hi = opts.single_ops
         target = min(hi, max(lo, opts.single_target_bytes // size))
         per_pass = min(fit, 64, target)
@@ -155,6 +162,20 @@ def plan_cell(opts: PeersOptions, size: int, mode: str) -> CellPlan:
     calls_per_pass = max(1, min(4, fit // batch))
     passes = max(1, math.ceil(opts.batch_calls / calls_per_pass))
     return CellPlan(batch, batch * calls_per_pass, passes)
+
+
+def first_read_parts(msg: dict[str, Any], clients: int) -> list[dict[str, Any]]:
+    """Each worker's part of a first-read cell (both workers always take part): with one
+    client, worker 0 writes and worker 1 reads; with two, each writes and reads the other's."""
+    if clients == 1:
+        return [
+            {**msg, "together": True, "write": True, "read_from": None},
+            {**msg, "together": True, "write": False, "read_from": 0},
+        ]
+    return [
+        {**msg, "together": True, "write": True, "read_from": 1},
+        {**msg, "together": True, "write": True, "read_from": 0},
+    ]
 
 
 @dataclass
@@ -302,6 +323,7 @@ class PeersBench:
         self._uid += 1
         msg = {
             "cmd": "cell",
+            "mode": mode,
             "system": system,
             "size_bytes": size,
             "batch": plan.batch,
@@ -311,16 +333,17 @@ class PeersBench:
             "run": self.run_id,
             "together": clients == 2,
         }
-        for i in range(clients):
-            pool.send(i, msg)
+        msgs = first_read_parts(msg, clients) if mode == "first-read" else [msg] * clients
+        for i, part in enumerate(msgs):
+            pool.send(i, part)
         results, errors = [], []
-        for i in range(clients):
+        for i in range(len(msgs)):
             try:
                 results.append(pool.recv(i))
             except WorkerError as e:
                 errors.append(str(e))
         if errors:
-            if clients == 2:
+            if len(msgs) == 2:
                 pool.barrier.reset()
             state = self.systems[system]
             state.fail(f"{mode} {format_size(size)} x{clients}: {_last_line(errors[0])}")
@@ -460,6 +483,12 @@ class PeersBench:
         )
         if verification["wrong"]:
             self.problems.append(f"{verification['wrong']} block(s) read WRONG (see cells)")
+        for c in gets:
+            if c["mode"] == "first-read" and c["misses"]:
+                self.problems.append(
+                    f"{c['system']} first read {c['size']} x{c['clients']}: {c['misses']} of "
+                    f"{c['misses'] + c['keys']} acknowledged block(s) not found by the reader"
+                )
         limits = {
             "memcpy_GBps": bench_report.median(x["memcpy_GBps"] for x in self.limits),
             "memcpy_size_bytes": self.opts.limit_memcpy_bytes,

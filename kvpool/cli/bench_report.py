@@ -3,15 +3,17 @@
 * :func:`summarize_cells` — one summary per (system, op, mode, size, clients): GB/s and keys/s
   (the median over rounds of each round's total bytes over total time), p50 and p99 of the
   calls (every call of every round, pooled), and the verification counts.
-* :func:`add_ratios` — for every kvpool cell, its ratio to each peer's same cell, and for
-  every cell its fraction of each machine limit; each ratio is taken within a round (the two
-  were measured minutes apart at most) and the median over rounds is reported.
-* :func:`evaluate_targets` — the data-path targets (against Mooncake Store, Redis and fixed
-  bounds; docs/performance.md), met or missed, from the cells.
+* :func:`add_ratios` — for every kvpool cell, its ratio to each peer's same cell (and for a
+  peer's cell, to each other peer's), and for every cell its fraction of each machine limit;
+  each ratio is taken within a round (the two were measured minutes apart at most) and the
+  median over rounds is reported.
+* :func:`evaluate_targets` — the data-path targets, and the first-read targets when first
+  reads were measured, met or missed, from the cells.
 * :func:`render_table` — the table a person reads.
 
 Throughput of two clients is their combined bytes over the span from the first start to the
-last end of each pass (both start together at a barrier).
+last end of each pass (both start together at a barrier). In a first-read cell only the
+workers that did an op count for it: with one client, worker 0's puts and worker 1's gets.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvpool.units import format_size
 
 GB = 1e9
 OPS = ("put", "get")
-MODES = ("single", "batch")
+MODES = ("single", "batch", "first-read")
 MIB = 1 << 20
 
 
@@ -74,7 +76,9 @@ def summarize_cells(
     for rec in records:
         for op in OPS:
             key = (rec["system"], op, rec["mode"], int(rec["size_bytes"]), int(rec["clients"]))
-            raw = [w[op] for w in rec["workers"]]
+            raw = [w[op] for w in rec["workers"] if op in w]
+            if not raw:
+                continue
             groups.setdefault(key, []).append((int(rec["round"]), rec, raw))
     cells = []
     for (system, op, mode, size, clients), runs in groups.items():
@@ -91,7 +95,7 @@ def summarize_cells(
                     counts[k] += int(w.get(k, 0))
                 errors.extend(e for e in w["errors"] if e not in errors)
         batch = int(runs[0][1]["batch"])
-        api_name = apis.get(system, {}).get(op if mode == "single" else f"batch_{op}", "?")
+        api_name = apis.get(system, {}).get(op if mode != "batch" else f"batch_{op}", "?")
         cell: dict[str, Any] = {
             "system": system,
             "op": op,
@@ -161,10 +165,11 @@ def add_ratios(cells: list[dict[str, Any]], limits: Sequence[dict[str, Any]]) ->
                 if r["round"] in by_round
             ]
             c["of_limit"][name] = median(fractions)
-        if not is_kvpool(c["system"]):
+        others = [p for p in peers if p != c["system"]]
+        if not is_kvpool(c["system"]) and not others:
             continue
         c["vs"] = {}
-        for peer in peers:
+        for peer in others:
             other = index.get((peer, c["op"], c["mode"], c["size_bytes"], c["clients"]))
             if other is None:
                 continue
@@ -179,13 +184,16 @@ def _find(cells: Sequence[dict[str, Any]], **want: Any) -> list[dict[str, Any]]:
     return [c for c in cells if all(c.get(k) == v for k, v in want.items())]
 
 
-def _target(text: str, checks: list[tuple[str, float, bool]]) -> dict[str, Any]:
+def _target(
+    text: str, checks: list[tuple[str, float, bool]], group: str = "data-path"
+) -> dict[str, Any]:
     """checks: (label, value, passed) per measured point; none measured -> not measured."""
     if not checks:
-        return {"target": text, "status": "not measured", "detail": ""}
+        return {"target": text, "group": group, "status": "not measured", "detail": ""}
     met = all(ok for _, _, ok in checks)
     return {
         "target": text,
+        "group": group,
         "status": "met" if met else "missed",
         "detail": ", ".join(label for label, _, _ in checks),
         "values": {label.split(":")[0]: value for label, value, _ in checks},
@@ -193,7 +201,8 @@ def _target(text: str, checks: list[tuple[str, float, bool]]) -> dict[str, Any]:
 
 
 def evaluate_targets(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The data-path targets from the cells at hand (one client unless the target says two)."""
+    """The data-path targets from the cells at hand (one client unless the target says two),
+    then the first-read targets where first reads were measured."""
     systems = {c["system"] for c in cells}
     tcp = "kvpool-tcp" if "kvpool-tcp" in systems else "kvpool"
     out = []
@@ -241,6 +250,8 @@ def evaluate_targets(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out.append(_target("one put at 4 KiB: p50 <= 1 ms", put))
     two = []
     for c in _find(cells, system=tcp, clients=2):
+        if c["mode"] == "first-read":  # the data-path targets are for the single and batch modes
+            continue
         one = _find(
             cells, system=tcp, op=c["op"], mode=c["mode"], size_bytes=c["size_bytes"], clients=1
         )
@@ -249,7 +260,47 @@ def evaluate_targets(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             label = f"{c['op']} {c['mode']} {c['size']}: {r:.2f}x"
             two.append((label, r, r >= 1.0))
     out.append(_target("two client processes: aggregate >= one client's", two))
+    if _find(cells, mode="first-read"):
+        out += _first_read_targets(cells, tcp)
     return out
+
+
+def _first_read_targets(cells: Sequence[dict[str, Any]], tcp: str) -> list[dict[str, Any]]:
+    """The first-read targets: the first read of a block by another client (one reader)."""
+    reads = _find(cells, op="get", mode="first-read", clients=1)
+    big, small = [], []
+    for c in _find(reads, system=tcp):
+        peer = c.get("vs", {}).get("mooncake")
+        if peer is None:
+            continue
+        if c["size_bytes"] >= MIB:
+            r = peer["GBps_ratio"]
+            big.append((f"{c['size']}: {r:.2f}x", r, r >= 1.5))
+        elif c["size_bytes"] in (4096, 64 << 10):
+            r = peer["p50_ratio"]
+            label = f"{c['size']}: {c['p50_us']:.0f} us, {r:.2f}x Mooncake's p50"
+            small.append((label, r, r <= 1.0))
+    shm = []
+    for c in _find(reads, system="kvpool-shm"):
+        floor = {MIB: 5.0, 4 * MIB: 8.0}.get(c["size_bytes"])
+        if floor is not None:
+            label = f"{c['size']}: {c['GBps']:.2f} GB/s (>= {floor:.0f})"
+            shm.append((label, c["GBps"], c["GBps"] >= floor))
+    return [
+        _target(
+            "first read of >= 1 MiB over TCP, one key per call: >= 1.5x Mooncake get_into",
+            big,
+            group="first-read",
+        ),
+        _target(
+            "first read of 4 KiB and 64 KiB over TCP: p50 <= Mooncake's", small, group="first-read"
+        ),
+        _target(
+            "first read through shared memory: >= 8 GB/s at 4 MiB, >= 5 GB/s at 1 MiB",
+            shm,
+            group="first-read",
+        ),
+    ]
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -272,8 +323,10 @@ def _times(x: float | None) -> str:
 SECTION = {
     ("put", "single"): "PUT, one key per call",
     ("put", "batch"): "PUT, batched",
+    ("put", "first-read"): "PUT, one key per call, by the writer of a first read",
     ("get", "single"): "GET, one key per call",
     ("get", "batch"): "GET, batched",
+    ("get", "first-read"): "GET, first read by another client, one key per call",
 }
 
 
@@ -309,7 +362,8 @@ def render_table(doc: dict[str, Any]) -> str:
     peers = [n for n, i in doc["systems"].items() if i["status"] == "measured" and not is_kvpool(n)]
     header = f"{'size':>9} {'cl':>2} {'keys/call':>9}  {'system':16s} {'GB/s':>7} {'keys/s':>10}"
     header += f" {'p50 us':>9} {'p99 us':>9}"
-    header += "".join(f" {'vs ' + p:>12}" for p in peers) + f" {'memcpy':>7} {'tcp':>7}"
+    header += "".join(f" {'vs ' + p:>12} {'p50 vs':>7}" for p in peers)
+    header += f" {'memcpy':>7} {'tcp':>7}"
     cells = doc["cells"]
     for (op, mode), title in SECTION.items():
         section = [c for c in cells if c["op"] == op and c["mode"] == mode]
@@ -323,24 +377,34 @@ def render_table(doc: dict[str, Any]) -> str:
             row += f" {_num(c['GBps'], 3):>7} {_num(c['keys_per_s'], 0):>10}"
             row += f" {_num(c['p50_us'], 0):>9} {_num(c['p99_us'], 0):>9}"
             for p in peers:
-                r = c.get("vs", {}).get(p, {}).get("GBps_ratio")
-                row += f" {_times(r) if is_kvpool(c['system']) else '':>12}"
+                vs = c.get("vs", {}).get(p, {})
+                mine = p != c["system"]
+                row += f" {_times(vs.get('GBps_ratio')) if mine else '':>12}"
+                row += f" {_times(vs.get('p50_ratio')) if mine else '':>7}"
             row += f" {_pct(c['of_limit']['memcpy']):>7} {_pct(c['of_limit']['loopback_tcp']):>7}"
             lines.append(row)
     lines.append("")
     lines.append(
-        "vs PEER: kvpool's GB/s over the peer's in the same round (> 1 is faster); memcpy, "
-        "tcp: share of that machine limit"
+        "vs PEER: the system's GB/s over the peer's in the same round (> 1 is faster); p50 vs: "
+        "its p50 over the peer's (< 1 is faster); memcpy, tcp: share of that machine limit"
     )
+    if any(c["mode"] == "first-read" for c in cells):
+        lines.append(
+            "first read: cl 1 = one process puts, another reads each block once; cl 2 = each "
+            "of two processes reads the other's blocks, both at once"
+        )
     v = doc["verification"]
     lines.append(
         f"verified: {v['bytes_read']:,} bytes read, {v['bytes_verified']:,} equal to what was "
         f"put; wrong blocks {v['wrong']}, misses {v['misses']}, failed puts {v['put_failures']}"
     )
-    if doc.get("targets"):
+    groups = dict.fromkeys(t.get("group", "data-path") for t in doc.get("targets", []))
+    for group in groups:
         lines.append("")
-        lines.append("data-path targets:")
+        lines.append(f"{group} targets:")
         for t in doc["targets"]:
+            if t.get("group", "data-path") != group:
+                continue
             detail = f" ({t['detail']})" if t["detail"] else ""
             lines.append(f"  [{t['status']:>12}] {t['target']}{detail}")
     for problem in doc.get("problems", []):
@@ -372,6 +436,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
             if not rows:
                 continue
             who = "one client process" if n_clients == 1 else f"{n_clients} client processes"
+            if mode == "first-read":
+                who = (
+                    "one reader (another process wrote)"
+                    if n_clients == 1
+                    else f"{n_clients} processes, each reading the other's"
+                )
             out += ["", f"**{title}, {who}**", ""]
             head = ["size", "keys/call"] + [f"{m} GB/s (keys/s)" for m in measured]
             head += [f"{k} ÷ {p}" for k in kv for p in peers]
@@ -402,7 +472,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"{v['wrong']} wrong blocks, {v['misses']} misses, {v['put_failures']} failed puts.",
     ]
     if doc.get("targets"):
-        out += ["", "| data-path target | status | measured |", "|---|---|---|"]
+        out += ["", "| target | status | measured |", "|---|---|---|"]
         for t in doc["targets"]:
-            out.append(f"| {t['target']} | {t['status']} | {t['detail'] or '-'} |")
+            target = f"{t.get('group', 'data-path')}: {t['target']}"
+            out.append(f"| {target} | {t['status']} | {t['detail'] or '-'} |")
     return "\n".join(out) + "\n"

@@ -6,8 +6,8 @@ commands over a pipe; each holds one client of every measured system, a source a
 destination arena (numpy, registered with Mooncake once), and answers with raw samples. All
 deciding — what to run, medians, ratios — happens in the orchestrator.
 
-A *cell* is one system at one block size in one mode (single-key or batched). It runs a few
-passes; each pass:
+A *cell* is one system at one block size in one mode (single-key, batched or first-read). A
+single-key or batched cell runs a few passes; each pass:
 
 1. stamps every value's first 16 bytes with (cell, pass, worker, slot), so that no two keys
    ever hold the same bytes and a stale or misplaced block cannot pass for the right one;
@@ -18,6 +18,25 @@ passes; each pass:
 
 With two workers, both pass through a shared barrier before each timed loop, so that their
 loops overlap and the orchestrator can time them as one.
+
+A *first-read* cell always involves both workers: a writer puts its keys, and the other worker
+— whose client has never seen those keys, so whatever it caches (kvpool's index entries) is
+cold — reads each block exactly once, one key per call, as a decode engine reads what a prefill
+engine put. The message names each worker's part: ``write`` (put this worker's own keys) and
+``read_from`` (the index of the worker whose keys to read, or None). With one client, worker 0
+writes and worker 1 reads; with two, each writes its own keys and reads the other's, both
+readers together. Per pass, the workers meet at three barriers: before the puts, after every
+put has returned (the keys are acknowledged; only then does a read start), and after every
+read (only then does the writer remove its keys).
+
+How the reader checks the writer's bytes without being sent them: every worker's source arena
+is drawn from a seeded generator (``seed + worker index``), so a reader draws the writer's
+arena too (:meth:`Worker.arena_of`, once, on its first first-read cell), stamps the slots with
+the writer's (cell, pass, writer, slot) exactly as the writer did, and compares every byte it
+read with that copy. Every stamp is undone after its pass (:func:`stamped`), so between passes
+both arenas are exactly as drawn, whatever cells ran before. Nothing but the cell's message
+crosses between the workers, and a block from another key, pass, cell or writer differs at
+least in its stamp.
 """
 
 from __future__ import annotations
@@ -28,7 +47,7 @@ import os
 import struct
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -69,6 +88,41 @@ def bytes_like(value: object) -> bytes | bytearray | memoryview:
     raise TypeError(f"a get returned {type(value).__name__}, not bytes")
 
 
+@contextlib.contextmanager
+def stamped(blocks: Sequence[Array], uid: int, pass_no: int, writer: int) -> Iterator[None]:
+    """Each block's first 16 bytes hold (cell, pass, writer, slot) inside the block, and what
+    they held before afterwards: between passes an arena is exactly as it was drawn, so that a
+    reader's copy of a writer's arena matches whatever cells either ran before."""
+    saved = [block[: STAMP.size].copy() for block in blocks]
+    for j, block in enumerate(blocks):
+        block[: STAMP.size] = np.frombuffer(STAMP.pack(uid, pass_no, writer, j), np.uint8)
+    try:
+        yield
+    finally:
+        for block, old in zip(blocks, saved, strict=True):
+            block[: STAMP.size] = old
+
+
+def slots(arena: Array, size_bytes: int, count: int) -> list[Array]:
+    return [arena[j * size_bytes : (j + 1) * size_bytes] for j in range(count)]
+
+
+def _new_put() -> dict[str, Any]:
+    return {"passes": [], "durations_us": [], "failures": 0, "errors": []}
+
+
+def _new_get() -> dict[str, Any]:
+    return {
+        "passes": [],
+        "durations_us": [],
+        "misses": 0,
+        "wrong": 0,
+        "bytes_read": 0,
+        "bytes_verified": 0,
+        "errors": [],
+    }
+
+
 def verify(
     got: Sequence[object], srcs: Sequence[Array], size_bytes: int, out: dict[str, Any]
 ) -> None:
@@ -92,6 +146,8 @@ class Worker:
         self.drivers: dict[str, Driver] = {}
         self.src: Array = np.zeros(0, dtype=np.uint8)
         self.dst: Array = np.zeros(0, dtype=np.uint8)
+        self.seed = 0
+        self._peer_arenas: dict[int, Array] = {}
         self.sink: TcpSink | None = None
 
     # --- commands ------------------------------------------------------------------------
@@ -120,8 +176,9 @@ class Worker:
 
     def setup(self, msg: dict[str, Any]) -> dict[str, Any]:
         arena = int(msg["arena_bytes"])
-        rng = np.random.default_rng(int(msg["seed"]) + self.index)
-        self.src = rng.integers(0, 256, arena, dtype=np.uint8)
+        self.seed = int(msg["seed"])
+        self._peer_arenas.clear()
+        self.src = self._draw_arena(self.index, arena)
         self.dst = np.full(arena, POISON, dtype=np.uint8)
         out: dict[str, Any] = {}
         for spec in msg["systems"]:
@@ -132,6 +189,19 @@ class Worker:
             except Exception as e:
                 out[name] = {"error": f"{type(e).__name__}: {e}"}
         return out
+
+    def _draw_arena(self, worker: int, arena_bytes: int) -> Array:
+        rng = np.random.default_rng(self.seed + worker)
+        return rng.integers(0, 256, arena_bytes, dtype=np.uint8)
+
+    def arena_of(self, worker: int) -> Array:
+        """Worker ``worker``'s source arena as it was drawn (stamps aside): this worker's own,
+        or a copy drawn from the same seed (kept for the next cells)."""
+        if worker == self.index:
+            return self.src
+        if worker not in self._peer_arenas:
+            self._peer_arenas[worker] = self._draw_arena(worker, self.src.nbytes)
+        return self._peer_arenas[worker]
 
     def _driver(self, spec: dict[str, Any]) -> Driver:
         kind = spec["kind"]
@@ -163,6 +233,8 @@ class Worker:
             raise
 
     def _cell(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("mode") == "first-read":
+            return self._first_read(msg)
         drv = self.drivers[msg["system"]]
         size = int(msg["size_bytes"])
         keys_per_pass = int(msg["keys_per_pass"])
@@ -171,34 +243,67 @@ class Worker:
         together = bool(msg.get("together"))
         if keys_per_pass * size > self.src.nbytes:
             raise ValueError("a pass does not fit the arena")
-        srcs = [self.src[j * size : (j + 1) * size] for j in range(keys_per_pass)]
-        dsts = [self.dst[j * size : (j + 1) * size] for j in range(keys_per_pass)]
-        put: dict[str, Any] = {"passes": [], "durations_us": [], "failures": 0, "errors": []}
-        get: dict[str, Any] = {
-            "passes": [],
-            "durations_us": [],
-            "misses": 0,
-            "wrong": 0,
-            "bytes_read": 0,
-            "bytes_verified": 0,
-            "errors": [],
-        }
+        srcs = slots(self.src, size, keys_per_pass)
+        dsts = slots(self.dst, size, keys_per_pass)
+        put, get = _new_put(), _new_get()
         for p in range(int(msg["passes"])):
-            keys = [f"kvpb/{msg['run']}/{uid}/{self.index}/{p}/{j}" for j in range(keys_per_pass)]
-            for j, src in enumerate(srcs):
-                src[: STAMP.size] = np.frombuffer(STAMP.pack(uid, p, self.index, j), np.uint8)
-            self._sync(together)
-            pr = drv.put_pass(keys, srcs, batch)
-            self.dst[: keys_per_pass * size].fill(POISON)
-            self._record(put, pr, size, ok_keys=sum(pr.ok))
-            put["failures"] += len(pr.ok) - sum(pr.ok)
-            self._sync(together)
-            gr = drv.get_pass(keys, dsts, batch)
-            before = get["bytes_verified"]
-            verify(gr.got, srcs, size, get)
-            self._record(get, gr, size, ok_keys=(get["bytes_verified"] - before) // size)
+            keys = _keys(msg, self.index, p, keys_per_pass)
+            with stamped(srcs, uid, p, self.index):
+                self._sync(together)
+                pr = drv.put_pass(keys, srcs, batch)
+                self.dst[: keys_per_pass * size].fill(POISON)
+                self._record(put, pr, size, ok_keys=sum(pr.ok))
+                put["failures"] += len(pr.ok) - sum(pr.ok)
+                self._sync(together)
+                gr = drv.get_pass(keys, dsts, batch)
+                before = get["bytes_verified"]
+                verify(gr.got, srcs, size, get)
+                self._record(get, gr, size, ok_keys=(get["bytes_verified"] - before) // size)
             drv.remove(keys)
         return {"put": put, "get": get}
+
+    def _first_read(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """One first-read cell (see the module's docstring): ``put`` samples if this worker
+        wrote, ``get`` samples if it read; only the reads are verified, against the writer's
+        arena as drawn and stamped."""
+        drv = self.drivers[msg["system"]]
+        size = int(msg["size_bytes"])
+        n = int(msg["keys_per_pass"])
+        uid = int(msg["uid"])
+        write = bool(msg["write"])
+        read_from = msg.get("read_from")
+        if n * size > self.src.nbytes:
+            raise ValueError("a pass does not fit the arena")
+        srcs = slots(self.src, size, n)
+        dsts = slots(self.dst, size, n)
+        expected = slots(self.arena_of(int(read_from)), size, n) if read_from is not None else []
+        put, get = _new_put(), _new_get()
+        for p in range(int(msg["passes"])):
+            own = _keys(msg, self.index, p, n)
+            if read_from is not None:
+                self.dst[: n * size].fill(POISON)
+            self.barrier.wait(BARRIER_TIMEOUT_S)
+            if write:
+                with stamped(srcs, uid, p, self.index):
+                    pr = drv.put_pass(own, srcs, 0)
+                self._record(put, pr, size, ok_keys=sum(pr.ok))
+                put["failures"] += len(pr.ok) - sum(pr.ok)
+            self.barrier.wait(BARRIER_TIMEOUT_S)  # every put has returned
+            if read_from is not None:
+                gr = drv.get_pass(_keys(msg, int(read_from), p, n), dsts, 0)
+                before = get["bytes_verified"]
+                with stamped(expected, uid, p, int(read_from)):
+                    verify(gr.got, expected, size, get)
+                self._record(get, gr, size, ok_keys=(get["bytes_verified"] - before) // size)
+            self.barrier.wait(BARRIER_TIMEOUT_S)  # every read is done
+            if write:
+                drv.remove(own)
+        out: dict[str, Any] = {}
+        if write:
+            out["put"] = put
+        if read_from is not None:
+            out["get"] = get
+        return out
 
     @staticmethod
     def _record(out: dict[str, Any], pr: PassResult, size: int, ok_keys: int) -> None:
@@ -216,6 +321,11 @@ class Worker:
                 drv.close()
         if self.sink is not None:
             self.sink.close()
+
+
+def _keys(msg: dict[str, Any], writer: int, pass_no: int, count: int) -> list[str]:
+    """The keys worker ``writer`` puts in pass ``pass_no`` of the cell ``msg``."""
+    return [f"kvpb/{msg['run']}/{msg['uid']}/{writer}/{pass_no}/{j}" for j in range(count)]
 
 
 def worker_main(

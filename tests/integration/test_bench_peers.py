@@ -248,3 +248,54 @@ def test_missing_peers_are_skipped_with_how_to_install_them(
     targets = {t["target"]: t["status"] for t in doc["targets"]}
     assert targets["one put at 4 KiB: p50 <= 1 ms"] in ("met", "missed")
     assert targets["one 4 KiB get: p50 <= Mooncake's"] == "not measured"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("peer", [None, "mooncake"])
+def test_a_first_read_by_another_client_is_verified_byte_for_byte(
+    tmp_path: Path, peer: str | None
+) -> None:
+    """One worker puts, the other reads each block once and checks the writer's bytes (the
+    worker's own checks, and that a wrong byte counts, are in tests/unit/test_bench_worker.py).
+    One master, so that no follower behind the leader can turn a read into a miss here."""
+    from kvpool.cli import bench_peers, bench_report
+    from kvpool.cli.bench_peer_servers import mooncake_availability
+
+    if peer == "mooncake":
+        avail = mooncake_availability()
+        if not avail.ok:
+            pytest.skip(f"Mooncake Store: {avail.reason} (install: {avail.install})")
+    opts = bench_peers.PeersOptions.quick_run(
+        sizes=(4096, 64 << 10),
+        clients=(1, 2),
+        modes=("first-read",),
+        peers=(peer,) if peer else (),
+        kvpool_masters=1,
+        kvpool_in_memory=True,
+        kvpool_api="sync",
+        directory=str(tmp_path / "run"),
+    )
+    doc = bench_peers.run_peers(opts)
+    systems = ["kvpool-tcp", "kvpool-shm"] + ([peer] if peer else [])
+    assert [n for n, s in doc["systems"].items() if s["status"] == "measured"] == systems
+    reads = [c for c in doc["cells"] if c["op"] == "get"]
+    assert {(c["system"], c["size_bytes"], c["clients"]) for c in reads} == {
+        (s, size, n) for s in systems for size in opts.sizes for n in (1, 2)
+    }
+    for c in reads:
+        plan = bench_peers.plan_cell(opts, c["size_bytes"], "first-read")
+        blocks = plan.keys_per_pass * plan.passes * c["clients"]  # each read exactly once
+        assert (c["mode"], c["keys_per_call"], c["calls"]) == ("first-read", 1, blocks), c
+        assert c["wrong"] == c["misses"] == 0, c
+        assert c["bytes_read"] == c["bytes_verified"] == blocks * c["size_bytes"], c
+        assert c["GBps"] > 0, c
+        assert c["p99_us"] >= c["p50_us"] > 0, c
+        if peer and c["system"] != peer:
+            assert c["vs"][peer]["GBps_ratio"] > 0
+            assert c["vs"][peer]["p50_ratio"] > 0
+    assert doc["verification"]["all_bytes_verified"]
+    first_read_targets = [t for t in doc["targets"] if t["group"] == "first-read"]
+    assert len(first_read_targets) == 3
+    small = next(t for t in first_read_targets if "4 KiB and 64 KiB" in t["target"])
+    assert small["status"] in (("not measured",) if peer is None else ("met", "missed"))
+    assert "GET, first read by another client" in bench_report.render_table(doc)

@@ -235,3 +235,71 @@ def test_kvpool_is_measured_with_whatever_the_client_offers(
     bench = PeersBench(PeersOptions(kvpool_api="async"))
     bench._kvpool_systems(["127.0.0.1:1"], {"transport_arg": False, "async_client": False})
     assert bench.systems["kvpool-async"].status == "failed"
+
+
+def _first_read(system: str, rnd: int, gbps: float, *, size: int, p50_us: float) -> Any:
+    """One round of a first read by one reader: worker 0 only put, worker 1 only got."""
+    rec = _record(system, rnd, gbps, size=size)
+    both = rec["workers"][0]
+    rec["workers"] = [{"put": both["put"]}, {"get": {**both["get"], "durations_us": [p50_us]}}]
+    rec["mode"] = "first-read"
+    return rec
+
+
+def test_first_reads_are_their_own_cells_with_issue_13s_targets() -> None:
+    records = [
+        _first_read("kvpool-tcp", 0, 3.0, size=MiB, p50_us=300.0),
+        _first_read("mooncake", 0, 1.5, size=MiB, p50_us=600.0),
+        _first_read("kvpool-tcp", 0, 0.1, size=4096, p50_us=300.0),
+        _first_read("mooncake", 0, 0.1, size=4096, p50_us=200.0),
+        _first_read("kvpool-shm", 0, 6.0, size=MiB, p50_us=100.0),
+        _first_read("redis", 0, 1.0, size=MiB, p50_us=700.0),
+        _record("kvpool-tcp", 0, 1.0),  # a single-key cell: beside, not mixed in
+    ]
+    apis = {"kvpool-tcp": {"get": "get_into", "batch_get": "batch_get_into"}}
+    cells = bench_report.summarize_cells(records, apis)
+    bench_report.add_ratios(cells, [{"round": 0, "memcpy_GBps": 20.0, "loopback_tcp_GBps": 4.0}])
+    first = {(c["system"], c["op"], c["size_bytes"]): c for c in cells if c["mode"] == "first-read"}
+    get = first[("kvpool-tcp", "get", MiB)]
+    assert get["api"] == "get_into"
+    assert get["keys_per_call"] == 1
+    assert get["GBps"] == pytest.approx(3.0, rel=1e-3)  # the reader's passes only
+    assert get["vs"]["mooncake"]["GBps_ratio"] == pytest.approx(2.0, rel=1e-3)
+    assert get["vs"]["mooncake"]["p50_ratio"] == pytest.approx(0.5)
+    # every system's ratio to Mooncake: a peer's too, to each other peer
+    assert first[("redis", "get", MiB)]["vs"]["mooncake"]["GBps_ratio"] == pytest.approx(
+        1 / 1.5, rel=1e-3
+    )
+    assert set(first[("mooncake", "get", MiB)]["vs"]) == {"redis"}
+    assert first[("kvpool-tcp", "put", MiB)]["calls"] == 1  # the writer's puts
+    single = [c for c in cells if c["mode"] == "single" and c["op"] == "get"]
+    assert len(single) == 1
+    assert single[0]["GBps"] == pytest.approx(1.0, rel=1e-3)
+
+    targets = {t["target"].split(":")[0]: t for t in bench_report.evaluate_targets(cells)}
+    big = targets["first read of >= 1 MiB over TCP, one key per call"]
+    assert (big["group"], big["status"]) == ("first-read", "met")  # 2.0x >= 1.5x
+    small = targets["first read of 4 KiB and 64 KiB over TCP"]
+    assert small["status"] == "missed"  # 300 us vs 200 us
+    assert targets["first read through shared memory"]["status"] == "met"  # 6 >= 5 at 1 MiB
+    assert targets["two client processes"]["status"] == "not measured"
+    text = bench_report.render_table(_doc(cells))
+    assert "GET, first read by another client, one key per call" in text
+    assert "first-read targets:" in text
+    md = bench_report.render_markdown(_doc(cells))
+    assert "**GET, first read by another client, one key per call, one reader" in md
+
+
+def test_issue_13s_targets_appear_only_with_first_reads() -> None:
+    cells = bench_report.summarize_cells([_record("kvpool-tcp", 0, 1.0)], {})
+    targets = bench_report.evaluate_targets(cells)
+    assert len(targets) == 7
+    assert {t["group"] for t in targets} == {"data-path"}
+
+
+def test_first_read_is_a_mode_of_its_own_and_planned_like_single() -> None:
+    opts = PeersOptions(modes=("single", "first-read"))
+    assert opts.validate() == []
+    assert "modes" in " ".join(PeersOptions(modes=("first",)).validate())
+    for size in opts.sizes:
+        assert plan_cell(opts, size, "first-read") == plan_cell(opts, size, "single")
