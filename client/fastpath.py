@@ -293,34 +293,35 @@ class SyncPath:
 
     # --- index-only questions (no bytes read) ---------------------------------------------
 
-    def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
+    def _index_answer(
+        self, op: str, keys: Sequence[str], strict: bool | None
+    ) -> tuple[int, master_pb2.LookupResponse | None]:
+        """One Lookup of ``keys`` for an index-only question: (how many keys, the answer), or
+        None as the answer on failure (raised when strict)."""
         names = [k for k, _ in check_keys(keys)]
         if not names:
-            return []
+            return 0, None
         try:
-            response = self._within_deadline("sizes", lambda d: self._lookup(names, d))
+            return len(names), self._within_deadline(op, lambda d: self._lookup(names, d))
         except InvalidArgumentError:
             raise
         except KVPoolError:
             if self.core._strict(strict):
                 raise
-            return [None] * len(names)
+            return len(names), None
+
+    def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
+        n, response = self._index_answer("sizes", keys, strict)
+        if response is None:
+            return [None] * n
         return [int(e.size_bytes) if e.found else None for e in response.entries]
 
     def locate(
         self, keys: Sequence[str], *, strict: bool | None = None
     ) -> list[BlockLocation | None]:
-        names = [k for k, _ in check_keys(keys)]
-        if not names:
-            return []
-        try:
-            response = self._within_deadline("locate", lambda d: self._lookup(names, d))
-        except InvalidArgumentError:
-            raise
-        except KVPoolError:
-            if self.core._strict(strict):
-                raise
-            return [None] * len(names)
+        n, response = self._index_answer("locate", keys, strict)
+        if response is None:
+            return [None] * n
         members = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
         return [BlockLocation.from_entry(e, members) if e.found else None for e in response.entries]
 
