@@ -210,7 +210,10 @@ class BlockLocation:
     def from_entry(
         cls, entry: common_pb2.BlockEntry, members: dict[int, MemberInfo]
     ) -> BlockLocation:
-        tier = TierLevel(entry.tier).name.lower() if entry.tier else ""
+        try:
+            tier = TierLevel(entry.tier).name.lower() if entry.tier else ""
+        except ValueError:  # a tier a newer master knows and this client does not
+            tier = ""
         return cls(
             key=entry.key,
             size_bytes=int(entry.size_bytes),
