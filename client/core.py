@@ -87,6 +87,17 @@ MAX_COMMIT_ENTRIES = 8192
 """Most entries in one CommitPuts (the masters' default commit_batch_max_entries); a larger
 batch_put commits in several calls, concurrently."""
 DELETE_WAIT_S = 0.25
+EMPTY_RING_ASKS = 4
+"""How many times a put asks for the membership while the answer names no node that takes
+puts: right after a cluster starts a follower may answer before it has applied the nodes'
+registrations (GetMembers is answered by any master); the masters are asked in turn."""
+
+
+def empty_ring_delay(attempt: int) -> float:
+    """The pause before asking again for the membership after an empty answer."""
+    return 0.02 * attempt
+
+
 PREFIX_LOOKUP_MAX_KEYS = 1024
 """prefix_match of at most this many keys is a Lookup (entries cached for the reads that follow);
 a longer chain asks PrefixMatch, which answers a count only."""
@@ -840,20 +851,25 @@ class ClientCore:
         if not self._placement.needs_refresh():
             return
         async with self._members_lock:
-            if not self._placement.needs_refresh():
-                return
-            try:
-                response: master_pb2.GetMembersResponse = await self._masters.call(
-                    "GetMembers",
-                    master_pb2.GetMembersRequest(),
-                    deadline=deadline,
-                    leader_only=self._placement.needs_leader(),
-                )
-            except KVPoolError:
-                if self._placement.has_ring:
-                    return  # place on the ring we have; the index refuses it if stale
-                raise
-            self.members_answered(response, asyncio.get_running_loop().time())
+            loop = asyncio.get_running_loop()
+            for attempt in range(EMPTY_RING_ASKS):
+                if not self._placement.needs_refresh():
+                    return
+                if attempt:  # an empty ring: ask again (the next master in turn)
+                    await asyncio.sleep(min(empty_ring_delay(attempt), deadline - loop.time()))
+                    if loop.time() >= deadline:
+                        return
+                try:
+                    response: master_pb2.GetMembersResponse = await self._masters.call(
+                        "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
+                    )
+                except KVPoolError:
+                    if self._placement.has_ring:
+                        return  # place on the ring we have; the index refuses it if stale
+                    raise
+                self.members_answered(response, loop.time())
+                if not self._placement.ring_is_empty:
+                    return
 
     def members_answered(self, response: master_pb2.GetMembersResponse, now_s: float) -> None:
         self._placement.update(

@@ -515,20 +515,25 @@ class SyncPath:
         if not placement.needs_refresh():
             return
         with self._members_lock:
-            if not placement.needs_refresh():
-                return
-            try:
-                response: master_pb2.GetMembersResponse = self._masters.call(
-                    "GetMembers",
-                    master_pb2.GetMembersRequest(),
-                    deadline=deadline,
-                    leader_only=placement.needs_leader(),
-                )
-            except KVPoolError:
-                if placement.has_ring:
-                    return  # place on the ring we have; the index refuses it if stale
-                raise
-            self.core.members_answered(response, time.monotonic())
+            for attempt in range(core_module.EMPTY_RING_ASKS):
+                if not placement.needs_refresh():
+                    return
+                if attempt:  # an empty ring: ask again (the next master in turn)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    time.sleep(min(core_module.empty_ring_delay(attempt), left))
+                try:
+                    response: master_pb2.GetMembersResponse = self._masters.call(
+                        "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
+                    )
+                except KVPoolError:
+                    if placement.has_ring:
+                        return  # place on the ring we have; the index refuses it if stale
+                    raise
+                self.core.members_answered(response, time.monotonic())
+                if not placement.ring_is_empty:
+                    return
 
     def _node_failed(self, member_id: int) -> None:
         self.core.placement.node_failed(member_id, time.monotonic())

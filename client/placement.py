@@ -103,12 +103,12 @@ class Placement:
         ring = self._ring
         return ring is None or self._stale or not len(ring)
 
-    def needs_leader(self) -> bool:
-        """Whether the next membership refresh should ask the leader: with no ring, or an
-        empty one, a follower that has not applied the nodes' registrations yet would answer
-        "no nodes" (right after a cluster starts)."""
+    @property
+    def ring_is_empty(self) -> bool:
+        """A ring is loaded and names no node that takes puts (none registered yet as the
+        answering master knew, or all draining)."""
         ring = self._ring
-        return ring is None or not len(ring)
+        return ring is not None and not len(ring)
 
     def member(self, member_id: int) -> MemberInfo | None:
         return self._members.get(member_id)
