@@ -868,7 +868,7 @@ class ClientCore:
                         return  # place on the ring we have; the index refuses it if stale
                     raise
                 self.members_answered(response, loop.time())
-                if not self._placement.ring_is_empty:
+                if not self._placement.ring_is_empty():
                     return
 
     def members_answered(self, response: master_pb2.GetMembersResponse, now_s: float) -> None:

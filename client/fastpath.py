@@ -532,7 +532,7 @@ class SyncPath:
                         return  # place on the ring we have; the index refuses it if stale
                     raise
                 self.core.members_answered(response, time.monotonic())
-                if not placement.ring_is_empty:
+                if not placement.ring_is_empty():
                     return
 
     def _node_failed(self, member_id: int) -> None:

@@ -103,7 +103,6 @@ class Placement:
         ring = self._ring
         return ring is None or self._stale or not len(ring)
 
-    @property
     def ring_is_empty(self) -> bool:
         """A ring is loaded and names no node that takes puts (none registered yet as the
         answering master knew, or all draining)."""

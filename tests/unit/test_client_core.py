@@ -1013,17 +1013,17 @@ def test_an_empty_ring_is_asked_again() -> None:
     """Right after a cluster starts a follower may answer GetMembers before it applied the
     nodes' registrations: a put must not fail on that empty ring while the leader has nodes."""
     p = Placement(min_refresh_interval_s=0.5, suspect_s=2.0)
-    assert not p.ring_is_empty  # nothing loaded yet
+    assert not p.ring_is_empty()  # nothing loaded yet
     assert p.update([], ring_version=1, now_s=0.0)
-    assert p.ring_is_empty
+    assert p.ring_is_empty()
     with pytest.raises(NoNodesError):
         p.place(b"k", 1)
     assert p.needs_refresh()
     assert p.update(_members(1), ring_version=2, now_s=0.1)
     assert not p.needs_refresh()
-    assert not p.ring_is_empty
+    assert not p.ring_is_empty()
     assert [m.member_id for m in p.place(b"k", 1)] == [1]
     draining = [MemberInfo(1, "node-1", "tcp://127.0.0.1:7001", 1 << 30, draining=True)]
     assert p.update(draining, ring_version=3, now_s=0.2)  # no node takes puts: ask again
     assert p.needs_refresh()
-    assert p.ring_is_empty
+    assert p.ring_is_empty()
