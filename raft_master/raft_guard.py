@@ -61,6 +61,7 @@ from pysyncobj.tcp_connection import CONNECTION_STATE, _getAddrType, set_keepali
 from pysyncobj.transport import TCPTransport
 
 from kvpool.logs import OncePer, get_logger
+from kvpool.transports.auth import peer_of
 
 PRE_AUTH_MAX_BYTES = 64 << 10
 """Longest message accepted before the handshake is done."""
@@ -136,7 +137,7 @@ class GuardedConnection:
             self._sock = sock
             self._fileno = sock.fileno()
             self._state = CONNECTION_STATE.CONNECTED
-            self.peer = _peer(sock)
+            self.peer = peer_of(sock)
             self._set_keepalive()
             poller.subscribe(
                 self._fileno,
@@ -587,13 +588,3 @@ def guarded_transport(
 ) -> Callable[..., GuardedTransport]:
     """The ``transportClass`` to give ``SyncObj``."""
     return functools.partial(GuardedTransport, limits=limits, stats=stats, log=log)
-
-
-def _peer(sock: socket.socket) -> str:
-    try:
-        addr = sock.getpeername()
-    except OSError:
-        return "?"
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        return f"{addr[0]}:{addr[1]}"
-    return str(addr)

@@ -295,7 +295,7 @@ class Gate:
             and live() + len(self._tasks) >= self._max_connections
         ):
             self.over_limit += 1
-            peer = _peer(sock)
+            peer = peer_of(sock)
             with contextlib.suppress(OSError):
                 sock.close()
             if self._once is not None:
@@ -315,7 +315,7 @@ class Gate:
         task.add_done_callback(self._tasks.discard)
 
     async def _admit(self, sock: socket.socket) -> None:
-        peer = _peer(sock)
+        peer = peer_of(sock)
         try:
             reason = await admit(sock, self.token, self._timeout_s)
         except asyncio.CancelledError:  # the server is closing
@@ -343,7 +343,8 @@ class Gate:
             task.cancel()
 
 
-def _peer(sock: socket.socket) -> str:
+def peer_of(sock: socket.socket) -> str:
+    """The peer's ``host:port`` for logs ("local" for a Unix socket, "?" once it is gone)."""
     try:
         addr = sock.getpeername()
     except OSError:
