@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, assert_never, cast
 
 from kvpool.raft_master.commands import (
@@ -463,30 +463,52 @@ class BlockIndex(MemberTable):
         """One answer per key: the entry with its live replicas, or None (absent, or every
         replica is on a member that is down)."""
         out: list[BlockView | None] = []
-        members = self._members
+        append = out.append
+        entries = self._entries
+        live_one = self._liveness()
         for key in keys:
-            record = self._entries.get(key)
+            record = entries.get(key)
             if record is None:
-                out.append(None)
+                append(None)
                 continue
             version, write_id, size_bytes, checksum, pinned, replicas = unpack_record(record)
-            live = tuple(m for m in replicas if (r := members.get(m)) is not None and r.live)
+            live: tuple[int, ...]
+            if len(replicas) == 1:
+                live = replicas if live_one(replicas[0]) else ()
+            else:
+                live = tuple(m for m in replicas if live_one(m))
             if not live:
-                out.append(None)
+                append(None)
                 continue
             tier = record_tier(record)
-            out.append(BlockView(key, version, write_id, size_bytes, checksum, live, pinned, tier))
+            append(BlockView(key, version, write_id, size_bytes, checksum, live, pinned, tier))
         return out
 
     def prefix_match(self, keys: Iterable[str]) -> int:
         """Length of the leading run of keys present with at least one live replica."""
         matched = 0
+        entries = self._entries
+        live_one = self._liveness()
         for key in keys:
-            record = self._entries.get(key)
-            if record is None or not any(self._is_live(m) for m in record_replicas(record)):
+            record = entries.get(key)
+            if record is None or not any(map(live_one, record_replicas(record))):
                 break
             matched += 1
         return matched
+
+    def _liveness(self) -> Callable[[int], bool]:
+        """``member id -> live`` for one read of many keys: each member asked once."""
+        members = self._members
+        is_live: dict[int, bool] = {}
+
+        def live_one(member_id: int) -> bool:
+            live = is_live.get(member_id)
+            if live is None:
+                rec = members.get(member_id)
+                live = is_live[member_id] = rec is not None and rec.live
+            return live
+
+        return live_one
 
     def masters(self) -> dict[str, str]:
         return dict(self._masters)

@@ -41,6 +41,7 @@ from kvpool.raft_master.commands import (
 )
 from kvpool.raft_master.failure import FailureDetector, FailureLoop
 from kvpool.raft_master.index import BlockIndex, IndexSnapshot, pack_record, unpack_record
+from kvpool.raft_master.records import record_replicas, record_tier
 from kvpool.raft_master.replication import StuckFollowerWatch
 
 _ids = itertools.count(1)
@@ -73,6 +74,16 @@ def put(
 def test_record_packing_round_trips() -> None:
     record = pack_record(5, 2**64 - 1, 123, 456, (1, 2**32 - 1), pinned=True)
     assert unpack_record(record) == (5, 2**64 - 1, 123, 456, True, (1, 2**32 - 1))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 8, 9, 20])
+@pytest.mark.parametrize("tier", [0, 3])
+def test_records_of_any_replica_count_round_trip_with_their_tier(n: int, tier: int) -> None:
+    replicas = tuple(range(7, 7 + n))
+    record = pack_record(1, 2, 3, 4, replicas, tier=tier)
+    assert unpack_record(record) == (1, 2, 3, 4, False, replicas)
+    assert record_replicas(record) == replicas
+    assert record_tier(record) == tier
 
 
 def test_commit_then_lookup_returns_the_entry_with_a_version_from_the_revision() -> None:
