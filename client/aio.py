@@ -130,8 +130,12 @@ class AsyncClient:
         """End pins (True per key the index has)."""
         return await self._core.pin(keys, 0)
 
-    async def prefix_match(self, keys: Sequence[str], *, strict: bool | None = None) -> int:
-        return await self._core.prefix_match(keys, strict=strict)
+    async def prefix_match(
+        self, keys: Sequence[str], *, strict: bool | None = None, fetch_entries: bool = True
+    ) -> int:
+        """How many leading keys of a chain are cached (0 on failure); ``fetch_entries`` as
+        :meth:`kvpool.Client.prefix_match`."""
+        return await self._core.prefix_match(keys, strict=strict, fetch_entries=fetch_entries)
 
     async def get_or_compute(
         self, key: str, compute: Callable[[], Awaitable[BytesLike] | BytesLike]

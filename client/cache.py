@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvpool.client.placement import MemberInfo
 from kvpool.proto.v1 import common_pb2
@@ -30,8 +30,7 @@ TOMBSTONES = 4096
 """Removed keys remembered (with the revision of their removal)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Cached:
+class Cached(NamedTuple):  # a named tuple: a Lookup answer stores one per key
     entry: common_pb2.BlockEntry
     """As the index answered it (``found`` is True)."""
     revision: int

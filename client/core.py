@@ -54,6 +54,7 @@ from kvpool.client.values import (
     check_fits,
     put_items,
     validate_key,
+    validate_key_names,
     validate_keys,
 )
 from kvpool.config import ClientConfig
@@ -99,8 +100,9 @@ def empty_ring_delay(attempt: int) -> float:
 
 
 PREFIX_LOOKUP_MAX_KEYS = 1024
-"""prefix_match of at most this many keys is a Lookup (entries cached for the reads that follow);
-a longer chain asks PrefixMatch, which answers a count only."""
+"""prefix_match of at most this many keys is a Lookup (entries cached for the reads that follow)
+unless the caller asks for a count only; a longer chain asks PrefixMatch, which answers a count
+only."""
 
 
 def leading_hits(response: master_pb2.LookupResponse) -> int:
@@ -425,20 +427,21 @@ class ClientCore:
             )
         return [s == PIN_OK for s in statuses]
 
-    async def prefix_match(self, keys: Sequence[str], *, strict: bool | None = None) -> int:
+    async def prefix_match(
+        self, keys: Sequence[str], *, strict: bool | None = None, fetch_entries: bool = True
+    ) -> int:
         """How many leading keys of ``keys`` the index holds (0 on failure)."""
-        pairs = validate_keys(keys)
-        if not pairs:
+        names = validate_key_names(keys)
+        if not names:
             return 0
 
         async def call(deadline: float) -> int:
-            names = [k for k, _ in pairs]
-            if len(names) <= PREFIX_LOOKUP_MAX_KEYS:
+            if fetch_entries and len(names) <= PREFIX_LOOKUP_MAX_KEYS:
                 return leading_hits(await self._lookup(names, deadline))
             request = master_pb2.PrefixMatchRequest(keys=names, min_revision=self.floor.value)
             response = await self._masters.call("PrefixMatch", request, deadline=deadline)
             self.floor.raise_to(response.revision)
-            return min(int(response.matched), len(pairs))
+            return min(int(response.matched), len(names))
 
         matched = await self._call_or_fail("prefix_match", call, self._strict(strict))
         return matched or 0
@@ -599,8 +602,9 @@ class ClientCore:
                 f"Lookup answered {len(response.entries)} entries for {len(keys)} keys"
             )
         for key, entry in zip(keys, response.entries, strict=True):
-            if entry.found and entry.key and entry.key != key:
-                raise InternalError(f"Lookup answered {entry.key!r} in the place of {key!r}")
+            answered = entry.key  # read once: each field read builds a new str
+            if answered != key and answered and entry.found:
+                raise InternalError(f"Lookup answered {answered!r} in the place of {key!r}")
         self._placement.observe_ring_version(response.ring_version)
         # Monotonic reads: never ask a master that has applied less than what we have seen.
         self.floor.raise_to(response.revision)

@@ -59,7 +59,14 @@ from kvpool.client.plans import (
     new_write_ids,
 )
 from kvpool.client.spans import read_attributes
-from kvpool.client.values import BytesLike, PutItems, WritableBuffer, put_items, validate_key
+from kvpool.client.values import (
+    BytesLike,
+    PutItems,
+    WritableBuffer,
+    put_items,
+    validate_key,
+    validate_key_names,
+)
 from kvpool.client.values import validate_keys as check_keys
 from kvpool.errors import (
     DeadlineExceededError,
@@ -298,7 +305,7 @@ class SyncPath:
     ) -> tuple[int, master_pb2.LookupResponse | None]:
         """One Lookup of ``keys`` for an index-only question: (how many keys, the answer), or
         None as the answer on failure (raised when strict)."""
-        names = [k for k, _ in check_keys(keys)]
+        names = validate_key_names(keys)
         if not names:
             return 0, None
         try:
@@ -325,14 +332,16 @@ class SyncPath:
         members = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
         return [BlockLocation.from_entry(e, members) if e.found else None for e in response.entries]
 
-    def prefix_match(self, keys: Sequence[str], *, strict: bool | None = None) -> int:
-        names = [k for k, _ in check_keys(keys)]
+    def prefix_match(
+        self, keys: Sequence[str], *, strict: bool | None = None, fetch_entries: bool = True
+    ) -> int:
+        names = validate_key_names(keys)
         if not names:
             return 0
         core = self.core
 
         def call(deadline: float) -> int:
-            if len(names) <= PREFIX_LOOKUP_MAX_KEYS:
+            if fetch_entries and len(names) <= PREFIX_LOOKUP_MAX_KEYS:
                 return leading_hits(self._lookup(names, deadline))
             request = master_pb2.PrefixMatchRequest(keys=names, min_revision=core.floor.value)
             response: master_pb2.PrefixMatchResponse = self._masters.call(
@@ -555,7 +564,7 @@ class SyncPath:
 
     def batch_remove(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
         """Remove many keys with one Raft commit: True per key the index had."""
-        names = [k for k, _ in check_keys(keys)]
+        names = validate_key_names(keys)
         if not names:
             return []
         try:

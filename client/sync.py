@@ -330,10 +330,13 @@ class Client:
         """End pins (True per key the index has)."""
         return self._call(self._core.pin(keys, 0), list, True)
 
-    def prefix_match(self, keys: Sequence[str]) -> int:
+    def prefix_match(self, keys: Sequence[str], *, fetch_entries: bool = True) -> int:
         """How many leading keys of a chain are cached (0 on failure), in one call to a
-        master, from the calling thread."""
-        return self._path.prefix_match(keys)
+        master, from the calling thread. ``fetch_entries`` (up to 1024 keys): the call brings
+        the keys' index entries into the lookup cache, so that a get of the hits right after
+        asks the index nothing; False asks for the count only, which is cheaper for this call
+        and the master (a probe that reads may not follow, or a latency-bound hit query)."""
+        return self._path.prefix_match(keys, fetch_entries=fetch_entries)
 
     def get_or_compute(self, key: str, fn: Callable[[], BytesLike]) -> bytes:
         """The cached bytes; on a miss ``fn()``'s value, stored best effort (never raises

@@ -65,6 +65,18 @@ def validate_keys(keys: object) -> list[tuple[str, bytes]]:
     return [(k, validate_key(k)) for k in keys]
 
 
+def validate_key_names(keys: object) -> list[str]:
+    """The keys as a list, each checked as :func:`validate_key` checks it, for a call that
+    sends names only (no UTF-8 bytes kept; an ASCII key is not encoded to learn its length)."""
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise InvalidKeyError(f"expected a sequence of str keys, not {type(keys).__name__}")
+    names = list(keys)
+    for key in names:
+        if type(key) is not str or not key or not key.isascii() or len(key) > MAX_KEY_BYTES:
+            validate_key(key)  # raises, or passes a str that is valid UTF-8 within the limit
+    return names
+
+
 def _numpy_module() -> Any:
     # Without numpy imported, nothing the caller holds can be a numpy array.
     return sys.modules.get("numpy")

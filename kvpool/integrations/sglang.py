@@ -207,7 +207,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         scheme = self._kv_scheme()
         names = scheme.page_keys(keys)
         per_page = len(scheme.components)
-        return self._client.prefix_match(names) // per_page
+        return self._client.prefix_match(names, fetch_entries=False) // per_page
 
     def _kv_scheme(self) -> KeyScheme:
         if self._scheme is None:

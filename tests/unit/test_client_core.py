@@ -580,6 +580,23 @@ def test_prefix_match_then_a_batch_get_of_the_hits_asks_the_index_once(
     assert index_calls() - before == 1
 
 
+def test_a_count_only_prefix_match_asks_prefix_match_and_the_read_looks_up(
+    client_factory: Callable[..., Client], cluster: FakeCluster
+) -> None:
+    """fetch_entries=False (SGLang's hit query): the master counts, no entry is sent or
+    cached, and the get of the hits that may follow asks its own Lookup."""
+    chain = [f"probe/{i}" for i in range(8)]
+    values = [k.encode() * 10 for k in chain[:5]]
+    assert client_factory().batch_put(dict(zip(chain, values, strict=False))) == [True] * 5
+    fresh = client_factory()
+    calls = cluster.master.calls
+    before = (calls.get("PrefixMatch", 0), calls.get("Lookup", 0))
+    assert fresh.prefix_match(chain, fetch_entries=False) == 5
+    assert (calls.get("PrefixMatch", 0), calls.get("Lookup", 0)) == (before[0] + 1, before[1])
+    assert fresh.batch_get(chain[:5]) == values
+    assert calls.get("Lookup", 0) == before[1] + 1
+
+
 # --- data errors become misses ----------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from kvpool.client.values import (
     check_fits,
     put_items,
     validate_key,
+    validate_key_names,
     validate_keys,
 )
 from kvpool.errors import (
@@ -55,6 +56,16 @@ def test_valid_keys_become_their_utf8_bytes() -> None:
 def test_bad_keys_raise_invalid_key(key: Any) -> None:
     with pytest.raises(InvalidKeyError):
         validate_key(key)
+    with pytest.raises(InvalidKeyError):  # the names-only check refuses the same keys
+        validate_key_names(["ok", key])
+
+
+def test_key_names_pass_what_validate_key_passes() -> None:
+    good = ["a", "mdl/\u00e9\u4e2d", "k" * MAX_KEY_BYTES, "\u4e2d" * (MAX_KEY_BYTES // 3)]
+    assert validate_key_names(good) == good
+    assert validate_key_names(tuple(good)) == good
+    with pytest.raises(InvalidKeyError):
+        validate_key_names("abc")
 
 
 def test_key_errors_are_caller_errors() -> None:
