@@ -332,6 +332,34 @@ class SyncPath:
         members = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
         return [BlockLocation.from_entry(e, members) if e.found else None for e in response.entries]
 
+    def batch_exists(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
+        names = validate_key_names(keys)
+        if not names:
+            return []
+        core = self.core
+
+        def call(deadline: float) -> list[bool]:
+            request = master_pb2.PrefixMatchRequest(
+                keys=names, min_revision=core.floor.value, each=True
+            )
+            response: master_pb2.PrefixMatchResponse = self._masters.call(
+                "PrefixMatch", request, deadline=deadline
+            )
+            core.floor.raise_to(response.revision)
+            if len(response.found) == len(names):
+                return list(response.found)
+            # A master of an older release answers the count only: ask for the entries.
+            return [e.found for e in self._lookup(names, deadline).entries]
+
+        try:
+            return self._within_deadline("exists", call)
+        except InvalidArgumentError:
+            raise
+        except KVPoolError:
+            if core._strict(strict):
+                raise
+            return [False] * len(names)
+
     def prefix_match(
         self, keys: Sequence[str], *, strict: bool | None = None, fetch_entries: bool = True
     ) -> int:

@@ -245,6 +245,11 @@ class Client:
         """Whether the index has ``key`` (False on failure unless the client is strict)."""
         return self._call(self._core.exists(key), _false, None)
 
+    def batch_exists(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
+        """Whether the index has each key, in one call to a master that sends no entries
+        (cheaper than :meth:`sizes` for a long batch); all False on failure unless strict."""
+        return self._path.batch_exists(keys, strict=strict)
+
     def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
         """Each key's block size in bytes, or None where the index has no such key (one lookup;
         no bytes are read; None for all on failure unless strict)."""

@@ -496,6 +496,16 @@ class BlockIndex(MemberTable):
             matched += 1
         return matched
 
+    def present(self, keys: Iterable[str]) -> list[bool]:
+        """Per key: present with at least one live replica (what :meth:`lookup` finds)."""
+        entries = self._entries
+        live_one = self._liveness()
+        out = []
+        for key in keys:
+            record = entries.get(key)
+            out.append(record is not None and any(map(live_one, record_replicas(record))))
+        return out
+
     def _liveness(self) -> Callable[[int], bool]:
         """``member id -> live`` for one read of many keys: each member asked once."""
         members = self._members

@@ -592,8 +592,14 @@ class MasterService(master_pb2_grpc.MasterServicer):
         keys = check_keys(request.keys, allow_empty=True)
         await self._require_read_lease(context)
         await self._wait_for_revision(request.min_revision, context)
-        matched, revision = self.replicator.read(lambda ix: (ix.prefix_match(keys), ix.revision))
-        return master_pb2.PrefixMatchResponse(matched=matched, revision=revision)
+        if not request.each:
+            matched, revision = self.replicator.read(
+                lambda ix: (ix.prefix_match(keys), ix.revision)
+            )
+            return master_pb2.PrefixMatchResponse(matched=matched, revision=revision)
+        found, revision = self.replicator.read(lambda ix: (ix.present(keys), ix.revision))
+        matched = next((i for i, hit in enumerate(found) if not hit), len(found))
+        return master_pb2.PrefixMatchResponse(matched=matched, revision=revision, found=found)
 
     async def GetMembers(  # noqa: N802 - gRPC method name
         self, request: master_pb2.GetMembersRequest, context: grpc.aio.ServicerContext

@@ -435,12 +435,12 @@ class MooncakeDistributedStore:
         return self.batch_is_exist([key])[0]
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        """1 / 0 / a negative code per key, one lookup for all."""
+        """1 / 0 / a negative code per key, one index call for all (no entries sent)."""
         try:
-            sizes = self._client().sizes(self._names(keys))
+            found = self._client().batch_exists(self._names(keys))
         except KVPoolError as e:
             return [error_code(e)] * len(keys)
-        return [0 if size is None else 1 for size in sizes]
+        return [1 if hit else 0 for hit in found]
 
     def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
         """The replicas of ``key`` as the index has them (one descriptor per live node holding

@@ -281,7 +281,13 @@ class PrefixMatchRequest(_message.Message):
 
     KEYS_FIELD_NUMBER: _builtins.int
     MIN_REVISION_FIELD_NUMBER: _builtins.int
+    EACH_FIELD_NUMBER: _builtins.int
     min_revision: _builtins.int
+    each: _builtins.bool
+    """Also say, for every key, whether it is present (PrefixMatchResponse.found): an existence
+    query of many keys without their entries. A master of an older release ignores it and
+    answers no `found`; the caller then asks a Lookup.
+    """
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -289,10 +295,11 @@ class PrefixMatchRequest(_message.Message):
         *,
         keys: _abc.Iterable[_builtins.str] | None = ...,
         min_revision: _builtins.int = ...,
+        each: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "min_revision", b"min_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["each", b"each", "keys", b"keys", "min_revision", b"min_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -304,18 +311,24 @@ class PrefixMatchResponse(_message.Message):
 
     MATCHED_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    FOUND_FIELD_NUMBER: _builtins.int
     matched: _builtins.int
     """length of the leading run of keys present"""
     revision: _builtins.int
+    @_builtins.property
+    def found(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """one per key, in order, when `each` was asked"""
+
     def __init__(
         self,
         *,
         matched: _builtins.int = ...,
         revision: _builtins.int = ...,
+        found: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["matched", b"matched", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "matched", b"matched", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -78,6 +78,8 @@ def test_exists_remove_prefix_match_and_get_or_compute(shared_cluster: LocalClus
         assert not kv.exists("chain/2")
         assert kv.get("chain/2") is None
         assert kv.prefix_match(chain) == 2
+        assert kv.prefix_match(chain, fetch_entries=False) == 2
+        assert kv.batch_exists(chain) == [True, True, False, True, True, False, False, False]
         assert not kv.remove("chain/2")
 
         calls = []

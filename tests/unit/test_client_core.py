@@ -580,6 +580,20 @@ def test_prefix_match_then_a_batch_get_of_the_hits_asks_the_index_once(
     assert index_calls() - before == 1
 
 
+def test_batch_exists_asks_once_and_falls_back_to_a_lookup_on_an_older_master(
+    client: Client, cluster: FakeCluster
+) -> None:
+    """This fake master answers PrefixMatch as a release before per-key answers did."""
+    keys = [f"ex/{i}" for i in range(5)]
+    assert client.batch_put(dict.fromkeys(keys[:3], b"v")) == [True] * 3
+    assert client.remove("ex/1")
+    calls = cluster.master.calls
+    before = (calls.get("PrefixMatch", 0), calls.get("Lookup", 0))
+    assert client.batch_exists(keys) == [True, False, True, False, False]
+    assert (calls.get("PrefixMatch", 0), calls.get("Lookup", 0)) == (before[0] + 1, before[1] + 1)
+    assert client.batch_exists([]) == []
+
+
 def test_a_count_only_prefix_match_asks_prefix_match_and_the_read_looks_up(
     client_factory: Callable[..., Client], cluster: FakeCluster
 ) -> None:

@@ -156,6 +156,34 @@ def test_replicas_on_members_not_live_are_dropped_and_none_left_is_reported() ->
     index.check_invariants()
 
 
+def test_present_and_prefix_match_find_what_lookup_finds_after_a_member_goes_down() -> None:
+    index = BlockIndex()
+    a, b = register(index, "a"), register(index, "b")
+    keys = ["k0", "k1", "k2", "k3"]
+    holders = [(a,), (a, b), (b,), (a,)]
+    result = index.apply(
+        CommitPuts(
+            rid(),
+            index.ring_version,
+            tuple(
+                PutItem(k, i + 1, 1, 1, h)
+                for i, (k, h) in enumerate(zip(keys, holders, strict=True))
+            ),
+        )
+    )
+    assert isinstance(result, CommitPutsResult)
+    asked = [*keys, "absent"]
+    assert index.present(asked) == [True, True, True, True, False]
+    index.apply(MarkMemberDown(rid(), b, "heartbeat_timeout"))
+    found = [view is not None for view in index.lookup(asked)]
+    assert found == [True, True, False, True, False]
+    assert index.present(asked) == found
+    assert index.prefix_match(asked) == 2
+    (k1,) = index.lookup(["k1"])
+    assert k1 is not None
+    assert k1.replicas == (a,)
+
+
 def test_remove_reports_what_it_removed() -> None:
     index = BlockIndex()
     m = register(index, "n1")

@@ -12,6 +12,13 @@ import pytest
 from kvpool.config import MasterConfig
 from kvpool.errors import NotLeaderError
 from kvpool.proto.v1 import master_pb2
+from kvpool.raft_master.commands import (
+    CommitPuts,
+    CommitPutsResult,
+    PutItem,
+    RegisterMember,
+    RegisterMemberResult,
+)
 from kvpool.raft_master.failure import FailureDetector
 from kvpool.raft_master.index import BlockIndex
 from kvpool.raft_master.service import MasterService
@@ -68,3 +75,20 @@ def test_a_follower_refuses_lookups() -> None:
     svc, _ = service(leading=False)
     with pytest.raises(NotLeaderError):
         asyncio.run(svc.Lookup(master_pb2.LookupRequest(keys=["k"]), None))
+
+
+def test_prefix_match_answers_each_key_only_when_asked() -> None:
+    svc, _ = service()
+    index = svc.replicator.index  # type: ignore[attr-defined]
+    member = index.apply(RegisterMember(b"r" * 16, "n1", 1, "tcp://n1:1", "", 100, ""))
+    assert isinstance(member, RegisterMemberResult)
+    items = tuple(PutItem(k, i + 1, 4, 7, (member.member_id,)) for i, k in enumerate(["a", "c"]))
+    assert isinstance(
+        index.apply(CommitPuts(b"p" * 16, index.ring_version, items)), CommitPutsResult
+    )
+    keys = ["a", "b", "c"]
+    plain = asyncio.run(svc.PrefixMatch(master_pb2.PrefixMatchRequest(keys=keys), None))
+    assert (plain.matched, list(plain.found)) == (1, [])  # the count only, as before
+    each = asyncio.run(svc.PrefixMatch(master_pb2.PrefixMatchRequest(keys=keys, each=True), None))
+    assert (each.matched, list(each.found)) == (1, [True, False, True])
+    assert each.revision == index.revision
