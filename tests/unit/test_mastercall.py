@@ -97,7 +97,7 @@ def test_the_first_attempt_goes_to_the_known_leader_and_a_lookup_confirms_it(
     assert routing.leader == B
 
 
-def test_a_write_answered_by_a_master_does_not_make_it_the_leader(clock: Clock) -> None:
+def test_an_answer_any_master_may_give_does_not_name_the_leader(clock: Clock) -> None:
     routing = MasterRouting([A], clock=clock)
     plan = plan_for(clock, [], method="GetMembers", routing=routing)
     assert plan.new_round(clock.now) == Ask(A, ATTEMPT_S)
