@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.chaos.values import ValueId, decode_value
-from kvpool.client.masters import MasterClient
 from kvpool.errors import KVPoolError
 from kvpool.launcher.probe import MasterProbe, leader_of, probe_masters_async, probe_nodes_async
+from kvpool.mastercall import MasterClient
 from kvpool.proto.v1 import master_pb2
 from kvpool.security import env_security
 

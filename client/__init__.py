@@ -6,5 +6,7 @@
 * :mod:`~kvpool.client.placement` — cached membership and the consistent-hash ring
 * :mod:`~kvpool.client.values` — key, value and buffer checks (no copies)
 * :mod:`~kvpool.client.stats` — hit/miss/put counters
-* :mod:`~kvpool.client.masters` — calls to the master group (leader discovery, retries)
+
+Calls to the master group (leader discovery, redirects, retries) are the runtime's
+:mod:`kvpool.mastercall`, shared with the store node.
 """

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvpool.client.core import ClientCore, PutReceipt
-from kvpool.client.settings import make_config
+from kvpool.client.settings import DEFAULTS, make_config
 from kvpool.client.values import BytesLike, PutItems, WritableBuffer
 
 
@@ -30,34 +30,42 @@ class AsyncClient:
         self,
         masters: list[str] | str,
         *,
-        timeout_s: float = 2.0,
-        replicas: int = 1,
+        timeout_s: float = DEFAULTS.timeout_s,
+        replicas: int = DEFAULTS.replicas,
         strict: bool = False,
-        max_value_size: int = 64 << 20,
-        connections_per_node: int = 2,
-        transport: str = "auto",
-        lookup_cache_size: int = 65536,
-        lookup_cache_ttl_s: float = 30.0,
-        hedge_reads: bool = True,
-        hedge_delay_ms: float = 10.0,
-        cluster_token: str = "",
-        cluster_token_file: str = "",
-        tls_ca_file: str = "",
-        tls_cert_file: str = "",
-        tls_key_file: str = "",
-        tls_server_name: str = "",
+        max_value_size: int = DEFAULTS.max_value_size,
+        connections_per_node: int = DEFAULTS.connections_per_node,
+        max_tier: str = DEFAULTS.max_tier,
+        transport: str = DEFAULTS.transport,
+        lookup_cache_size: int = DEFAULTS.lookup_cache_size,
+        lookup_cache_ttl_s: float = DEFAULTS.lookup_cache_ttl_s,
+        hedge_reads: bool = DEFAULTS.hedge_reads,
+        hedge_delay_ms: float = DEFAULTS.hedge_delay_ms,
+        metrics_port: int = DEFAULTS.metrics_port,
+        metrics_host: str = DEFAULTS.metrics_host,
+        cluster_token: str = DEFAULTS.cluster_token,
+        cluster_token_file: str = DEFAULTS.cluster_token_file,
+        tls_ca_file: str = DEFAULTS.tls_ca_file,
+        tls_cert_file: str = DEFAULTS.tls_cert_file,
+        tls_key_file: str = DEFAULTS.tls_key_file,
+        tls_server_name: str = DEFAULTS.tls_server_name,
     ) -> None:
+        """The settings of :class:`kvpool.Client`, with its defaults (ClientConfig's);
+        ``metrics_port``'s /metrics is served from ``async with`` or :meth:`start_metrics`."""
         config = make_config(
             masters,
             timeout_s=timeout_s,
             replicas=replicas,
             max_value_size=max_value_size,
             connections_per_node=connections_per_node,
+            max_tier=max_tier,
             transport=transport,
             lookup_cache_size=lookup_cache_size,
             lookup_cache_ttl_s=lookup_cache_ttl_s,
             hedge_reads=hedge_reads,
             hedge_delay_ms=hedge_delay_ms,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
             cluster_token=cluster_token,
             cluster_token_file=cluster_token_file,
             tls_ca_file=tls_ca_file,
@@ -66,6 +74,16 @@ class AsyncClient:
             tls_server_name=tls_server_name,
         )
         self._core = ClientCore(config, strict=strict)
+
+    async def start_metrics(self) -> str:
+        """Serve this client's /metrics when ``metrics_port`` asks for it (``async with`` does
+        this); its address ("" when off). Idempotent."""
+        return self._core.metrics.address or await self._core.start_metrics()
+
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` of this client's /metrics ("" when off or not started yet)."""
+        return self._core.metrics.address
 
     async def put(self, key: str, value: BytesLike, *, strict: bool | None = None) -> bool:
         """Store ``value`` under ``key``: True once committed (do not change ``value`` until
@@ -156,6 +174,7 @@ class AsyncClient:
         await self._core.close()
 
     async def __aenter__(self) -> AsyncClient:
+        await self.start_metrics()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

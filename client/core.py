@@ -1,6 +1,6 @@
 """The client SDK's one implementation: an async core that every front end wraps.
 
-:class:`ClientCore` holds the masters (:class:`~kvpool.client.masters.MasterClient`), the
+:class:`ClientCore` holds the masters (:class:`~kvpool.mastercall.MasterClient`), the
 data-plane connection pool, the cached placement and the read-your-writes floor. All of its
 methods are coroutines and must run on one event loop; the synchronous
 :class:`~kvpool.client.sync.Client` runs them on a private loop thread, an async front end can
@@ -41,7 +41,6 @@ from kvpool.client.commits import (
 )
 from kvpool.client.hedge import HedgePolicy
 from kvpool.client.links import Links
-from kvpool.client.masters import MasterClient, MasterRouting
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.spans import read_attributes
 from kvpool.client.stats import ClientStats
@@ -70,6 +69,7 @@ from kvpool.errors import (
     UnavailableError,
 )
 from kvpool.logs import get_logger
+from kvpool.mastercall import MasterClient, MasterRouting
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import TierLevel
 from kvpool.transports.tcp import ConnectionPool

@@ -5,7 +5,7 @@ measured here; a whole 4 KiB GET over loopback takes 22 µs with a blocking sock
 :class:`SyncPath` runs the same steps as :class:`~kvpool.client.core.ClientCore` — and the same
 deciding code: the core's lookup and commit bookkeeping, the per-node plans of
 :mod:`kvpool.client.plans`, the placement, the lookup cache, the failure policy — with blocking
-I/O: sync gRPC to the masters (:class:`~kvpool.client.masters.SyncMasterClient`) and a
+I/O: sync gRPC to the masters (:class:`~kvpool.mastercall.SyncMasterClient`) and a
 :class:`~kvpool.transports.blocking.BlockingConnection` per thread and node (TCP, or the node's
 shared memory; :mod:`kvpool.client.blocking_plane`).
 
@@ -49,7 +49,6 @@ from kvpool.client.core import (
     into_each,
     leading_hits,
 )
-from kvpool.client.masters import SyncMasterClient
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
     BlockLocation,
@@ -75,6 +74,7 @@ from kvpool.errors import (
     KVPoolError,
     UnavailableError,
 )
+from kvpool.mastercall import SyncMasterClient
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import Op
 

@@ -1,4 +1,8 @@
-"""The client's settings from constructor arguments, checked by ClientConfig's rules."""
+"""The client's settings from constructor arguments, checked by ClientConfig's rules.
+
+Their defaults are ClientConfig's fields, written there once: :data:`DEFAULTS` is read by
+:func:`make_config` and by the keyword defaults of :class:`kvpool.Client` and
+:class:`kvpool.AsyncClient`."""
 
 from __future__ import annotations
 
@@ -8,27 +12,31 @@ from collections.abc import Mapping, Sequence
 from kvpool.config import ClientConfig
 from kvpool.errors import ConfigError
 
+DEFAULTS = ClientConfig()
+"""Every client setting at its default (``masters`` aside: a client must name them)."""
+
 
 def make_config(
     masters: Sequence[str] | str,
     *,
-    timeout_s: float = 2.0,
-    replicas: int = 1,
-    max_value_size: int = 64 << 20,
-    connections_per_node: int = 2,
-    transport: str = "auto",
-    lookup_cache_size: int = 65536,
-    lookup_cache_ttl_s: float = 30.0,
-    hedge_reads: bool = True,
-    hedge_delay_ms: float = 10.0,
-    metrics_port: int = -1,
-    metrics_host: str = "127.0.0.1",
-    cluster_token: str = "",
-    cluster_token_file: str = "",
-    tls_ca_file: str = "",
-    tls_cert_file: str = "",
-    tls_key_file: str = "",
-    tls_server_name: str = "",
+    timeout_s: float = DEFAULTS.timeout_s,
+    replicas: int = DEFAULTS.replicas,
+    max_value_size: int = DEFAULTS.max_value_size,
+    connections_per_node: int = DEFAULTS.connections_per_node,
+    max_tier: str = DEFAULTS.max_tier,
+    transport: str = DEFAULTS.transport,
+    lookup_cache_size: int = DEFAULTS.lookup_cache_size,
+    lookup_cache_ttl_s: float = DEFAULTS.lookup_cache_ttl_s,
+    hedge_reads: bool = DEFAULTS.hedge_reads,
+    hedge_delay_ms: float = DEFAULTS.hedge_delay_ms,
+    metrics_port: int = DEFAULTS.metrics_port,
+    metrics_host: str = DEFAULTS.metrics_host,
+    cluster_token: str = DEFAULTS.cluster_token,
+    cluster_token_file: str = DEFAULTS.cluster_token_file,
+    tls_ca_file: str = DEFAULTS.tls_ca_file,
+    tls_cert_file: str = DEFAULTS.tls_cert_file,
+    tls_key_file: str = DEFAULTS.tls_key_file,
+    tls_server_name: str = DEFAULTS.tls_server_name,
     env: Mapping[str, str] | None = None,
 ) -> ClientConfig:
     """A validated ClientConfig from constructor arguments; ConfigError names every problem.
@@ -70,6 +78,15 @@ def make_config(
         errors.append(  # type: ignore[unreachable]  # callers without type checks
             f"hedge_reads: expected True or False, got {hedge_reads!r}"
         )
+    for name, text in (
+        ("max_tier", max_tier),
+        ("transport", transport),
+        ("metrics_host", metrics_host),
+    ):
+        if not isinstance(text, str):
+            errors.append(  # type: ignore[unreachable]  # callers without type checks
+                f"{name}: expected a string, got {text!r}"
+            )
     if isinstance(hedge_delay_ms, bool) or not isinstance(hedge_delay_ms, int | float):
         errors.append(f"hedge_delay_ms: expected a number of milliseconds, got {hedge_delay_ms!r}")
     for name, value in (
@@ -88,6 +105,7 @@ def make_config(
             replicas=replicas,
             max_value_size=max_value_size,
             connections_per_node=connections_per_node,
+            max_tier=max_tier,
             transport=transport,
             lookup_cache_size=lookup_cache_size,
             lookup_cache_ttl_s=float(lookup_cache_ttl_s),

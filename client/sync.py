@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from kvpool.client.core import ClientCore, PutReceipt
 from kvpool.client.fastpath import SyncPath
 from kvpool.client.plans import BlockLocation
-from kvpool.client.settings import make_config
+from kvpool.client.settings import DEFAULTS, make_config
 from kvpool.client.values import BytesLike, WritableBuffer, as_payload
 from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
 
@@ -88,23 +88,25 @@ class Client:
         self,
         masters: list[str] | str,
         *,
-        timeout_s: float = 2.0,
-        replicas: int = 1,
+        timeout_s: float = DEFAULTS.timeout_s,
+        replicas: int = DEFAULTS.replicas,
         strict: bool = False,
-        max_value_size: int = 64 << 20,
-        connections_per_node: int = 2,
-        transport: str = "auto",
-        lookup_cache_size: int = 65536,
-        lookup_cache_ttl_s: float = 30.0,
-        hedge_reads: bool = True,
-        hedge_delay_ms: float = 10.0,
-        metrics_port: int = -1,
-        cluster_token: str = "",
-        cluster_token_file: str = "",
-        tls_ca_file: str = "",
-        tls_cert_file: str = "",
-        tls_key_file: str = "",
-        tls_server_name: str = "",
+        max_value_size: int = DEFAULTS.max_value_size,
+        connections_per_node: int = DEFAULTS.connections_per_node,
+        max_tier: str = DEFAULTS.max_tier,
+        transport: str = DEFAULTS.transport,
+        lookup_cache_size: int = DEFAULTS.lookup_cache_size,
+        lookup_cache_ttl_s: float = DEFAULTS.lookup_cache_ttl_s,
+        hedge_reads: bool = DEFAULTS.hedge_reads,
+        hedge_delay_ms: float = DEFAULTS.hedge_delay_ms,
+        metrics_port: int = DEFAULTS.metrics_port,
+        metrics_host: str = DEFAULTS.metrics_host,
+        cluster_token: str = DEFAULTS.cluster_token,
+        cluster_token_file: str = DEFAULTS.cluster_token_file,
+        tls_ca_file: str = DEFAULTS.tls_ca_file,
+        tls_cert_file: str = DEFAULTS.tls_cert_file,
+        tls_key_file: str = DEFAULTS.tls_key_file,
+        tls_server_name: str = DEFAULTS.tls_server_name,
     ) -> None:
         """``transport``: ``auto`` (a node on this host through its shared memory, others
         over TCP), ``tcp`` or ``shm`` (shared memory only; a node it cannot reach that way
@@ -116,20 +118,24 @@ class Client:
         ``KVPOOL_CLUSTER_TOKEN_FILE`` and ``KVPOOL_TLS_*`` environment variables.
         ``hedge_reads``: a read whose replica has not answered after ``hedge_delay_ms`` (plus
         1 ms per MB read) is also sent to the key's next replica; the first good answer wins.
-        ``metrics_port``: serve this client's Prometheus /metrics on 127.0.0.1 (0: any free
-        port, see :attr:`metrics_address`; -1: off)."""
+        ``metrics_port``: serve this client's Prometheus /metrics on ``metrics_host``
+        (127.0.0.1; 0: any free port, see :attr:`metrics_address`; -1: off). ``max_tier``
+        (gpu, cpu, ssd): the slowest tier a get accepts when it does not say (empty: any).
+        Every default is :class:`~kvpool.config.ClientConfig`'s."""
         config = make_config(
             masters,
             timeout_s=timeout_s,
             replicas=replicas,
             max_value_size=max_value_size,
             connections_per_node=connections_per_node,
+            max_tier=max_tier,
             transport=transport,
             lookup_cache_size=lookup_cache_size,
             lookup_cache_ttl_s=lookup_cache_ttl_s,
             hedge_reads=hedge_reads,
             hedge_delay_ms=hedge_delay_ms,
             metrics_port=metrics_port,
+            metrics_host=metrics_host,
             cluster_token=cluster_token,
             cluster_token_file=cluster_token_file,
             tls_ca_file=tls_ca_file,

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpool.client.masters import MasterClient
 from kvpool.config import MasterConfig, load_config
 from kvpool.launcher.placement import free_port
+from kvpool.mastercall import MasterClient
 from kvpool.proto.v1 import master_pb2
 from kvpool.raft_master.commands import (
     CommitPuts,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Protocol
 
-from kvpool.client.replicate import BlockRef, check_refs, copy_blocks
 from kvpool.logs import get_logger
 from kvpool.proto.v1 import node_pb2, node_pb2_grpc
 from kvpool.store_node.block_store import BlockState, BlockStore
+from kvpool.store_node.replicate import IndexedBlock, check_refs, copy_blocks
 from kvpool.transports.tcp import ConnectionPool, open_tcp_address
 
 MAX_COPY_TIMEOUT_S = 30.0
@@ -99,7 +99,8 @@ class NodeAdmin(node_pb2_grpc.NodeAdminServicer):
                 size=2, opener=functools.partial(open_tcp_address, token=self._token)
             )
         refs = [
-            BlockRef(b.key, b.write_id, b.version, b.size_bytes, b.checksum) for b in request.blocks
+            IndexedBlock(b.key, b.write_id, b.version, b.size_bytes, b.checksum)
+            for b in request.blocks
         ]
         check_refs(request.target_data_address, refs, max_block_size=self._store.max_block_size)
         timeout_s = min(request.timeout_s or 5.0, MAX_COPY_TIMEOUT_S)
@@ -129,7 +130,7 @@ class NodeAdmin(node_pb2_grpc.NodeAdminServicer):
             )
         return node_pb2.CopyBlocksResponse(copied=[not e for e in errors])
 
-    def _holds(self, ref: BlockRef) -> bool:
+    def _holds(self, ref: IndexedBlock) -> bool:
         block = self._store.block(ref.key, ref.write_id)
         return (
             block is not None

@@ -48,7 +48,7 @@ class Verdict(NamedTuple):
 
 
 class LookupCaller(Protocol):
-    """What is needed of :class:`kvpool.client.masters.MasterClient`."""
+    """What is needed of :class:`kvpool.mastercall.MasterClient`."""
 
     async def call(
         self, method: str, request: Any, *, deadline: float, leader_only: bool = False

@@ -1,7 +1,7 @@
 """The node's conversation with the masters: register, heartbeat, report evictions, reap staged
 blocks, leave.
 
-Every call goes through :class:`kvpool.client.masters.MasterClient` (leader discovery, redirects,
+Every call goes through :class:`kvpool.mastercall.MasterClient` (leader discovery, redirects,
 retries inside a deadline). The deciding parts — which staged blocks to publish or free — are the
 pure function :func:`staged_verdicts`; :class:`NodeRegistration` is the async shell around the
 block store.
@@ -42,10 +42,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvpool.client.masters import Backoff, MasterClient
 from kvpool.config import NodeConfig
 from kvpool.errors import KVPoolError, NodeDrainedError, UnknownMemberError
 from kvpool.logs import get_logger
+from kvpool.mastercall import Backoff, MasterClient
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import Status
 from kvpool.store_node.block_store import BlockStore, StagedBlock

@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.client.masters import MasterClient
 from kvpool.config import NodeConfig, load_config, split_hostport
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.gctune import freeze_after_slow_collections
 from kvpool.grpcutil import start_server
 from kvpool.logs import bind_process, configure_logging, get_logger
+from kvpool.mastercall import MasterClient
 from kvpool.metrics import register_collector, start_metrics
 from kvpool.proto.v1 import node_pb2_grpc
 from kvpool.store_node.admin import SERVICE_NAME, NodeAdmin

@@ -22,7 +22,6 @@ from typing import Any
 import grpc
 import pytest
 
-from kvpool.client.masters import MasterClient
 from kvpool.config import MasterConfig, load_config
 from kvpool.errors import (
     ConfigError,
@@ -36,6 +35,7 @@ from kvpool.errors import (
 )
 from kvpool.grpcutil import create_channel, translate_rpc_error, unary
 from kvpool.launcher.placement import free_port
+from kvpool.mastercall import MasterClient
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.raft_master import bench
 from kvpool.raft_master.commands import (

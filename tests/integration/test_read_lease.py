@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvpool import Client
-from kvpool.client.masters import MasterClient
 from kvpool.errors import NotLeaderError, UnavailableError
+from kvpool.mastercall import MasterClient
 from kvpool.proto.v1 import master_pb2
 from kvpool.raft_master.local_group import LocalMasterGroup
 from tests.integration.conftest import ClusterFactory

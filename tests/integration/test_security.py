@@ -18,9 +18,9 @@ import pytest
 
 from kvpool import Client
 from kvpool.client.aio import AsyncClient
-from kvpool.client.masters import MasterClient
 from kvpool.errors import UnauthenticatedError
 from kvpool.launcher.cluster import LocalCluster
+from kvpool.mastercall import MasterClient
 from kvpool.proto.v1 import master_pb2
 from kvpool.proto.wire import Op
 from kvpool.security import Security, read_token

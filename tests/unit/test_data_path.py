@@ -20,7 +20,6 @@ from kvpool import AsyncClient, Client
 from kvpool.client.cache import LookupCache
 from kvpool.client.commits import CommitBatcher, CommitJob, SyncCommitter
 from kvpool.client.links import Links, NodeOffer, read_hello
-from kvpool.client.masters import MasterRouting, no_rpc_port
 from kvpool.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -30,6 +29,7 @@ from kvpool.errors import (
     TransportError,
     UnavailableError,
 )
+from kvpool.mastercall import MasterRouting, no_rpc_port
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import Op, Status
 from kvpool.store_node.data_server import DataConnection

@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 import pytest
 
 from kvpool.checksum import block_checksum
-from kvpool.client.replicate import BlockRef, check_refs
 from kvpool.errors import MalformedRequestError, RequestTooLargeError, UnavailableError
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import (
@@ -33,6 +32,7 @@ from kvpool.store_node.cpu_tier import CpuTier
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.eviction import LruPolicy
 from kvpool.store_node.publish_check import IndexVersions
+from kvpool.store_node.replicate import IndexedBlock, check_refs
 from kvpool.transports.limits import IngressLimits
 from kvpool.transports.tcp import TcpConnection
 
@@ -364,15 +364,15 @@ def test_a_publish_of_a_write_deleted_first_still_retires_the_older_write() -> N
 @pytest.mark.parametrize(
     ("ref", "error"),
     [
-        (BlockRef("", 1, 1, 10, 0), MalformedRequestError),
-        (BlockRef("k" * 1025, 1, 1, 10, 0), MalformedRequestError),
-        (BlockRef("k", 0, 1, 10, 0), MalformedRequestError),
-        (BlockRef("k", 1, 1, 2**40, 0), MalformedRequestError),
-        (BlockRef("k", 1, 1, 2**64 - 1, 0), MalformedRequestError),
+        (IndexedBlock("", 1, 1, 10, 0), MalformedRequestError),
+        (IndexedBlock("k" * 1025, 1, 1, 10, 0), MalformedRequestError),
+        (IndexedBlock("k", 0, 1, 10, 0), MalformedRequestError),
+        (IndexedBlock("k", 1, 1, 2**40, 0), MalformedRequestError),
+        (IndexedBlock("k", 1, 1, 2**64 - 1, 0), MalformedRequestError),
     ],
 )
 def test_copy_refs_are_checked_before_anything_is_allocated(
-    ref: BlockRef, error: type[Exception]
+    ref: IndexedBlock, error: type[Exception]
 ) -> None:
     with pytest.raises(error):
         check_refs("tcp://127.0.0.1:1", [ref], max_block_size=64 * MIB)
@@ -382,8 +382,8 @@ def test_copy_requests_name_a_tcp_target_and_a_bounded_number_of_blocks() -> Non
     with pytest.raises(MalformedRequestError):
         check_refs("not-an-address", [], max_block_size=MIB)
     with pytest.raises(RequestTooLargeError):
-        check_refs("tcp://h:1", [BlockRef("k", 1, 1, 1, 0)] * 5000, max_block_size=MIB)
-    check_refs("tcp://h:1", [BlockRef("k", 1, 1, MIB, 0)], max_block_size=MIB)
+        check_refs("tcp://h:1", [IndexedBlock("k", 1, 1, 1, 0)] * 5000, max_block_size=MIB)
+    check_refs("tcp://h:1", [IndexedBlock("k", 1, 1, MIB, 0)], max_block_size=MIB)
 
 
 # --- the RPC port ----------------------------------------------------------------------------

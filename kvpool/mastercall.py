@@ -1,13 +1,15 @@
 """Calling the master group: leader discovery, redirects, retries inside one deadline.
 
-Used by the client SDK and by store nodes. :class:`MasterClient` calls from an event loop
-(``grpc.aio``); :class:`SyncMasterClient` calls in the caller's thread (sync gRPC: the
-synchronous client's fast path, which has no loop to hop to). Both keep their leader knowledge
-in one :class:`MasterRouting`, which a client shares between them. Writes go to the leader: a
-follower answers NOT_LEADER with the leader's address, which becomes the preferred master.
-Lookups and prefix matches go to the leader too (:data:`LEADER_READS`): masters answer them
-there only, under a read lease, so that every acknowledged write is found. Every retry stays
-inside the caller's deadline (``loop.time()`` based); one attempt never takes more than
+Used by the client SDK and by store nodes. The retry policy is written once, in
+:class:`CallPlan`: a pure decision per attempt (ask this master for so long, follow a redirect,
+back off, give up) that two short loops perform: :class:`MasterClient` from an event loop
+(``grpc.aio``), :class:`SyncMasterClient` in the caller's thread (sync gRPC: the synchronous
+client's fast path, which has no loop to hop to). Both keep their leader knowledge in one
+:class:`MasterRouting`, which a client shares between them. Writes go to the leader: a follower
+answers NOT_LEADER with the leader's address, which becomes the preferred master. Lookups and
+prefix matches go to the leader too (:data:`LEADER_READS`): masters answer them there only,
+under a read lease, so that every acknowledged write is found. Every retry stays inside the
+caller's deadline (``loop.time()`` based); one attempt never takes more than
 ``attempt_timeout_s`` so a paused master cannot eat the whole budget.
 """
 
@@ -18,7 +20,8 @@ import json
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -52,24 +55,30 @@ LEADER_READS = frozenset({"Lookup", "PrefixMatch"})
 
 
 class Backoff:
-    """Exponential backoff with full jitter, capped."""
+    """Exponential backoff with full jitter, capped (``rng``: a seeded one for tests)."""
 
-    def __init__(self, base_s: float = 0.02, cap_s: float = 0.5) -> None:
+    def __init__(
+        self, base_s: float = 0.02, cap_s: float = 0.5, *, rng: random.Random | None = None
+    ) -> None:
         self.base_s = base_s
         self.cap_s = cap_s
         self.attempt = 0
+        self._uniform = rng.uniform if rng is not None else random.uniform
 
     def next_delay(self) -> float:
         delay = min(self.cap_s, self.base_s * (2**self.attempt))
         self.attempt += 1
-        return random.uniform(0, delay)
+        return self._uniform(0, delay)
 
 
 class MasterRouting:
     """Which master to ask first: the known leader, then the others in rotation; redirects
-    learned from NOT_LEADER answers. Shared by the async and the sync caller of one client."""
+    learned from NOT_LEADER answers. Shared by the async and the sync caller of one client.
+    ``clock`` times the hold of failed masters (``time.monotonic``; a fake one in tests)."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    def __init__(
+        self, addresses: Sequence[str], *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if not addresses:
             raise UnavailableError("no master addresses given")
         self._addresses: list[str] = list(dict.fromkeys(addresses))
@@ -78,6 +87,7 @@ class MasterRouting:
         self._lock = threading.Lock()
         self._rpc: dict[str, str] = {}  # gRPC address -> its frame RPC port ("" = none)
         self._failed_at: dict[str, float] = {}  # address -> when a call to it last failed
+        self._clock = clock
 
     @property
     def addresses(self) -> list[str]:
@@ -105,7 +115,7 @@ class MasterRouting:
         that failed a call in the last ``FAILED_HOLD_S`` is left out while another is there to
         ask (a paused leader must not cost every retry a whole attempt while the others elect
         a new one; they name it until they have)."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             n = len(self._addresses)
             self._rotation = (self._rotation + 1) % n
@@ -122,7 +132,7 @@ class MasterRouting:
         with it first). A master named that failed us lately is not followed: the one who
         names it has not heard of the election yet."""
         if error.leader and error.leader != address:
-            if self._failed_lately(error.leader, time.monotonic()):
+            if self._failed_lately(error.leader, self._clock()):
                 return False
             with self._lock:
                 if error.leader not in self._addresses:
@@ -139,7 +149,7 @@ class MasterRouting:
         master that answered (no lease yet, not caught up) or refused the connection at once
         costs nothing to ask again."""
         if slow:
-            self._failed_at[address] = time.monotonic()
+            self._failed_at[address] = self._clock()
         if self.leader == address:
             self.leader = None
 
@@ -147,6 +157,116 @@ class MasterRouting:
         self._failed_at.pop(address, None)
         if leader_only:
             self.leader = address
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Call the master at ``address``; the attempt may take ``timeout_s``."""
+
+    address: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Sleep ``delay_s``, then start a :meth:`CallPlan.new_round`."""
+
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Raise ``error``: it cannot be retried, or the deadline passed."""
+
+    error: KVPoolError
+
+
+Step = Ask | Wait | GiveUp
+
+
+class CallPlan:
+    """The retry policy of one call to the master group, without I/O: which master to ask next
+    and for how long, when to follow a redirect, back off or give up. A driver (the event-loop
+    :meth:`MasterClient.call`, the blocking :meth:`SyncMasterClient.call`) performs each
+    :class:`Step` and reports how it went; ``now`` is its clock, the one ``deadline`` is in.
+
+    Masters are asked in rounds, in :meth:`MasterRouting.order`. A NOT_LEADER naming another
+    master ends the round (the next starts with that leader) and skips the backoff, except on
+    every 4th redirect of the call (masters may disagree during an election); any other
+    retryable error moves on to the next master. A round that found no answer backs off
+    (exponential, jittered, never past the deadline); once the deadline passes:
+    DeadlineExceededError with the last error; a non-retryable error (refused credentials, a
+    bad request): given up at once."""
+
+    def __init__(
+        self,
+        routing: MasterRouting,
+        method: str,
+        *,
+        deadline: float,
+        attempt_timeout_s: float,
+        leader_only: bool = False,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.routing = routing
+        self.method = method
+        self.deadline = deadline
+        self.attempt_timeout_s = attempt_timeout_s
+        self.names_leader = leader_only or method in LEADER_READS
+        self.backoff = backoff or Backoff()
+        self.last: KVPoolError | None = None
+        self.redirects = 0
+        self._round: list[str] = []
+        self._next = 0
+        self._asked = ""
+        self._redirected = False
+
+    def new_round(self, now: float) -> Step:
+        """Ask the masters again, in the routing's order: the call's first step, and the next
+        one after a :class:`Wait`."""
+        self._round = self.routing.order()
+        self._next = 0
+        self._redirected = False
+        return self._ask(now)
+
+    def answered(self) -> None:
+        """The last :class:`Ask` succeeded (the call is done)."""
+        self.routing.succeeded(self._asked, self.names_leader)
+
+    def failed(self, error: KVPoolError, now: float) -> Step:
+        """The last :class:`Ask` raised ``error``: the next step."""
+        address = self._asked
+        if isinstance(error, NotLeaderError):
+            self.last = error
+            if self.routing.not_leader(address, error):
+                self._redirected = True
+                self.redirects += 1
+                self._next = len(self._round)  # start over with the leader first
+        elif isinstance(error, UnavailableError | DeadlineExceededError | NotCaughtUpError):
+            self.last = error
+            self.routing.failed(address, slow=isinstance(error, DeadlineExceededError))
+        elif not error.retryable:
+            return GiveUp(error)
+        else:
+            self.last = error
+        return self._ask(now)
+
+    def _ask(self, now: float) -> Step:
+        remaining = self.deadline - now
+        if self._next < len(self._round) and remaining > 0:
+            self._asked = self._round[self._next]
+            self._next += 1
+            return Ask(self._asked, min(remaining, self.attempt_timeout_s))
+        if remaining <= 0:
+            return GiveUp(
+                DeadlineExceededError(
+                    f"Master.{self.method}: no master answered in time"
+                    + (f" (last error: {self.last.message})" if self.last else "")
+                )
+            )
+        if self._redirected and self.redirects % 4 != 0:
+            return self.new_round(now)
+        return Wait(min(self.backoff.next_delay(), remaining))
 
 
 class MasterClient:
@@ -255,48 +375,30 @@ class MasterClient:
         leader_only: bool = False,
     ) -> Any:
         """Call ``Master.<method>`` until it succeeds, a non-retryable error is raised, or the
-        deadline (``asyncio`` loop time) passes (DeadlineExceededError, with the last error)."""
+        deadline (``asyncio`` loop time) passes (DeadlineExceededError, with the last error);
+        the policy is :class:`CallPlan`'s."""
         loop = asyncio.get_running_loop()
-        routing = self.routing
-        backoff = Backoff()
-        last: KVPoolError | None = None
-        redirects = 0
+        plan = CallPlan(
+            self.routing,
+            method,
+            deadline=deadline,
+            attempt_timeout_s=self._attempt_timeout_s,
+            leader_only=leader_only,
+        )
+        step = plan.new_round(loop.time())
         while True:
-            redirected = False
-            for address in routing.order():
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
+            if isinstance(step, Ask):
                 try:
-                    response = await self._attempt(
-                        address, method, request, min(remaining, self._attempt_timeout_s)
-                    )
-                except NotLeaderError as e:
-                    last = e
-                    if routing.not_leader(address, e):
-                        redirected = True
-                        redirects += 1
-                        break  # start over with the leader first
-                    continue
-                except (UnavailableError, DeadlineExceededError, NotCaughtUpError) as e:
-                    last = e
-                    routing.failed(address, slow=isinstance(e, DeadlineExceededError))
-                    continue
+                    response = await self._attempt(step.address, method, request, step.timeout_s)
                 except KVPoolError as e:
-                    if not e.retryable:
-                        raise
-                    last = e
+                    step = plan.failed(e, loop.time())
                     continue
-                routing.succeeded(address, leader_only or method in LEADER_READS)
+                plan.answered()
                 return response
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise DeadlineExceededError(
-                    f"Master.{method}: no master answered in time"
-                    + (f" (last error: {last.message})" if last else "")
-                )
-            if not redirected or redirects % 4 == 0:  # masters may disagree during an election
-                await asyncio.sleep(min(backoff.next_delay(), remaining))
+            if isinstance(step, GiveUp):
+                raise step.error
+            await asyncio.sleep(step.delay_s)
+            step = plan.new_round(loop.time())
 
     async def close(self) -> None:
         channels, self._channels, self._stubs = self._channels, {}, {}
@@ -430,46 +532,28 @@ class SyncMasterClient:
         deadline: float,
         leader_only: bool = False,
     ) -> Any:
-        routing = self.routing
-        backoff = Backoff()
-        last: KVPoolError | None = None
-        redirects = 0
+        """As :meth:`MasterClient.call`, in this thread (``deadline``: ``time.monotonic()``)."""
+        plan = CallPlan(
+            self.routing,
+            method,
+            deadline=deadline,
+            attempt_timeout_s=self._attempt_timeout_s,
+            leader_only=leader_only,
+        )
+        step = plan.new_round(time.monotonic())
         while True:
-            redirected = False
-            for address in routing.order():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
+            if isinstance(step, Ask):
                 try:
-                    response = self._attempt(
-                        address, method, request, min(remaining, self._attempt_timeout_s)
-                    )
-                except NotLeaderError as e:
-                    last = e
-                    if routing.not_leader(address, e):
-                        redirected = True
-                        redirects += 1
-                        break
-                    continue
-                except (UnavailableError, DeadlineExceededError, NotCaughtUpError) as e:
-                    last = e
-                    routing.failed(address, slow=isinstance(e, DeadlineExceededError))
-                    continue
+                    response = self._attempt(step.address, method, request, step.timeout_s)
                 except KVPoolError as e:
-                    if not e.retryable:
-                        raise
-                    last = e
+                    step = plan.failed(e, time.monotonic())
                     continue
-                routing.succeeded(address, leader_only or method in LEADER_READS)
+                plan.answered()
                 return response
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceededError(
-                    f"Master.{method}: no master answered in time"
-                    + (f" (last error: {last.message})" if last else "")
-                )
-            if not redirected or redirects % 4 == 0:
-                time.sleep(min(backoff.next_delay(), remaining))
+            if isinstance(step, GiveUp):
+                raise step.error
+            time.sleep(step.delay_s)
+            step = plan.new_round(time.monotonic())
 
     def close(self) -> None:
         with self._lock:

@@ -30,8 +30,9 @@ MAX_INFLIGHT_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
-class BlockRef:
-    """One committed block as the index names it."""
+class IndexedBlock:
+    """One committed block as the index names it (a ``BlockRef`` of a CopyBlocks request): the
+    exact write to read, and the size and checksum it must have."""
 
     key: str
     write_id: int
@@ -40,7 +41,7 @@ class BlockRef:
     checksum: int
 
 
-def check_refs(target: str, refs: list[BlockRef], *, max_block_size: int) -> None:
+def check_refs(target: str, refs: list[IndexedBlock], *, max_block_size: int) -> None:
     """Refuse a copy request that names a bad block or target (nothing allocated yet)."""
     try:
         parse_tcp_address(target)
@@ -86,7 +87,7 @@ class _ByteGate:
 
 
 async def copy_block(
-    pool: ConnectionPool, source: str, target: str, ref: BlockRef, *, timeout_s: float
+    pool: ConnectionPool, source: str, target: str, ref: IndexedBlock, *, timeout_s: float
 ) -> str:
     """Copy one block; ``""`` when published on the target, else why not."""
     loop = asyncio.get_running_loop()
@@ -136,7 +137,7 @@ async def copy_blocks(
     pool: ConnectionPool,
     source: str,
     target: str,
-    refs: list[BlockRef],
+    refs: list[IndexedBlock],
     *,
     timeout_s: float,
     parallel: int = 8,
@@ -147,7 +148,7 @@ async def copy_blocks(
     gate = asyncio.Semaphore(parallel)
     room = _ByteGate(max_inflight_bytes)
 
-    async def one(ref: BlockRef) -> str:
+    async def one(ref: IndexedBlock) -> str:
         async with gate:
             await room.acquire(ref.size_bytes)
             try:
