@@ -16,6 +16,5 @@
   claim SSD blocks after a restart, reap, leave
 - :mod:`~kvpool.store_node.admin` — the ``NodeAdmin`` gRPC service (``GetStats``)
 - :mod:`~kvpool.store_node.server` — process assembly: ``main(cfg) -> exit status``
-- :mod:`~kvpool.store_node.bench`, :mod:`~kvpool.store_node.tier_bench` — benchmarks
 - :mod:`~kvpool.store_node.gpu_check` — the GPU checks, for a machine with a GPU
 """

@@ -1,4 +1,4 @@
-"""One driver per measured system, all with the same shape, so that ``kvpool bench peers`` runs
+"""One driver per measured system, all with the same shape, so that ``kvpool-bench peers`` runs
 the very same passes against kvpool, Redis and Mooncake Store.
 
 A *pass* is one timed loop over a list of keys: single-key (one call per key, each call
