@@ -12,7 +12,7 @@ Each driver says which calls it uses (:attr:`Driver.api`), and the kvpool driver
 the client offers when it offers it — ``Client(transport=...)``, ``batch_get_into``,
 ``batch_remove``, ``AsyncClient`` — so the bench measures the fastest public path there is.
 Peer packages are imported with :func:`importlib.import_module`: they are optional (the
-``bench`` extra) and untyped here.
+``peers`` extra) and untyped here.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ compared with the page that was set; the keys are removed after each round (not 
 Reported: medians over the rounds, pages/s for set and get, microseconds per batch_exists (each
 round's figure the median of :data:`EXISTS_CALLS` calls), and
 each system's ratio to ``mooncake``. Needs SGLang (run it in .venv-sglang, which
-``make test-engines-sglang`` builds) and, for the ``mooncake`` system, the ``bench`` extra.
+``make test-engines-sglang`` builds) and, for the ``mooncake`` system, Mooncake Store's wheel
+(installed there; elsewhere kvpool-bench's ``peers`` extra).
 """
 
 from __future__ import annotations
