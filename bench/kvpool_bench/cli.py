@@ -14,11 +14,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvpool.cli.args import exit_status, parse_forwarding
 from kvpool.cli.bench import print_result
-from kvpool.errors import ConfigError, KVPoolError
 from kvpool_bench.engines import add_arguments as engines_arguments
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK = 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -193,19 +193,5 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "forward_unknown", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.rest = unknown
-    try:
-        return _run(args)
-    except ConfigError as e:
-        print(f"kvpool-bench {args.bench_command}: {e.message}", file=sys.stderr)
-        return EXIT_USAGE
-    except KVPoolError as e:
-        print(f"kvpool-bench {args.bench_command}: {e.message}", file=sys.stderr)
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        return 130
+    args = parse_forwarding(_parser(), sys.argv[1:] if argv is None else argv)
+    return exit_status(f"kvpool-bench {args.bench_command}", lambda: _run(args))

@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool import __version__
-from kvpool.cli.args import add_config_flags, config_from_args
+from kvpool.cli.args import add_config_flags, config_from_args, exit_status, parse_forwarding
 from kvpool.cli.node import DESCRIPTION as DRAIN_DESCRIPTION
 from kvpool.cli.node import add_drain_arguments, drain
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.errors import ConfigError, KVPoolError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -492,12 +491,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "forward_unknown", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.rest = unknown
+    args = parse_forwarding(_parser(), sys.argv[1:] if argv is None else argv)
     handlers = {
         "master": _run_master,
         "node": _run_node,
@@ -506,18 +500,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": _bench,
         "chaos": _chaos,
     }
-    try:
+
+    def run() -> int:
         if args.command == "cluster":
             return _cluster_up(args) if args.cluster_command == "up" else _cluster_down(args)
         return handlers[args.command](args)
-    except ConfigError as e:
-        print(f"kvpool {args.command}: {e.message}", file=sys.stderr)
-        return EXIT_USAGE
-    except KVPoolError as e:
-        print(f"kvpool {args.command}: {e.message}", file=sys.stderr)
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `kvpool ... | head`
-        sys.stderr.close()
-        return EXIT_OK
+
+    return exit_status(f"kvpool {args.command}", run)
