@@ -6,18 +6,23 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: demo test test-fast test-slow test-engines test-engines-sglang test-engines-vllm test-engines-lmcache test-lowest lint typecheck importcheck proto proto-check deploy-check fmt clean help
+.PHONY: demo bench-env test test-fast test-slow test-engines test-engines-sglang test-engines-vllm test-engines-lmcache test-lowest lint typecheck importcheck proto proto-check deploy-check fmt clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml bench/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@# the benchmarks (bench/: kvpool-bench), for their tests; the peers' packages: make bench-env
+	$(PY) -m pip install --quiet -e bench
 	@touch $(STAMP)
 
-venv: $(STAMP)  ## create .venv and install kvpool with its dev extras
+venv: $(STAMP)  ## create .venv and install kvpool with its dev extras, and kvpool-bench
+
+bench-env: $(STAMP)  ## add the benchmarks' peers to .venv (redis, hiredis, Mooncake Store, py-spy)
+	$(PY) -m pip install --quiet -e 'bench[peers]'
 
 demo: $(STAMP)  ## start a local cluster, run a workload, kill the leader, report, stop
 	$(PY) -m kvpool demo
@@ -33,13 +38,15 @@ SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_VERSION := 0.5.23
 
-$(SGLANG_STAMP): tests/engines/sglang/requirements.txt pyproject.toml
+$(SGLANG_STAMP): tests/engines/sglang/requirements.txt pyproject.toml bench/pyproject.toml
 	@test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -r tests/engines/sglang/requirements.txt
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
 	@# --no-warn-conflicts: sglang's own requirement list is left out on purpose (see the file)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-warn-conflicts -e .
+	@# kvpool-bench engines runs here; its requirements (mooncake) are in the file above
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps -e bench
 	@touch $(SGLANG_STAMP)
 
 test-engines: test-engines-sglang test-engines-vllm test-engines-lmcache  ## every engine's tests, each in its own environment (the pre-release check)
@@ -55,6 +62,7 @@ typecheck: $(STAMP)
 	$(PY) .ci/linktree.py
 	cd .typecheck && ../$(VENV)/bin/mypy -p kvpool
 	MYPYPATH=$(abspath .typecheck) $(VENV)/bin/mypy tests
+	MYPYPATH=$(abspath .typecheck) $(VENV)/bin/mypy bench
 
 importcheck: $(STAMP)
 	$(PY) .ci/linktree.py

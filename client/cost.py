@@ -36,7 +36,7 @@ DEFAULT_TIER_SPEEDS: Mapping[str, TierSpeed] = {
     "cpu": TierSpeed(bytes_per_s=2.0e9, per_block_s=50e-6),
     "ssd": TierSpeed(bytes_per_s=0.7e9, per_block_s=200e-6),
 }
-"""Loopback-TCP reads as measured by ``kvpool bench tiers`` (CPU 2.3-4.4 GB/s, SSD 0.7-2.4 GB/s
+"""Loopback-TCP reads as measured by ``kvpool-bench tiers`` (CPU 2.3-4.4 GB/s, SSD 0.7-2.4 GB/s
 for 1 MiB blocks), taken at the low end. Engines on real networks should pass their own."""
 DEFAULT_REQUEST_S = 2e-3
 """One lookup and one batched read: two round trips (README: get p50 ~1 ms)."""

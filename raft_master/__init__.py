@@ -9,6 +9,5 @@ gRPC service.
 - :mod:`~kvpool.raft_master.service`: the gRPC servicer;
 - :mod:`~kvpool.raft_master.failure`: failure detection on the leader;
 - :mod:`~kvpool.raft_master.server`: the process (``main(cfg)``);
-- :mod:`~kvpool.raft_master.local_group`: a group of master processes for tests and demos;
-- :mod:`~kvpool.raft_master.bench`: measurements.
+- :mod:`~kvpool.raft_master.local_group`: a group of master processes for tests and demos.
 """

@@ -6,7 +6,7 @@ process for ``--seconds`` while py-spy samples this process, the node and the Ra
 samples in each leaf function (self time: py-spy leaves out threads it judges idle, but a thread
 blocked in a socket call counts; ``--gil`` keeps only threads holding the GIL, Python's own CPU
 time) and the operation rate reached under the profiler. Needs py-spy
-(``pip install -e '.[bench]'``) and permission to ptrace the processes (root, or
+(``pip install -e 'bench[peers]'``) and permission to ptrace the processes (root, or
 ``kernel.yama.ptrace_scope=0``).
 
     python scripts/profile_data_path.py [--seconds 8] [--top 10] [--transport tcp|shm]
@@ -116,7 +116,7 @@ def main() -> int:
     p.add_argument("--transport", default="tcp", choices=("tcp", "shm"), help="[tcp]")
     args = p.parse_args()
     if PY_SPY is None:
-        print("py-spy is not installed: pip install -e '.[bench]'", file=sys.stderr)
+        print("py-spy is not installed: pip install -e 'bench[peers]'", file=sys.stderr)
         return 2
     root = Path(tempfile.mkdtemp(prefix="kvpool-profile-"))
     cluster = LocalCluster(root, masters=3, nodes=1, cpu_cache_size="1GiB", log_level="warning")

@@ -17,6 +17,5 @@
 - :mod:`~kvpool.store_node.admin` — the ``NodeAdmin`` gRPC service (``GetStats``)
 - :mod:`~kvpool.store_node.replicate` — node-to-node block copies for replicas (``CopyBlocks``)
 - :mod:`~kvpool.store_node.server` — process assembly: ``main(cfg) -> exit status``
-- :mod:`~kvpool.store_node.bench`, :mod:`~kvpool.store_node.tier_bench` — benchmarks
 - :mod:`~kvpool.store_node.gpu_check` — the GPU checks, for a machine with a GPU
 """

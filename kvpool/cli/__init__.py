@@ -7,7 +7,7 @@ run the demo.
     kvpool cluster up [--detach --dir DIR]      kvpool cluster down --dir DIR
     kvpool status --masters HOST:PORT,... | --dir DIR  [--json]
     kvpool demo [chat|vllm]
-    kvpool bench cluster | index | data-plane | tiers | peers | engines | client
+    kvpool bench --masters HOST:PORT,... | --dir DIR  [--rounds N] [--sizes 4KiB,1MiB]
     kvpool chaos list | run --scenario NAME [--seed S] [--duration D] [--json]
 
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool import __version__
-from kvpool.cli.args import add_config_flags, config_from_args
+from kvpool.cli.args import add_config_flags, config_from_args, exit_status, parse_forwarding
 from kvpool.cli.node import DESCRIPTION as DRAIN_DESCRIPTION
 from kvpool.cli.node import add_drain_arguments, drain
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.errors import ConfigError, KVPoolError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -165,134 +164,22 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "bench",
-        help="measure latency, throughput, failover and index costs",
-        description="Benchmarks. The machine may be noisy: compare numbers from one run.",
+        help="a smoke run against a running cluster: put/get p50 and p99 at a few sizes",
+        description="Put, get and get_into at each size, sizes interleaved in every round, "
+        "against a running cluster (kvpool cluster up --detach --dir DIR starts one); every "
+        "value read is compared with what was put; medians and p99 printed; the keys (under a "
+        "fresh prefix) are removed at the end. The benchmarks (cluster, index, data-plane, "
+        "tiers, peers, engines, client, replicas, tracing) are in kvpool-bench: from a kvpool "
+        "checkout, pip install -e bench, then kvpool-bench --help.",
     )
-    bsub = p.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
-    b = bsub.add_parser(
-        "cluster",
-        help="a local cluster: put/get p50 at 4 KiB and 1 MiB, batches, failover time",
-    )
-    b.add_argument("--rounds", type=int, default=200, help="interleaved rounds per size [200]")
-    b.add_argument("--kills", type=int, default=3, help="leader kills to time failover [3]")
-    b.add_argument("--dir", help="keep the cluster's data and logs here [a temp dir]")
-    b.add_argument("--json", action="store_true", help="print JSON")
-    b = bsub.add_parser(
-        "tracing",
-        help="get throughput with tracing on and off (interleaved), the trace of one get",
-    )
-    b.add_argument("--rounds", type=int, default=7, help="rounds per mode [7]")
-    b.add_argument("--gets", type=int, default=2000, help="4 KiB gets per round [2000]")
-    b.add_argument("--dir", help="keep the cluster's data and logs here [a temp dir]")
-    b.add_argument("--json", action="store_true", help="print JSON")
-    b = bsub.add_parser(
-        "replicas",
-        help="hot-block replication time, repair time after a node kill, hit rate through a "
-        "node kill with and without hot replicas",
-    )
-    b.add_argument("--blocks", type=int, default=10_000, help="blocks to repair [10000]")
-    b.add_argument("--block-size", type=int, default=4096, help="bytes per block [4096]")
-    b.add_argument("--rounds", type=int, default=5, help="hot blocks timed [5]")
-    b.add_argument("--window", type=float, default=10.0, help="seconds read after the kill [10]")
-    b.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke runs)")
-    b.add_argument("--dir", help="keep the clusters' data and logs here [a temp dir]")
-    b.add_argument("--json", action="store_true", help="print JSON")
-    b = bsub.add_parser(
-        "index",
-        help="the master: memory per 1 M entries, apply rate, compaction stall, commit rates",
-    )
-    b.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke runs)")
-    b.add_argument("--json", action="store_true", help="print JSON")
-    b = bsub.add_parser(
-        "tiers",
-        help="the tiered node: write flood (demotions, evictions), CPU vs SSD get GB/s, "
-        "eviction decisions/s, warm-restart time",
-    )
-    b.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke runs)")
-    b.add_argument("--dir", help="where the SSD tier's files go [a temp dir]")
-    b.add_argument("--json", action="store_true", help="print JSON")
-    b = bsub.add_parser(
-        "peers",
-        help="kvpool vs Redis vs Mooncake Store vs the machine's limits (memcpy, loopback "
-        "TCP): GB/s, keys/s, p50, p99, ratios",
-        description="Start a local kvpool cluster, Redis (redis-server, persistence off) and "
-        "Mooncake Store (mooncake_master + one store process) on 127.0.0.1; run puts and gets "
-        "of 4 KiB to 16 MiB, one key per call and batched (and, with --modes first-read, "
-        "first reads: one process puts, another reads each block once), from 1 and 2 client "
-        "processes, "
-        "every system in turn at every size, for several rounds; compare every byte read with "
-        "what was put; print medians and ratios. Peers that are not installed are skipped: "
-        "pip install -e '.[bench]' and apt-get install redis-server libibverbs1.",
-    )
-    b.add_argument("--quick", action="store_true", help="a smoke run of seconds (CI)")
-    b.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        metavar="PATH",
-        help="write every number as JSON to PATH (no PATH: print JSON instead of the table)",
-    )
-    b.add_argument("--markdown", metavar="PATH", help="also write the tables as Markdown")
-    b.add_argument("--sizes", help="block sizes [4KiB,64KiB,1MiB,4MiB,16MiB; quick 4KiB,1MiB]")
-    b.add_argument("--rounds", type=int, help="interleaved rounds, medians over them [5; quick 1]")
-    b.add_argument("--clients", help="client process counts [1,2]")
-    b.add_argument(
-        "--modes",
-        help="single,batch,first-read [single,batch]: one key per call, batched (each client "
-        "reads back its own keys), first read (one process puts, another reads each block once)",
-    )
-    b.add_argument("--peers", help="redis,mooncake [both]; none: kvpool and the limits only")
-    b.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="the client processes (every client measured) freeze what survives a slow full "
-        "garbage collection (kvpool.gctune), as an engine may",
-    )
-    b.add_argument("--kvpool-masters", type=int, default=3, help="masters (Raft group) [3]")
-    b.add_argument("--kvpool-nodes", type=int, default=1, help="store nodes [1]")
-    b.add_argument(
-        "--kvpool-transports",
-        help="Client(transport=...) values, each measured as kvpool-NAME "
-        "[tcp,shm when the client takes transport=]",
-    )
-    b.add_argument(
-        "--kvpool-api",
-        choices=("auto", "sync", "async", "both"),
-        default="auto",
-        help="which client: kvpool.Client (sync), kvpool.AsyncClient (async, measured as "
-        "kvpool-...-async) or both on every transport [auto: Client on every transport and "
-        "AsyncClient on the first, when there is one]",
-    )
-    b.add_argument(
-        "--kvpool-in-memory", action="store_true", help="masters keep the index in memory only"
-    )
-    b.add_argument("--dir", help="keep logs and data here [a temp dir, removed]")
-    b.add_argument("--seed", type=int, default=0, help="seed of the block contents [0]")
-    b = bsub.add_parser(
-        "engines",
-        help="inside SGLang's HiCache code: its Mooncake backend on Mooncake Store and on "
-        "kvpool's Mooncake API, and kvpool's native backend (run in .venv-sglang)",
-        description="SGLang's real host KV pool on the CPU; 128-page batch_set_v1, "
-        "batch_exists and batch_get_v1 through SGLang's Mooncake backend on Mooncake Store, the "
-        "same code on kvpool's Mooncake API, and kvpool's native HiCache backend, interleaved "
-        "in rounds; every page read compared with what was set; medians and ratios.",
-    )
-    from kvpool.cli.bench_engines import add_arguments as engines_arguments
-
-    engines_arguments(b)
-    b = bsub.add_parser(
-        "data-plane",
-        help="one store node's data server over loopback TCP (PUT/GET p50 and MB/s)",
-        add_help=False,
-    )
-    b.set_defaults(forward_unknown=True)  # its own flags: --sizes, --depths, --budget-mib ...
-    b = bsub.add_parser(
-        "client",
-        help="the data path through kvpool.Client: get_into GB/s, 4 KiB get p50, batches, "
-        "puts, tcp against shared memory, two processes, machine limits",
-        add_help=False,
-    )
-    b.set_defaults(forward_unknown=True)  # its own flags: --rounds, --quick, --json, --dir
+    p.add_argument("what", nargs="?", metavar="BENCHMARK", help=argparse.SUPPRESS)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--masters", help="HOST:PORT,... of the cluster's masters")
+    where.add_argument("--dir", help="a `kvpool cluster up --detach --dir DIR` cluster's directory")
+    p.add_argument("--rounds", type=int, default=50, help="interleaved rounds per size [50]")
+    p.add_argument("--sizes", default="4KiB,1MiB", help="value sizes [4KiB,1MiB]")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(forward_unknown=True)  # a benchmark's flags, named in its error
 
     p = sub.add_parser(
         "chaos",
@@ -497,43 +384,45 @@ def _demo_chat(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.bench_command == "data-plane":
-        from kvpool.store_node.bench import main as data_plane_main
+    from kvpool.cli.bench import BENCHMARK_NAMES, BENCHMARKS, print_result, smoke
+    from kvpool.units import parse_size
 
-        return data_plane_main(args.rest or [])
-    if args.bench_command == "client":
-        from kvpool.cli.bench_client import main as client_main
+    if args.what is not None:
+        if args.what in BENCHMARK_NAMES:
+            print(f"kvpool bench {args.what}: {BENCHMARKS.format(what=args.what)}", file=sys.stderr)
+        else:
+            print(
+                f"kvpool bench: no benchmark {args.what!r} here; {BENCHMARKS.format(what='WHAT')}",
+                file=sys.stderr,
+            )
+        return EXIT_USAGE
+    if args.rest:
+        print(f"kvpool bench: unrecognized arguments: {' '.join(args.rest)}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.dir:
+        from kvpool.launcher.cluster import LocalCluster
 
-        return client_main(args.rest or [])
-    if args.bench_command == "peers":
-        from kvpool.cli.bench_peers import main_peers
-
-        return main_peers(args)
-    if args.bench_command == "engines":
-        from kvpool.cli.bench_engines import main_engines
-
-        return main_engines(args)
-    from kvpool.cli.bench import bench_cluster, bench_index, bench_tiers, print_result
-
-    if args.bench_command == "tracing":
-        from kvpool.cli.bench_tracing import bench_tracing
-
-        print_result(bench_tracing(args.rounds, args.gets, args.dir), args.json)
-        return EXIT_OK
-
-    if args.bench_command == "replicas":
-        from kvpool.cli.bench_replicas import main_bench
-
-        print_result(main_bench(args), args.json)
-        return EXIT_OK
-    if args.bench_command == "cluster":
-        result = bench_cluster(rounds=args.rounds, kills=args.kills, directory=args.dir)
-    elif args.bench_command == "tiers":
-        result = bench_tiers(quick=args.quick, directory=args.dir)
+        masters = LocalCluster.from_dir(args.dir).master_addresses
+    elif args.masters:
+        masters = [m.strip() for m in args.masters.split(",") if m.strip()]
     else:
-        result = bench_index(quick=args.quick)
+        print(
+            "kvpool bench: name the cluster with --masters HOST:PORT,... or --dir DIR "
+            "(kvpool cluster up --detach --dir DIR starts one)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        sizes = [parse_size(s.strip()) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as e:
+        print(f"kvpool bench: --sizes: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if not sizes or args.rounds < 1:
+        print("kvpool bench: --sizes needs a size and --rounds at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    result = smoke(masters, sizes=sizes, rounds=args.rounds)
     print_result(result, args.json)
-    return EXIT_OK
+    return EXIT_OK if result["latency"]["failures"] == 0 else EXIT_FAILURE
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -602,12 +491,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "forward_unknown", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.rest = unknown
+    args = parse_forwarding(_parser(), sys.argv[1:] if argv is None else argv)
     handlers = {
         "master": _run_master,
         "node": _run_node,
@@ -616,18 +500,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": _bench,
         "chaos": _chaos,
     }
-    try:
+
+    def run() -> int:
         if args.command == "cluster":
             return _cluster_up(args) if args.cluster_command == "up" else _cluster_down(args)
         return handlers[args.command](args)
-    except ConfigError as e:
-        print(f"kvpool {args.command}: {e.message}", file=sys.stderr)
-        return EXIT_USAGE
-    except KVPoolError as e:
-        print(f"kvpool {args.command}: {e.message}", file=sys.stderr)
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `kvpool ... | head`
-        sys.stderr.close()
-        return EXIT_OK
+
+    return exit_status(f"kvpool {args.command}", run)

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvpool.config import config_fields, load_config
+from kvpool.errors import ConfigError, KVPoolError
 
 C = TypeVar("C")
 
@@ -62,3 +65,32 @@ def config_from_args(cls: type[C], args: argparse.Namespace, section: str) -> C:
         if getattr(args, f.name, None) is not None
     }
     return load_config(cls, toml_path=args.config, section=section, overrides=overrides)
+
+
+def parse_forwarding(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv``; flags the parser does not know are an error unless the chosen subcommand
+    sets ``forward_unknown`` (its own parser reads them): they are ``args.rest``."""
+    args, unknown = parser.parse_known_args(list(argv))
+    if unknown and not getattr(args, "forward_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.rest = unknown
+    return args
+
+
+def exit_status(prog: str, run: Callable[[], int]) -> int:
+    """``run()``'s exit status; a ConfigError is bad usage (2) and any other KVPoolError a
+    failure at run time (1), each printed as one line after ``prog``; Ctrl-C is 130, and a
+    closed stdout (``... | head``) ends quietly."""
+    try:
+        return run()
+    except ConfigError as e:
+        print(f"{prog}: {e.message}", file=sys.stderr)
+        return 2
+    except KVPoolError as e:
+        print(f"{prog}: {e.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        sys.stderr.close()
+        return 0

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.client.sync import Client
 from kvpool.launcher.cluster import LocalCluster, pid_runs_kvpool
+from tests.integration.conftest import ClusterFactory
 
 
 def kvpool(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
@@ -33,6 +35,7 @@ def kvpool(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
         (("cluster", "down"), "--dir"),
         (("status",), "--json"),
         (("demo",), "--blocks"),
+        (("bench",), "kvpool-bench"),
     ],
 )
 def test_every_command_has_help(command: tuple[str, ...], expected: str) -> None:
@@ -108,3 +111,36 @@ def test_status_of_unreachable_masters_says_so() -> None:
     result = kvpool("status", "--masters", "127.0.0.1:1", "--timeout-s", "0.3")
     assert result.returncode == 1
     assert "unreachable" in result.stdout
+
+
+@pytest.mark.parametrize("what", ["peers", "cluster", "tiers"])
+def test_a_benchmark_is_pointed_to_kvpool_bench(what: str) -> None:
+    result = kvpool("bench", what, "--quick")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "pip install -e bench" in result.stderr
+    assert f"kvpool-bench {what}" in result.stderr
+
+
+def test_bench_without_a_cluster_says_how_to_name_one() -> None:
+    result = kvpool("bench")
+    assert result.returncode == 2
+    assert "--masters" in result.stderr
+    assert "--dir" in result.stderr
+
+
+@pytest.mark.integration
+def test_bench_smoke_run_on_a_running_cluster(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(masters=1, nodes=1, in_memory=True)
+    masters = ",".join(cluster.master_addresses)
+    result = kvpool(
+        "bench", "--masters", masters, "--rounds", "3", "--sizes", "4KiB,64KiB", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["latency"]["failures"] == 0
+    for size in ("4.0 KiB", "64.0 KiB"):
+        assert doc["latency"][size]["get"]["n"] == 3
+        assert doc["latency"][size]["put"]["p50_ms"] > 0
+    with Client(cluster.master_addresses, timeout_s=5.0) as kv:
+        assert kv.remove_prefix("kvpool-bench-smoke/") == (0, False)  # it removed its keys

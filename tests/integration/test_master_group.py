@@ -37,7 +37,6 @@ from kvpool.grpcutil import create_channel, translate_rpc_error, unary
 from kvpool.launcher.placement import free_port
 from kvpool.mastercall import MasterClient
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
-from kvpool.raft_master import bench
 from kvpool.raft_master.commands import (
     CommitPuts,
     CommitPutsResult,
@@ -680,19 +679,3 @@ def test_a_single_master_commits_without_waiting_for_its_next_tick() -> None:
         assert took[len(took) // 2] < 0.02, f"median commit {took[len(took) // 2] * 1e3:.1f} ms"
     finally:
         master.stop()
-
-
-# --- the benchmarks still run ---------------------------------------------------------------------
-
-
-def test_bench_functions_run_at_small_sizes() -> None:
-    memory = bench.index_memory(2000)
-    assert 50 < memory["bytes_per_entry"] < 2000
-    assert bench.apply_throughput(2000, per_command=100)["entries_per_s"] > 0
-    stall = bench.compaction_stall(3000, per_command=1000, baseline_s=0.2)
-    assert stall["dump_bytes"] > 0
-    assert len(stall["raft_thread_blocked_in_fork_ms"]) >= 1
-    latency = bench.sync_commit_latency(commits=20)
-    assert 0 < latency["p50_ms"] <= latency["max_ms"]
-    throughput = bench.group_commit_throughput(concurrency=8, entries_per_request=4, duration_s=0.5)
-    assert throughput["entries_per_s"] == pytest.approx(throughput["requests_per_s"] * 4, rel=0.01)

@@ -42,7 +42,7 @@ from kvpool.errors import (
 from kvpool.grpcutil import ServerHandle, start_server
 from kvpool.proto.v1 import common_pb2, master_pb2, master_pb2_grpc
 from kvpool.proto.wire import MAX_KEY_BYTES, Header, MissReason, Op, Status
-from kvpool.transports.tcp import FrameServerProtocol, start_frame_server
+from tests.frame_server import FrameServerProtocol, start_frame_server
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""Tier benchmark (``kvpool bench tiers``): the numbers the tiered store is judged by.
+"""Tier benchmark (``kvpool-bench tiers``): the numbers the tiered store is judged by.
 
 - ``flood`` — a node (data server + CPU tier + SSD tier of three times the CPU tier, in a child
   process as in production) takes a write flood of six times its CPU tier over loopback TCP:
@@ -12,7 +12,7 @@
 - ``restart`` — warm-restart time: N blocks on the SSD tier, the tier closed and reopened, the
   manifest replayed and every block read back and verified.
 
-    python -m kvpool.store_node.tier_bench [--quick] [--json] [--dir DIR]
+    python -m kvpool_bench.tiers [--quick] [--json] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def run_all(quick: bool = False, directory: str | None = None) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpool.store_node.tier_bench")
+    parser = argparse.ArgumentParser(prog="python -m kvpool_bench.tiers")
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--dir", help="where the SSD tier files go [a temp dir]")

@@ -1,4 +1,4 @@
-"""Measurements of the master (``kvpool bench index`` calls these; each returns a dict).
+"""Measurements of the master (``kvpool-bench index`` calls these; each returns a dict).
 
 - :func:`index_memory`: bytes per entry of the index (tracemalloc, and the RSS delta).
 - :func:`apply_throughput`: entries/s the Raft thread applies (decode + apply) for CommitPuts

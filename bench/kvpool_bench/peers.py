@@ -1,10 +1,10 @@
-"""``kvpool bench peers``: kvpool side by side with what its users would otherwise run —
+"""``kvpool-bench peers``: kvpool side by side with what its users would otherwise run —
 Redis and Mooncake Store — and with the machine's own limits, in one run.
 
-    kvpool bench peers                 # ~5 min: 5 sizes x single/batched x 1/2 clients x 5 rounds
-    kvpool bench peers --quick         # seconds: a smoke run (CI)
-    kvpool bench peers --json out.json # the table, and every number in out.json
-    kvpool bench peers --modes single,first-read   # a client's own keys vs another's first read
+    kvpool-bench peers                 # ~5 min: 5 sizes x single/batched x 1/2 clients x 5 rounds
+    kvpool-bench peers --quick         # seconds: a smoke run (CI)
+    kvpool-bench peers --json out.json # the table, and every number in out.json
+    kvpool-bench peers --modes single,first-read   # a client's own keys vs another's first read
 
 What runs (all on 127.0.0.1, all started and stopped by this command, by pid):
 
@@ -17,7 +17,7 @@ What runs (all on 127.0.0.1, all started and stopped by this command, by pid):
   ``batch_get_into`` on registered buffers;
 * the limits: numpy memcpy, and one loopback TCP stream between two Python processes.
 
-The clients are one or two worker processes (:mod:`kvpool.cli.bench_worker`). The modes:
+The clients are one or two worker processes (:mod:`kvpool_bench.worker`). The modes:
 *single* (one key per call) and *batch* (many keys per call), where each client reads back the
 keys it put itself, and *first-read* (one key per call), where one worker puts and the other
 reads each block once — the first read by another client, as a decode engine reads what a
@@ -25,7 +25,7 @@ prefill engine put; with two clients each worker reads the other's keys. A round
 every size; at each size every mode and client count; there, every system in turn — the order
 rotating from one size and round to the next — so that the machine's noise falls on all of
 them alike. The limits are measured at the start of every round. Every byte read is compared
-with what was put; the numbers come from :mod:`kvpool.cli.bench_report`.
+with what was put; the numbers come from :mod:`kvpool_bench.report`.
 """
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvpool.cli import bench_report
-from kvpool.cli.bench_drivers import kvpool_features
-from kvpool.cli.bench_peer_servers import (
+from kvpool.errors import ConfigError
+from kvpool.units import format_size, parse_size
+from kvpool_bench import report
+from kvpool_bench.drivers import kvpool_features
+from kvpool_bench.peer_servers import (
     Availability,
     KvpoolServers,
     MooncakeServers,
@@ -56,15 +58,13 @@ from kvpool.cli.bench_peer_servers import (
     mooncake_availability,
     redis_availability,
 )
-from kvpool.cli.bench_worker import WorkerError, WorkerPool
-from kvpool.errors import ConfigError
-from kvpool.units import format_size, parse_size
+from kvpool_bench.worker import WorkerError, WorkerPool
 
 KiB, MiB = 1 << 10, 1 << 20
 FULL_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
 QUICK_SIZES = (4 * KiB, 1 * MiB)
 PEERS = ("redis", "mooncake")
-MODES = bench_report.MODES
+MODES = report.MODES
 """single, batch: each client reads its own keys back; first-read: another client reads them."""
 KVPOOL_APIS = ("auto", "sync", "async", "both")
 BATCH_BYTES = 32 * MiB
@@ -466,8 +466,8 @@ class PeersBench:
 
     def _document(self, started: float, features: dict[str, Any]) -> dict[str, Any]:
         apis = {name: s.api for name, s in self.systems.items()}
-        cells = bench_report.summarize_cells(self.records, apis)
-        bench_report.add_ratios(cells, self.limits)
+        cells = report.summarize_cells(self.records, apis)
+        report.add_ratios(cells, self.limits)
         gets = [c for c in cells if c["op"] == "get"]
         puts = [c for c in cells if c["op"] == "put"]
         verification = {
@@ -490,9 +490,9 @@ class PeersBench:
                     f"{c['misses'] + c['keys']} acknowledged block(s) not found by the reader"
                 )
         limits = {
-            "memcpy_GBps": bench_report.median(x["memcpy_GBps"] for x in self.limits),
+            "memcpy_GBps": report.median(x["memcpy_GBps"] for x in self.limits),
             "memcpy_size_bytes": self.opts.limit_memcpy_bytes,
-            "loopback_tcp_GBps": bench_report.median(x["loopback_tcp_GBps"] for x in self.limits),
+            "loopback_tcp_GBps": report.median(x["loopback_tcp_GBps"] for x in self.limits),
             "loopback_tcp_bytes": self.opts.limit_tcp_bytes,
             "rounds": self.limits,
         }
@@ -512,7 +512,7 @@ class PeersBench:
             "limits": limits,
             "cells": cells,
             "verification": verification,
-            "targets": bench_report.evaluate_targets(cells),
+            "targets": report.evaluate_targets(cells),
             "problems": self.problems,
         }
 
@@ -521,7 +521,7 @@ def run_peers(opts: PeersOptions, progress: Progress = _quiet) -> dict[str, Any]
     """Run the whole comparison and return its document (see the module's docstring)."""
     errors = opts.validate()
     if errors:
-        raise ConfigError("kvpool bench peers: " + "; ".join(errors))
+        raise ConfigError("kvpool-bench peers: " + "; ".join(errors))
     return PeersBench(opts, progress).run()
 
 
@@ -534,7 +534,7 @@ def _csv(value: str) -> list[str]:
 
 
 def options_from_args(args: Any) -> PeersOptions:
-    """PeersOptions from ``kvpool bench peers`` flags (quick defaults under --quick)."""
+    """PeersOptions from ``kvpool-bench peers`` flags (quick defaults under --quick)."""
     overrides: dict[str, Any] = {}
     try:
         if args.sizes:
@@ -542,7 +542,7 @@ def options_from_args(args: Any) -> PeersOptions:
         if args.clients:
             overrides["clients"] = tuple(int(c) for c in _csv(args.clients))
     except ValueError as e:
-        raise ConfigError(f"kvpool bench peers: {e}") from None
+        raise ConfigError(f"kvpool-bench peers: {e}") from None
     if args.rounds is not None:
         overrides["rounds"] = args.rounds
     if args.modes:
@@ -564,7 +564,7 @@ def options_from_args(args: Any) -> PeersOptions:
 
 
 def main_peers(args: Any) -> int:
-    """``kvpool bench peers``: 0 done, 1 a wrong read or kvpool could not be measured."""
+    """``kvpool-bench peers``: 0 done, 1 a wrong read or kvpool could not be measured."""
     import json
 
     opts = options_from_args(args)
@@ -575,12 +575,12 @@ def main_peers(args: Any) -> int:
     else:
         if args.json:
             Path(args.json).write_text(text + "\n")
-        print(bench_report.render_table(doc))
+        print(report.render_table(doc))
         if args.json:
             print(f"\nall numbers: {args.json}")
     if args.markdown:
-        Path(args.markdown).write_text(bench_report.render_markdown(doc))
+        Path(args.markdown).write_text(report.render_markdown(doc))
     kvpool_ok = any(
-        s["status"] == "measured" for n, s in doc["systems"].items() if bench_report.is_kvpool(n)
+        s["status"] == "measured" for n, s in doc["systems"].items() if report.is_kvpool(n)
     )
     return 0 if kvpool_ok and doc["verification"]["wrong"] == 0 else 1

@@ -1,4 +1,4 @@
-"""The benchmark client processes of ``kvpool bench peers``: :func:`worker_main` runs in each,
+"""The benchmark client processes of ``kvpool-bench peers``: :func:`worker_main` runs in each,
 :class:`WorkerPool` starts and drives them from the orchestrator.
 
 The orchestrator starts two of these (``multiprocessing``, spawned) and sends them
@@ -54,7 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.cli.bench_drivers import (
+from kvpool.gctune import freeze_after_slow_collections
+from kvpool_bench.drivers import (
     Array,
     Driver,
     MooncakeDriver,
@@ -62,8 +63,7 @@ from kvpool.cli.bench_drivers import (
     RedisDriver,
     make_kvpool_driver,
 )
-from kvpool.cli.bench_machine import TcpSink, memcpy_gbps, tcp_send_gbps
-from kvpool.gctune import freeze_after_slow_collections
+from kvpool_bench.machine import TcpSink, memcpy_gbps, tcp_send_gbps
 
 POISON = 0x5A
 STAMP = struct.Struct("<IIII")

@@ -1,4 +1,4 @@
-"""`kvpool bench replicas`: hot-block replicas and repair.
+"""`kvpool-bench replicas`: hot-block replicas and repair.
 
 The bench starts local clusters and measures: how long a block read in a loop takes to reach
 ``hot_max_replicas``; how long the masters take to bring N blocks back to 2 replicas after a

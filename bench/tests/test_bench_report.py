@@ -1,4 +1,4 @@
-"""The numbers of ``kvpool bench peers``: rates over rounds, ratios within rounds, targets, the
+"""The numbers of ``kvpool-bench peers``: rates over rounds, ratios within rounds, targets, the
 table, and how cells are planned. Pure: no process, no socket."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from kvpool.cli import bench_report
-from kvpool.cli.bench_peers import PeersOptions, plan_cell
 from kvpool.errors import ConfigError
+from kvpool_bench import report as bench_report
+from kvpool_bench.peers import PeersOptions, plan_cell
 
 MiB = 1 << 20
 
@@ -188,7 +188,7 @@ def test_bad_options_are_refused_by_name() -> None:
     errors = " ".join(bad.validate())
     for word in ("sizes", "rounds", "clients", "peers"):
         assert word in errors
-    from kvpool.cli.bench_peers import run_peers
+    from kvpool_bench.peers import run_peers
 
     with pytest.raises(ConfigError):
         run_peers(bad)
@@ -222,7 +222,7 @@ def test_markdown_has_one_table_per_op_mode_and_client_count() -> None:
 def test_kvpool_is_measured_with_whatever_the_client_offers(
     transport_arg: bool, async_client: bool, api: str, expected: list[str]
 ) -> None:
-    from kvpool.cli.bench_peers import PeersBench
+    from kvpool_bench.peers import PeersBench
 
     bench = PeersBench(PeersOptions(kvpool_api=api))
     bench._kvpool_systems(

@@ -1,4 +1,4 @@
-"""``kvpool bench client``: the data path through ``kvpool.Client`` on a local cluster.
+"""``kvpool-bench client``: the data path through ``kvpool.Client`` on a local cluster.
 
 Measures the data path the client is held to (the targets in docs/performance.md), with the
 machine's limits measured in the same run:
@@ -15,7 +15,7 @@ machine's limits measured in the same run:
 Transports are interleaved inside every round (tcp, then shm) and every number is the median
 over ``--rounds`` rounds. Every byte read is compared with what was put (outside the timing).
 
-    kvpool bench client [--rounds 5] [--quick] [--json] [--dir DIR]
+    kvpool-bench client [--rounds 5] [--quick] [--json] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -417,7 +417,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvpool bench client", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvpool-bench client", description=__doc__)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds [5]")
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--json", action="store_true", help="print JSON")

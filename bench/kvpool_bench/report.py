@@ -1,4 +1,4 @@
-"""The numbers of ``kvpool bench peers`` from its raw samples: pure functions, no I/O.
+"""The numbers of ``kvpool-bench peers`` from its raw samples: pure functions, no I/O.
 
 * :func:`summarize_cells` — one summary per (system, op, mode, size, clients): GB/s and keys/s
   (the median over rounds of each round's total bytes over total time), p50 and p99 of the
@@ -331,11 +331,11 @@ SECTION = {
 
 
 def render_table(doc: dict[str, Any]) -> str:
-    """The human-readable report of a ``kvpool bench peers`` document."""
+    """The human-readable report of a ``kvpool-bench peers`` document."""
     lines: list[str] = []
     opts = doc["options"]
     lines.append(
-        f"kvpool bench peers: medians of {opts['rounds']} interleaved round(s); "
+        f"kvpool-bench peers: medians of {opts['rounds']} interleaved round(s); "
         f"GB = 10^9 bytes; {doc['host']['cpus']} CPUs; p50/p99 per call"
     )
     lim = doc["limits"]

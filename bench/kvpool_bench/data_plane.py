@@ -5,7 +5,7 @@ the client is one :class:`~kvpool.transports.tcp.TcpConnection` in this process.
 size it measures PUT then GET, one request at a time (latency) and with ``depth`` requests in
 flight on the same connection (pipelined throughput). Every GET's bytes are checked.
 
-    python -m kvpool.store_node.bench [--sizes 4096,1048576] [--depths 1,16] [--no-prefault]
+    kvpool-bench data-plane [--sizes 4096,1048576] [--depths 1,16] [--no-prefault]
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ async def bench_data_plane(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpool.store_node.bench")
+    parser = argparse.ArgumentParser(prog="kvpool-bench data-plane")
     parser.add_argument("--sizes", default="4096,1048576")
     parser.add_argument("--depths", default="1,16")
     parser.add_argument("--budget-mib", type=int, default=512, help="bytes moved per case")

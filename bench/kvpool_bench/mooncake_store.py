@@ -1,8 +1,8 @@
-"""The Mooncake Store process of ``kvpool bench peers``: one ``MooncakeDistributedStore`` that
+"""The Mooncake Store process of ``kvpool-bench peers``: one ``MooncakeDistributedStore`` that
 contributes a memory segment (``setup`` with a global segment size) and serves it until it is
 told to stop (SIGTERM / SIGINT) or its parent goes away.
 
-    python -m kvpool.cli.bench_mooncake_store --master 127.0.0.1:PORT \\
+    python -m kvpool_bench.mooncake_store --master 127.0.0.1:PORT \\
         --segment-bytes 1073741824 --ready-file DIR/mooncake-store.ready
 
 The benchmark clients contribute no segment, so every byte they put or get crosses from their
@@ -24,7 +24,7 @@ from typing import Any
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpool.cli.bench_mooncake_store")
+    parser = argparse.ArgumentParser(prog="python -m kvpool_bench.mooncake_store")
     parser.add_argument("--master", required=True, help="mooncake_master RPC address")
     parser.add_argument("--segment-bytes", type=int, required=True, help="segment to contribute")
     parser.add_argument("--local-buffer-bytes", type=int, default=16 << 20)

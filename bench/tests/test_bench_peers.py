@@ -1,4 +1,4 @@
-"""``kvpool bench peers``: the smoke run a user (and CI) gets with ``--quick``, and the kvpool
+"""``kvpool-bench peers``: the smoke run a user (and CI) gets with ``--quick``, and the kvpool
 drivers against a real cluster — the sync Client, an async client, and the newer client
 features picked up when they exist. Peers not installed here are skipped by the bench itself,
 with the line saying how to install them."""
@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from kvpool.cli.bench_drivers import KvpoolAsyncDriver, KvpoolDriver, _client_kwargs
-from kvpool.cli.bench_worker import Worker
 from kvpool.client.core import ClientCore
 from kvpool.client.settings import make_config
 from kvpool.client.sync import Client
 from kvpool.launcher.cluster import LocalCluster
+from kvpool_bench.drivers import KvpoolAsyncDriver, KvpoolDriver, _client_kwargs
+from kvpool_bench.worker import Worker
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +45,7 @@ def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -
     out = tmp_path / "peers.json"
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool", "bench", "peers", "--quick", "--json", str(out),
+        [sys.executable, "-m", "kvpool_bench", "peers", "--quick", "--json", str(out),
          "--dir", str(run_dir)],
         capture_output=True,
         text=True,
@@ -216,8 +216,9 @@ def test_a_transport_is_passed_only_to_a_client_that_takes_it() -> None:
 def test_missing_peers_are_skipped_with_how_to_install_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvpool.cli import bench_peers, bench_report
-    from kvpool.cli.bench_peer_servers import INSTALL_MOONCAKE, INSTALL_REDIS, Availability
+    from kvpool_bench import peers as bench_peers
+    from kvpool_bench import report as bench_report
+    from kvpool_bench.peer_servers import INSTALL_MOONCAKE, INSTALL_REDIS, Availability
 
     monkeypatch.setattr(
         bench_peers,
@@ -256,10 +257,11 @@ def test_a_first_read_by_another_client_is_verified_byte_for_byte(
     tmp_path: Path, peer: str | None
 ) -> None:
     """One worker puts, the other reads each block once and checks the writer's bytes (the
-    worker's own checks, and that a wrong byte counts, are in tests/unit/test_bench_worker.py).
+    worker's own checks, and that a wrong byte counts, are in bench/tests/test_bench_worker.py).
     One master, so that no follower behind the leader can turn a read into a miss here."""
-    from kvpool.cli import bench_peers, bench_report
-    from kvpool.cli.bench_peer_servers import mooncake_availability
+    from kvpool_bench import peers as bench_peers
+    from kvpool_bench import report as bench_report
+    from kvpool_bench.peer_servers import mooncake_availability
 
     if peer == "mooncake":
         avail = mooncake_availability()

@@ -1,5 +1,5 @@
 """The machine's own limits, measured the way a Python program meets them: what no store on
-this host can beat, so that ``kvpool bench peers`` can say how close each one gets.
+this host can beat, so that ``kvpool-bench peers`` can say how close each one gets.
 
 * :func:`memcpy_gbps` — numpy copying one large buffer into another (memory bandwidth as a
   single Python thread sees it).

@@ -1,4 +1,4 @@
-"""``kvpool bench tracing``: what tracing costs a get, and what the trace of one get shows.
+"""``kvpool-bench tracing``: what tracing costs a get, and what the trace of one get shows.
 
 A local cluster (3 masters, 2 nodes) exports spans over OTLP to a small collector run by this
 command (it counts and keeps what it receives), as a production cluster would to its collector.
@@ -42,7 +42,7 @@ class _Collector:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.cli.bench_tracing", str(path)],
+            [sys.executable, "-m", "kvpool_bench.tracing", str(path)],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -1,4 +1,4 @@
-"""``kvpool bench engines``: stores measured inside SGLang's own HiCache storage code.
+"""``kvpool-bench engines``: stores measured inside SGLang's own HiCache storage code.
 
 Three systems on the same workload, interleaved in one run, on SGLang's real host KV pool
 (``MHATokenToKVPoolHost``, ``page_first``, bf16, 32 layers x 8 KV heads x 128: 128 KiB of K and V
@@ -19,7 +19,8 @@ compared with the page that was set; the keys are removed after each round (not 
 Reported: medians over the rounds, pages/s for set and get, microseconds per batch_exists (each
 round's figure the median of :data:`EXISTS_CALLS` calls), and
 each system's ratio to ``mooncake``. Needs SGLang (run it in .venv-sglang, which
-``make test-engines-sglang`` builds) and, for the ``mooncake`` system, the ``bench`` extra.
+``make test-engines-sglang`` builds) and, for the ``mooncake`` system, Mooncake Store's wheel
+(installed there; elsewhere kvpool-bench's ``peers`` extra).
 """
 
 from __future__ import annotations
@@ -220,8 +221,8 @@ def _round(system: System, pool: Any, batch: int, page_tokens: int) -> dict[str,
 
 
 def run_engines(opts: EnginesOptions, progress: Callable[[str], None]) -> dict[str, Any]:
-    from kvpool.cli.bench_peer_servers import KvpoolServers, MooncakeServers, mooncake_availability
     from kvpool.compat import mooncake as kvpool_mooncake
+    from kvpool_bench.peer_servers import KvpoolServers, MooncakeServers, mooncake_availability
 
     root = Path(opts.directory or tempfile.mkdtemp(prefix="kvpool-bench-engines-"))
     biggest = max(opts.sizes) * opts.batch
@@ -316,7 +317,7 @@ def _ratio(
 
 def render_table(doc: dict[str, Any]) -> str:
     lines = [
-        "kvpool bench engines: SGLang's storage calls, 128-page batches, medians over rounds",
+        "kvpool-bench engines: SGLang's storage calls, 128-page batches, medians over rounds",
         "",
         f"{'page':>7} {'system':<22} {'set pages/s':>12} {'x':>6} {'exists us':>10} {'x':>6} "
         f"{'get pages/s':>12} {'x':>6}",
@@ -357,9 +358,9 @@ def main_engines(args: argparse.Namespace) -> int:
         import sglang  # noqa: F401
     except ImportError:
         print(
-            "kvpool bench engines runs SGLang's own code: run it in the SGLang environment "
-            "(make test-engines-sglang builds .venv-sglang; then .venv-sglang/bin/kvpool "
-            "bench engines)",
+            "kvpool-bench engines runs SGLang's own code: run it in the SGLang environment "
+            "(make test-engines-sglang builds .venv-sglang; then "
+            ".venv-sglang/bin/kvpool-bench engines)",
             file=sys.stderr,
         )
         return 2

@@ -1,4 +1,4 @@
-"""One driver per measured system, all with the same shape, so that ``kvpool bench peers`` runs
+"""One driver per measured system, all with the same shape, so that ``kvpool-bench peers`` runs
 the very same passes against kvpool, Redis and Mooncake Store.
 
 A *pass* is one timed loop over a list of keys: single-key (one call per key, each call
@@ -12,7 +12,7 @@ Each driver says which calls it uses (:attr:`Driver.api`), and the kvpool driver
 the client offers when it offers it — ``Client(transport=...)``, ``batch_get_into``,
 ``batch_remove``, ``AsyncClient`` — so the bench measures the fastest public path there is.
 Peer packages are imported with :func:`importlib.import_module`: they are optional (the
-``bench`` extra) and untyped here.
+``peers`` extra) and untyped here.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.cli.bench_drivers import Array, PassResult, Result, SyncDriver
-from kvpool.cli.bench_peers import first_read_parts
-from kvpool.cli.bench_worker import POISON, Worker
+from kvpool_bench.drivers import Array, PassResult, Result, SyncDriver
+from kvpool_bench.peers import first_read_parts
+from kvpool_bench.worker import POISON, Worker
 
 SIZE = 4096
 

@@ -1,11 +1,11 @@
-"""The servers ``kvpool bench peers`` measures, started for the run and stopped after it, each
+"""The servers ``kvpool-bench peers`` measures, started for the run and stopped after it, each
 by the pid it started (never by name):
 
 * kvpool — a :class:`~kvpool.launcher.cluster.LocalCluster` (masters + store nodes);
 * Redis — Debian's ``redis-server`` on 127.0.0.1 with a free port, persistence off;
 * Mooncake Store — the ``mooncake_master`` binary from the ``mooncake-transfer-engine-non-cuda``
   wheel on 127.0.0.1, and one store process contributing a segment
-  (:mod:`kvpool.cli.bench_mooncake_store`).
+  (:mod:`kvpool_bench.mooncake_store`).
 
 A peer that is not installed is skipped with a line saying how to install it
 (:func:`redis_availability`, :func:`mooncake_availability`).
@@ -29,9 +29,9 @@ from typing import IO, Any
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.launcher.placement import free_port
 
-INSTALL_BENCH_EXTRA = "pip install -e '.[bench]'"
-INSTALL_REDIS = f"apt-get install redis-server && {INSTALL_BENCH_EXTRA}"
-INSTALL_MOONCAKE = f"apt-get install libibverbs1 && {INSTALL_BENCH_EXTRA}"
+INSTALL_PEERS = "pip install -e 'bench[peers]'"  # in a kvpool checkout
+INSTALL_REDIS = f"apt-get install redis-server && {INSTALL_PEERS}"
+INSTALL_MOONCAKE = f"apt-get install libibverbs1 && {INSTALL_PEERS}"
 STOP_TIMEOUT_S = 10.0
 
 
@@ -48,7 +48,7 @@ def redis_availability() -> Availability:
     if shutil.which("redis-server") is None:
         return Availability(False, "redis-server is not installed", INSTALL_REDIS)
     if importlib.util.find_spec("redis") is None:
-        return Availability(False, "the Python package redis is not installed", INSTALL_BENCH_EXTRA)
+        return Availability(False, "the Python package redis is not installed", INSTALL_PEERS)
     return Availability(True)
 
 
@@ -70,9 +70,7 @@ def mooncake_availability(timeout_s: float = 60.0) -> Availability:
             INSTALL_MOONCAKE,
         )
     if not os.access(package / "mooncake_master", os.X_OK):
-        return Availability(
-            False, f"no executable mooncake_master in {package}", INSTALL_BENCH_EXTRA
-        )
+        return Availability(False, f"no executable mooncake_master in {package}", INSTALL_PEERS)
     probe = subprocess.run(
         [sys.executable, "-c", "import mooncake.store"],
         capture_output=True,
@@ -246,7 +244,7 @@ class MooncakeServers:
         self._logs.append(store_log.open("ab"))
         self.store = subprocess.Popen(
             [
-                sys.executable, "-m", "kvpool.cli.bench_mooncake_store",
+                sys.executable, "-m", "kvpool_bench.mooncake_store",
                 "--master", self.address,
                 "--segment-bytes", str(self.segment_bytes),
                 "--ready-file", str(ready),
