@@ -71,8 +71,16 @@ def validate_key_names(keys: object) -> list[str]:
     if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
         raise InvalidKeyError(f"expected a sequence of str keys, not {type(keys).__name__}")
     names = list(keys)
-    for key in names:
-        if type(key) is not str or not key or not key.isascii() or len(key) > MAX_KEY_BYTES:
+    if not names:
+        return names
+    # The whole batch at once (each test one C-level pass); key by key only when one fails.
+    if (
+        set(map(type, names)) != {str}
+        or not all(map(str.isascii, names))
+        or min(map(len, names)) == 0
+        or max(map(len, names)) > MAX_KEY_BYTES
+    ):
+        for key in names:
             validate_key(key)  # raises, or passes a str that is valid UTF-8 within the limit
     return names
 

@@ -72,6 +72,7 @@ from kvpool.raft_master.commands import (
 )
 from kvpool.raft_master.members import MemberTable, member_from_tuple, member_tuple
 from kvpool.raft_master.records import (
+    RECORD_HEAD,
     STATE_FORMAT,
     BlockView,
     IndexSnapshot,
@@ -486,24 +487,31 @@ class BlockIndex(MemberTable):
 
     def prefix_match(self, keys: Iterable[str]) -> int:
         """Length of the leading run of keys present with at least one live replica."""
-        matched = 0
-        entries = self._entries
-        live_one = self._liveness()
-        for key in keys:
-            record = entries.get(key)
-            if record is None or not any(map(live_one, record_replicas(record))):
-                break
-            matched += 1
-        return matched
+        return len(self.present(keys, leading=True))
 
-    def present(self, keys: Iterable[str]) -> list[bool]:
-        """Per key: present with at least one live replica (what :meth:`lookup` finds)."""
+    def present(self, keys: Iterable[str], *, leading: bool = False) -> list[bool]:
+        """Per key: present with at least one live replica (what :meth:`lookup` finds);
+        ``leading``: up to the first key that is not."""
         entries = self._entries
         live_one = self._liveness()
-        out = []
+        # A record's tail (its replica ids, and a tier byte) -> any of them live: the keys of
+        # a batch mostly share a few replica sets, each decoded once.
+        held: dict[bytes, bool] = {}
+        out: list[bool] = []
+        append = out.append
         for key in keys:
             record = entries.get(key)
-            out.append(record is not None and any(map(live_one, record_replicas(record))))
+            if record is None:
+                hit = False
+            else:
+                tail = record[RECORD_HEAD:]
+                known = held.get(tail)
+                if known is None:
+                    known = held[tail] = any(map(live_one, record_replicas(record)))
+                hit = known
+            if leading and not hit:
+                break
+            append(hit)
         return out
 
     def _liveness(self) -> Callable[[int], bool]:

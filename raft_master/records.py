@@ -24,6 +24,8 @@ _SNAPSHOT_ZLIB_LEVEL = 1
 
 _RECORD = struct.Struct("<QQQQ?")  # version, write_id, size_bytes, checksum, pinned
 _RECORD_SIZE = _RECORD.size
+RECORD_HEAD = _RECORD_SIZE
+"""Where a record's replica ids start."""
 _U32 = 4
 
 
