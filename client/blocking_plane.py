@@ -416,7 +416,8 @@ class BlockingDataPlane:
                 continue
             plan = NodeStage(address, group, _arena(conn))
             try:
-                conn.send(plan.calls, deadline)
+                for calls in plan.chunks():
+                    conn.send(calls, deadline)
             except KVPoolError as e:
                 self.discard(address, conn)
                 plan.fail_all(e, self._on_node_failed)

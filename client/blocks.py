@@ -333,7 +333,7 @@ class DataPlane:
             return
         plan = NodeStage(address, group, conn_arena(conn))
         try:
-            await conn.exchange(plan.calls, deadline - loop.time())
+            await conn.exchange(plan.all_calls(), deadline - loop.time())
         except KVPoolError as e:
             plan.fail_all(e, self._on_node_failed)
             return

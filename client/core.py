@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
-from kvpool.checksum import block_checksum
 from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem, new_write_ids
 from kvpool.client.cache import LookupCache
 from kvpool.client.client_metrics import ClientMetrics
@@ -726,7 +725,7 @@ class ClientCore:
     def put_item(self, key: str, value: object) -> PutItem:
         key_bytes = validate_key(key)
         payload = as_payload(value, self.config.max_value_size)
-        return PutItem(key, key_bytes, payload, block_checksum(payload))
+        return PutItem(key, key_bytes, payload)
 
     async def _put_prepared(
         self, items: list[PutItem], strict: bool, *, single: bool

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvpool.checksum import block_checksum
@@ -73,6 +73,11 @@ arena directly (the lease must be given back: one more message)."""
 SHM_PUT_MIN_BYTES = 64 << 10
 """Over shared memory, smaller blocks are put with a PUT frame (one round trip, the kernel
 copies the bytes) rather than reserved, copied and committed (two round trips)."""
+
+PUT_CHUNK_BYTES = 4 << 20
+"""Payload per group of PUT frames that a blocking sender hashes then sends: small enough that
+the next group's hashing overlaps the node reading this one out of the socket buffers (a few MiB
+on loopback), large enough that the vectored writes stay few."""
 
 
 class ReadItem:
@@ -163,12 +168,21 @@ class PutItem:
     key: str
     key_bytes: bytes
     payload: memoryview
-    checksum: int
     write_id: int = 0
     targets: list[MemberInfo] = field(default_factory=list)
     acked: list[int] = field(default_factory=list)
     committed: bool = False
     error: KVPoolError | None = None
+    _checksum: int | None = None
+
+    @property
+    def checksum(self) -> int:
+        """xxh3-64 of the bytes, computed when first needed: a batch sent over TCP hashes
+        each group of blocks just before sending it, while the node reads the group before
+        (:meth:`NodeStage.chunks`)."""
+        if self._checksum is None:
+            self._checksum = block_checksum(self.payload)
+        return self._checksum
 
     def restart(self, write_id: int, targets: list[MemberInfo]) -> None:
         """A new attempt: a fresh write id (never reused), new targets, nothing acked."""
@@ -520,22 +534,37 @@ class NodeStage:
         large = arena is not None and (lambda it: it.payload.nbytes >= SHM_PUT_MIN_BYTES)
         self._inline = [(it, m) for it, m in group if not (large and large(it))]
         self._copied = [(it, m) for it, m in group if large and large(it)]
-        self.calls = [
-            Call(
-                Op.PUT,
-                it.key_bytes,
-                write_id=it.write_id,
-                checksum=it.checksum,
-                payload=it.payload,
+        self.calls: list[Call] = []
+        """The calls made so far, in sending order (all of them once :meth:`chunks` is
+        through)."""
+
+    def chunks(self, chunk_bytes: int = PUT_CHUNK_BYTES) -> Iterator[list[Call]]:
+        """The calls in sending order, about ``chunk_bytes`` of payload at a time: a group's
+        PUT frames (and their blocks' checksums) are made only when it is asked for, so that
+        a sender in the caller's thread hashes the next group while the node reads this one."""
+        group: list[Call] = []
+        size = 0
+        for it, _ in self._inline:
+            group.append(
+                Call(
+                    Op.PUT,
+                    it.key_bytes,
+                    write_id=it.write_id,
+                    checksum=it.checksum,
+                    payload=it.payload,
+                )
             )
-            for it, _ in self._inline
-        ]
+            size += it.payload.nbytes
+            if size >= chunk_bytes:
+                self.calls.extend(group)
+                yield group
+                group, size = [], 0
         if self._copied:
             records = [
                 (it.key_bytes, it.write_id, it.payload.nbytes, it.checksum)
                 for it, _ in self._copied
             ]
-            self.calls.append(
+            group.append(
                 Call(
                     Op.SHM_RESERVE,
                     payload=encode_key_table(records),
@@ -543,6 +572,15 @@ class NodeStage:
                     sinks=[None] * len(records),
                 )
             )
+        if group:
+            self.calls.extend(group)
+            yield group
+
+    def all_calls(self) -> list[Call]:
+        """Every call, made at once (a sender that queues them all before any is sent)."""
+        for _ in self.chunks():
+            pass
+        return self.calls
 
     def fail_all(self, error: KVPoolError, on_node_failed: Callable[[int], None]) -> None:
         failed = error if isinstance(error, DeadlineExceededError) else None
