@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--rounds", type=int, default=200, help="interleaved rounds per size [200]")
     b.add_argument("--kills", type=int, default=3, help="leader kills to time failover [3]")
+    b.add_argument(
+        "--pauses", type=int, default=0, help="leader SIGSTOPs to time failover, as --kills [0]"
+    )
     b.add_argument("--dir", help="keep the cluster's data and logs here [a temp dir]")
     b.add_argument("--json", action="store_true", help="print JSON")
     b = bsub.add_parser(
@@ -183,7 +186,9 @@ def _run(args: argparse.Namespace) -> int:
     from kvpool_bench.cluster import bench_cluster, bench_index, bench_tiers
 
     if args.bench_command == "cluster":
-        result = bench_cluster(rounds=args.rounds, kills=args.kills, directory=args.dir)
+        result = bench_cluster(
+            rounds=args.rounds, kills=args.kills, directory=args.dir, pauses=args.pauses
+        )
     elif args.bench_command == "tiers":
         result = bench_tiers(quick=args.quick, directory=args.dir)
     else:

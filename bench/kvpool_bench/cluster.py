@@ -3,7 +3,8 @@ measured the same way every time.
 
 * ``kvpool-bench cluster`` — a local cluster (3 masters, 2 nodes): put/get latency at 4 KiB and
   1 MiB (rounds interleaved, medians reported), batched puts per second, group commits, and
-  failover time over several leader kills.
+  failover time over several leader kills (and SIGSTOPs, ``--pauses``), with the elections
+  that follow the old leader's return.
 * ``kvpool-bench index`` — the master alone: index memory per million entries, apply rate,
   compaction stall at 1 M entries, commit latency and group-commit throughput.
 * ``kvpool-bench tiers`` — the tiered node: a write flood of three times its CPU tier (puts,
@@ -27,6 +28,7 @@ import numpy as np
 from kvpool.cli.bench import latency
 from kvpool.client.sync import Client
 from kvpool.launcher.cluster import LocalCluster
+from kvpool.launcher.probe import probe_masters
 from kvpool.units import format_size
 
 
@@ -53,34 +55,59 @@ def _batched(kv: Client, batch: int, batches: int, size: int) -> dict[str, Any]:
     }
 
 
-def _failover(cluster: LocalCluster, kv: Client, kills: int) -> dict[str, Any]:
+RETURN_WATCH_S = 3.0
+"""How long the terms are watched after the old leader is back (restarted or resumed)."""
+
+
+def _highest_term(cluster: LocalCluster) -> int:
+    running = [p.grpc for p in cluster.masters if cluster.is_running(p.name)]
+    probes = probe_masters(running, timeout_s=0.5, security=cluster.security)
+    return max((p.status.master.term for p in probes if p.status is not None), default=0)
+
+
+def _failover(cluster: LocalCluster, kv: Client, faults: int, how: str) -> dict[str, Any]:
+    """``faults`` times: kill -9 (``how="kill"``) or SIGSTOP (``"pause"``) the leader, time
+    until a put is acknowledged again, bring the old leader back (restart / SIGCONT), and count
+    the elections in the next :data:`RETURN_WATCH_S` (the term's rise: 0 when the returning
+    master does not disturb the new leader)."""
     times = []
-    for k in range(kills):
+    elections_after_return = []
+    for k in range(faults):
         leader = cluster.leader_name()
-        killed = time.monotonic()
-        cluster.kill(leader)
+        struck = time.monotonic()
+        if how == "kill":
+            cluster.kill(leader)
+        else:
+            cluster.pause(leader)
         i = 0
-        while time.monotonic() - killed < 30:
+        while time.monotonic() - struck < 30:
             i += 1
-            if kv.put(f"bench/failover/{k}/{i}", b"x" * 4096):
-                times.append(time.monotonic() - killed)
+            if kv.put(f"bench/failover/{how}/{k}/{i}", b"x" * 4096):
+                times.append(time.monotonic() - struck)
                 break
-        cluster.restart(leader)
+        term = _highest_term(cluster)
+        if how == "kill":
+            cluster.restart(leader)
+        else:
+            cluster.resume(leader)
+        time.sleep(RETURN_WATCH_S)
+        elections_after_return.append(max(0, _highest_term(cluster) - term))
         cluster.wait_for_leader(30)
-        time.sleep(1.0)  # let the restarted master catch up before the next kill
+        cluster.wait_caught_up(30)  # the returned master has caught up before the next fault
     return {
-        "kills": kills,
+        "faults": faults,
         "writes_resumed_s": {
             "min": round(min(times), 3) if times else None,
             "median": round(statistics.median(times), 3) if times else None,
             "max": round(max(times), 3) if times else None,
         },
-        "never_resumed": kills - len(times),
+        "never_resumed": faults - len(times),
+        "elections_after_return": elections_after_return,
     }
 
 
 def bench_cluster(
-    rounds: int = 200, kills: int = 3, directory: str | None = None
+    rounds: int = 200, kills: int = 3, directory: str | None = None, pauses: int = 0
 ) -> dict[str, Any]:
     root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="kvpool-bench-"))
     cluster = LocalCluster(root, masters=3, nodes=2, cpu_cache_size="1GiB", log_level="warning")
@@ -93,7 +120,8 @@ def bench_cluster(
                 "latency": latency(kv, [4096, 1 << 20], rounds, rng),
                 "batched_4KiB": _batched(kv, 256, 40, 4096),
                 "batched_1MiB": _batched(kv, 16, 20, 1 << 20),
-                "failover": _failover(cluster, kv, kills) if kills else None,
+                "failover": _failover(cluster, kv, kills, "kill") if kills else None,
+                "failover_pause": _failover(cluster, kv, pauses, "pause") if pauses else None,
             }
         return result
     finally:
