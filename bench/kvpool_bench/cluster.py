@@ -57,6 +57,9 @@ def _batched(kv: Client, batch: int, batches: int, size: int) -> dict[str, Any]:
 
 RETURN_WATCH_S = 3.0
 """How long the terms are watched after the old leader is back (restarted or resumed)."""
+STATUS_SETTLE_S = 0.3
+"""A master's status (its term) is a snapshot taken at most every 0.1 s: waited out before the
+term is read, so that the election that ended the failover is not counted after the return."""
 
 
 def _highest_term(cluster: LocalCluster) -> int:
@@ -85,6 +88,7 @@ def _failover(cluster: LocalCluster, kv: Client, faults: int, how: str) -> dict[
             if kv.put(f"bench/failover/{how}/{k}/{i}", b"x" * 4096):
                 times.append(time.monotonic() - struck)
                 break
+        time.sleep(STATUS_SETTLE_S)
         term = _highest_term(cluster)
         if how == "kill":
             cluster.restart(leader)
