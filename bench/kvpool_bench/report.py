@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvpool.units import format_size
+from kvpool_bench import pair_report
 
 GB = 1e9
 OPS = ("put", "get")
@@ -393,6 +394,7 @@ def render_table(doc: dict[str, Any]) -> str:
             "first read: cl 1 = one process puts, another reads each block once; cl 2 = each "
             "of two processes reads the other's blocks, both at once"
         )
+    lines += pair_report.table_lines(doc)
     v = doc["verification"]
     lines.append(
         f"verified: {v['bytes_read']:,} bytes read, {v['bytes_verified']:,} equal to what was "
@@ -465,6 +467,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                     c = cells[k]
                     row.append(_pct(c["of_limit"]["loopback_tcp"]) if c else "-")
                 out.append("| " + " | ".join(row) + " |")
+    out += pair_report.markdown_lines(doc)
     v = doc["verification"]
     out += [
         "",
