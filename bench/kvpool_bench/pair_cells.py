@@ -260,7 +260,8 @@ def _read_batches(
     if before is not None and after is not None:
         calls = out["index_calls"] or {}
         for method, count in after.items():
-            calls[method] = calls.get(method, 0) + count - before.get(method, 0)
+            if count > before.get(method, 0):
+                calls[method] = calls.get(method, 0) + count - before.get(method, 0)
         out["index_calls"] = calls
     checked = [(i, r) for i, r in reads if present[i]]
     got_blocks = [r for _, r in checked]
