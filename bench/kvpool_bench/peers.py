@@ -5,6 +5,7 @@ Redis and Mooncake Store — and with the machine's own limits, in one run.
     kvpool-bench peers --quick         # seconds: a smoke run (CI)
     kvpool-bench peers --json out.json # the table, and every number in out.json
     kvpool-bench peers --modes single,first-read   # a client's own keys vs another's first read
+    kvpool-bench peers --modes hand-off,engine     # the P/D hand-off; an engine's query + read
 
 What runs (all on 127.0.0.1, all started and stopped by this command, by pid):
 
@@ -21,7 +22,11 @@ The clients are one or two worker processes (:mod:`kvpool_bench.worker`). The mo
 *single* (one key per call) and *batch* (many keys per call), where each client reads back the
 keys it put itself, and *first-read* (one key per call), where one worker puts and the other
 reads each block once — the first read by another client, as a decode engine reads what a
-prefill engine put; with two clients each worker reads the other's keys. A round visits
+prefill engine put; with two clients each worker reads the other's keys. Two more modes run one
+writer and one reader whatever the client count (:mod:`kvpool_bench.pair_cells`): *hand-off*,
+where the reader reads each block the moment its put returned (misses, latency), and *engine*,
+a presence query then a read of the hits per batch, as SGLang and LMCache call a store
+(:mod:`kvpool_bench.flows`); their numbers come from :mod:`kvpool_bench.pair_report`. A round visits
 every size; at each size every mode and client count; there, every system in turn — the order
 rotating from one size and round to the next — so that the machine's noise falls on all of
 them alike. The limits are measured at the start of every round. Every byte read is compared

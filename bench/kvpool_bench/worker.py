@@ -6,7 +6,8 @@ commands over a pipe; each holds one client of every measured system, a source a
 destination arena (numpy, registered with Mooncake once), and answers with raw samples. All
 deciding — what to run, medians, ratios — happens in the orchestrator.
 
-A *cell* is one system at one block size in one mode (single-key, batched or first-read). A
+A *cell* is one system at one block size in one mode (single-key, batched or first-read; the
+hand-off and engine cells are in :mod:`kvpool_bench.pair_cells`, over :attr:`Worker.link`). A
 single-key or batched cell runs a few passes; each pass:
 
 1. stamps every value's first 16 bytes with (cell, pass, worker, slot), so that no two keys
