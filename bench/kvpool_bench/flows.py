@@ -99,15 +99,14 @@ class KvpoolFlow:
         return dict(self._counter.calls) if self._counter is not None else None
 
 
-class MooncakeFlow:
-    label = "batch_is_exist + batch_get_into"
+class _PeerFlow:
+    """A peer's flow: its own query, then the driver's batched get; no index calls counted."""
 
-    def __init__(self, driver: MooncakeDriver) -> None:
+    label = "?"
+
+    def __init__(self, driver: MooncakeDriver | RedisDriver) -> None:
         self._driver = driver
-        self._store = driver.client
-
-    def query(self, keys: Sequence[str]) -> list[bool]:
-        return [int(x) == 1 for x in self._store.batch_is_exist(list(keys))]
+        self._client = driver.client
 
     def read(self, keys: Sequence[str], dsts: Sequence[Array], res: PassResult) -> list[Result]:
         return self._driver.get_many(keys, dsts, res)
@@ -116,24 +115,21 @@ class MooncakeFlow:
         return None
 
 
-class RedisFlow:
-    label = "pipelined EXISTS + pipelined GET"
-
-    def __init__(self, driver: RedisDriver) -> None:
-        self._driver = driver
-        self._r = driver.client
+class MooncakeFlow(_PeerFlow):
+    label = "batch_is_exist + batch_get_into"
 
     def query(self, keys: Sequence[str]) -> list[bool]:
-        pipe = self._r.pipeline(transaction=False)
+        return [int(x) == 1 for x in self._client.batch_is_exist(list(keys))]
+
+
+class RedisFlow(_PeerFlow):
+    label = "pipelined EXISTS + pipelined GET"
+
+    def query(self, keys: Sequence[str]) -> list[bool]:
+        pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.exists(key)
         return [int(x) == 1 for x in pipe.execute()]
-
-    def read(self, keys: Sequence[str], dsts: Sequence[Array], res: PassResult) -> list[Result]:
-        return self._driver.get_many(keys, dsts, res)
-
-    def index_calls(self) -> dict[str, int] | None:
-        return None
 
 
 KVPOOL_QUERIES = ("prefix_match", "batch_exists")

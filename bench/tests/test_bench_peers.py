@@ -40,12 +40,13 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.timeout(300)
-def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -> None:
+def _quick_run(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """``kvpool-bench peers --quick FLAGS`` as a user runs it: its output and its JSON, once it
+    exited 0 and left no process behind."""
     out = tmp_path / "peers.json"
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool_bench", "peers", "--quick", "--json", str(out),
+        [sys.executable, "-m", "kvpool_bench", "peers", "--quick", *flags, "--json", str(out),
          "--dir", str(run_dir)],
         capture_output=True,
         text=True,
@@ -54,7 +55,12 @@ def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not _processes_mentioning(str(run_dir)), "the bench left processes running"
-    doc = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -> None:
+    proc, doc = _quick_run(tmp_path)
 
     assert doc["schema"] == "kvpool-bench-peers/1"
     assert doc["limits"]["memcpy_GBps"] > 0.1
@@ -110,19 +116,7 @@ def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -
 def test_quick_hand_off_and_engine_modes_report_their_numbers(tmp_path: Path) -> None:
     """The two modes of one writer and one reader process, in quick form, on the default
     cluster (3 masters): a kvpool hand-off miss would break the read-after-ack guarantee."""
-    out = tmp_path / "peers.json"
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvpool_bench", "peers", "--quick", "--modes", "hand-off,engine",
-         "--json", str(out), "--dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert not _processes_mentioning(str(run_dir)), "the bench left processes running"
-    doc = json.loads(out.read_text())
+    proc, doc = _quick_run(tmp_path, "--modes", "hand-off,engine")
     measured = [n for n, s in doc["systems"].items() if s["status"] == "measured"]
     sizes = doc["options"]["sizes"]
     assert not doc["cells"]  # no other mode ran
