@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return client_main(args.rest)
     if args.bench_command == "peers":
-        from kvpool_bench.peers import main_peers
+        from kvpool_bench.peers_cli import main_peers
 
         return main_peers(args)
     if args.bench_command == "engines":
