@@ -79,8 +79,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Start a local kvpool cluster, Redis (redis-server, persistence off) and "
         "Mooncake Store (mooncake_master + one store process) on 127.0.0.1; run puts and gets "
         "of 4 KiB to 16 MiB, one key per call and batched (and, with --modes first-read, "
-        "first reads: one process puts, another reads each block once), from 1 and 2 client "
-        "processes, "
+        "first reads: one process puts, another reads each block once; hand-off: another "
+        "process reads each block the moment its put returned; engine: presence query then "
+        "read of the hits per batch), from 1 and 2 client processes, "
         "every system in turn at every size, for several rounds; compare every byte read with "
         "what was put; print medians and ratios. Peers that are not installed are skipped: "
         "pip install -e 'bench[peers]' and apt-get install redis-server libibverbs1.",
@@ -99,8 +100,19 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--clients", help="client process counts [1,2]")
     b.add_argument(
         "--modes",
-        help="single,batch,first-read [single,batch]: one key per call, batched (each client "
-        "reads back its own keys), first read (one process puts, another reads each block once)",
+        help="single,batch,first-read,hand-off,engine [single,batch]: one key per call, "
+        "batched (each client reads back its own keys); first read (one process puts, another "
+        "reads each block once); hand-off (one process puts a block, another reads it the "
+        "moment the put returned: misses, p50/p99 latency); engine (another process's batch "
+        "of --engine-batch keys: a presence query, then a read of the hits, as SGLang and "
+        "LMCache call a store). hand-off and engine always run one writer and one reader",
+    )
+    b.add_argument(
+        "--engine-batch",
+        type=int,
+        metavar="KEYS",
+        help="keys per batch in the engine mode [128; fewer where a batch would pass 32 MiB "
+        "or the arena]",
     )
     b.add_argument("--peers", help="redis,mooncake [both]; none: kvpool and the limits only")
     b.add_argument(
@@ -166,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return client_main(args.rest)
     if args.bench_command == "peers":
-        from kvpool_bench.peers import main_peers
+        from kvpool_bench.peers_cli import main_peers
 
         return main_peers(args)
     if args.bench_command == "engines":

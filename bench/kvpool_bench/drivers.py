@@ -203,6 +203,11 @@ class KvpoolDriver(SyncDriver):
             "batch_get": "batch_get_into" if self._has_batch_into else "batch_get",
         }
 
+    @property
+    def client(self) -> Any:
+        """The kvpool.Client driven (the engine mode calls its queries)."""
+        return self._client
+
     def put_one(self, key: str, src: Array, res: PassResult) -> bool:
         ok = bool(self._client.put(key, src))
         if not ok:
@@ -407,6 +412,11 @@ class RedisDriver(SyncDriver):
             "batch_get": "pipelined GET",
         }
 
+    @property
+    def client(self) -> Any:
+        """The redis.Redis connection (the engine mode pipelines EXISTS on it)."""
+        return self._r
+
     def put_one(self, key: str, src: Array, res: PassResult) -> bool:
         ok = bool(self._r.set(key, src.data))
         if not ok:
@@ -476,6 +486,11 @@ class MooncakeDriver(SyncDriver):
             "batch_put": "batch_put_from",
             "batch_get": "batch_get_into",
         }
+
+    @property
+    def client(self) -> Any:
+        """The MooncakeDistributedStore (the engine mode calls its batch_is_exist)."""
+        return self._store
 
     def put_one(self, key: str, src: Array, res: PassResult) -> bool:
         rc = self._store.put_from(key, _ptr(src), src.nbytes)

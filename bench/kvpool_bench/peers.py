@@ -5,6 +5,7 @@ Redis and Mooncake Store — and with the machine's own limits, in one run.
     kvpool-bench peers --quick         # seconds: a smoke run (CI)
     kvpool-bench peers --json out.json # the table, and every number in out.json
     kvpool-bench peers --modes single,first-read   # a client's own keys vs another's first read
+    kvpool-bench peers --modes hand-off,engine     # the P/D hand-off; an engine's query + read
 
 What runs (all on 127.0.0.1, all started and stopped by this command, by pid):
 
@@ -21,7 +22,11 @@ The clients are one or two worker processes (:mod:`kvpool_bench.worker`). The mo
 *single* (one key per call) and *batch* (many keys per call), where each client reads back the
 keys it put itself, and *first-read* (one key per call), where one worker puts and the other
 reads each block once — the first read by another client, as a decode engine reads what a
-prefill engine put; with two clients each worker reads the other's keys. A round visits
+prefill engine put; with two clients each worker reads the other's keys. Two more modes run one
+writer and one reader whatever the client count (:mod:`kvpool_bench.pair_cells`): *hand-off*,
+where the reader reads each block the moment its put returned (misses, latency), and *engine*,
+a presence query then a read of the hits per batch, as SGLang and LMCache call a store
+(:mod:`kvpool_bench.flows`); their numbers come from :mod:`kvpool_bench.pair_report`. A round visits
 every size; at each size every mode and client count; there, every system in turn — the order
 rotating from one size and round to the next — so that the machine's noise falls on all of
 them alike. The limits are measured at the start of every round. Every byte read is compared
@@ -37,7 +42,6 @@ import platform
 import secrets
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -47,9 +51,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.errors import ConfigError
-from kvpool.units import format_size, parse_size
-from kvpool_bench import report
+from kvpool.units import format_size
+from kvpool_bench import pair_report, report
 from kvpool_bench.drivers import kvpool_features
+from kvpool_bench.flows import engine_queries
 from kvpool_bench.peer_servers import (
     Availability,
     KvpoolServers,
@@ -64,8 +69,13 @@ KiB, MiB = 1 << 10, 1 << 20
 FULL_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
 QUICK_SIZES = (4 * KiB, 1 * MiB)
 PEERS = ("redis", "mooncake")
-MODES = report.MODES
-"""single, batch: each client reads its own keys back; first-read: another client reads them."""
+MODES = report.MODES + pair_report.PAIR_MODES
+"""single, batch: each client reads its own keys back; first-read: another client reads them;
+hand-off: another client reads each block the moment its put returned; engine: a presence
+query per batch, then a read of the hits, by another client."""
+PAIR_MODES = pair_report.PAIR_MODES
+"""Modes of one writer and one reader process, whatever --clients says."""
+ENGINE_BATCH_KEYS = 128
 KVPOOL_APIS = ("auto", "sync", "async", "both")
 BATCH_BYTES = 32 * MiB
 """A batched call carries at most this much (and at most MAX_BATCH_KEYS keys)."""
@@ -102,6 +112,8 @@ class PeersOptions:
     single_target_bytes: int = 256 * MiB
     single_ops: tuple[int, int] = (16, 128)
     batch_calls: int = 8
+    engine_batch_keys: int = ENGINE_BATCH_KEYS
+    """Keys per engine batch (fewer where a batch would pass BATCH_BYTES or the arena)."""
     limit_tcp_bytes: int = 512 * MiB
     limit_memcpy_bytes: int = 64 * MiB
 
@@ -130,6 +142,8 @@ class PeersOptions:
             errors.append(
                 f"sizes: the largest must fit the arena ({format_size(self.arena_bytes)})"
             )
+        if self.engine_batch_keys < 1:
+            errors.append("engine batch: at least 1 key")
         if self.rounds < 1:
             errors.append("rounds: at least 1")
         if not self.clients or any(c not in (1, 2) for c in self.clients):
@@ -153,7 +167,11 @@ class CellPlan:
 def plan_cell(opts: PeersOptions, size: int, mode: str) -> CellPlan:
     """How many keys a pass holds (it must fit the arena) and how many passes a cell runs."""
     fit = max(1, opts.arena_bytes // size)
-    if mode in ("single", "first-read"):
+    if mode == "engine":
+        batch = max(1, min(opts.engine_batch_keys, BATCH_BYTES // size, fit))
+        calls_per_pass = max(1, min(4, fit // batch))
+        return CellPlan(batch, batch * calls_per_pass, math.ceil(opts.batch_calls / calls_per_pass))
+    if mode in ("single", "first-read", "hand-off"):
         lo, hi = opts.single_ops
         target = min(hi, max(lo, opts.single_target_bytes // size))
         per_pass = min(fit, 64, target)
@@ -175,6 +193,14 @@ def first_read_parts(msg: dict[str, Any], clients: int) -> list[dict[str, Any]]:
     return [
         {**msg, "together": True, "write": True, "read_from": 1},
         {**msg, "together": True, "write": True, "read_from": 0},
+    ]
+
+
+def pair_parts(msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each worker's part of a hand-off or engine cell: worker 0 writes, worker 1 reads."""
+    return [
+        {**msg, "together": True, "role": "write", "partner": 1},
+        {**msg, "together": True, "role": "read", "partner": 0},
     ]
 
 
@@ -333,7 +359,17 @@ class PeersBench:
             "run": self.run_id,
             "together": clients == 2,
         }
-        msgs = first_read_parts(msg, clients) if mode == "first-read" else [msg] * clients
+        if mode == "engine":
+            state = self.systems[system]
+            msg["queries"] = list(engine_queries(state.kind, state.spec.get("api", "sync")))
+            if not msg["queries"]:
+                return  # the engine mode drives sync clients (kvpool's AsyncClient: none)
+        if mode in PAIR_MODES:
+            msgs = pair_parts(msg)
+        elif mode == "first-read":
+            msgs = first_read_parts(msg, clients)
+        else:
+            msgs = [msg] * clients
         for i, part in enumerate(msgs):
             pool.send(i, part)
         results, errors = [], []
@@ -368,7 +404,7 @@ class PeersBench:
         for si, size in enumerate(self.opts.sizes):
             t = time.monotonic()
             for mode in self.opts.modes:
-                for clients in self.opts.clients:
+                for clients in (1,) if mode in PAIR_MODES else self.opts.clients:
                     shift = (rnd + si) % len(names)
                     for name in names[shift:] + names[:shift]:
                         if self.systems[name].status == "measured":
@@ -466,7 +502,12 @@ class PeersBench:
 
     def _document(self, started: float, features: dict[str, Any]) -> dict[str, Any]:
         apis = {name: s.api for name, s in self.systems.items()}
-        cells = report.summarize_cells(self.records, apis)
+        cells = report.summarize_cells(
+            [r for r in self.records if r["mode"] not in PAIR_MODES], apis
+        )
+        handoffs = pair_report.summarize_handoffs(self.records)
+        engine = pair_report.summarize_engine(self.records)
+        pairs = pair_report.pair_verification(handoffs, engine)
         report.add_ratios(cells, self.limits)
         gets = [c for c in cells if c["op"] == "get"]
         puts = [c for c in cells if c["op"] == "put"]
@@ -477,10 +518,13 @@ class PeersBench:
             "misses": sum(c["misses"] for c in gets),
             "put_failures": sum(c["failures"] for c in puts),
         }
+        for k, v in pairs.items():
+            verification[k] += v
         verification["all_bytes_verified"] = (
             verification["wrong"] == 0
             and verification["bytes_read"] == verification["bytes_verified"]
         )
+        self.problems[:0] = pair_report.pair_problems(handoffs, engine)
         if verification["wrong"]:
             self.problems.append(f"{verification['wrong']} block(s) read WRONG (see cells)")
         for c in gets:
@@ -511,6 +555,8 @@ class PeersBench:
             "systems": {n: s.to_json() for n, s in self.systems.items()},
             "limits": limits,
             "cells": cells,
+            "handoffs": handoffs,
+            "engine": engine,
             "verification": verification,
             "targets": report.evaluate_targets(cells),
             "problems": self.problems,
@@ -523,64 +569,3 @@ def run_peers(opts: PeersOptions, progress: Progress = _quiet) -> dict[str, Any]
     if errors:
         raise ConfigError("kvpool-bench peers: " + "; ".join(errors))
     return PeersBench(opts, progress).run()
-
-
-def stderr_progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def options_from_args(args: Any) -> PeersOptions:
-    """PeersOptions from ``kvpool-bench peers`` flags (quick defaults under --quick)."""
-    overrides: dict[str, Any] = {}
-    try:
-        if args.sizes:
-            overrides["sizes"] = tuple(parse_size(s) for s in _csv(args.sizes))
-        if args.clients:
-            overrides["clients"] = tuple(int(c) for c in _csv(args.clients))
-    except ValueError as e:
-        raise ConfigError(f"kvpool-bench peers: {e}") from None
-    if args.rounds is not None:
-        overrides["rounds"] = args.rounds
-    if args.modes:
-        overrides["modes"] = tuple(_csv(args.modes))
-    if args.peers is not None:
-        overrides["peers"] = tuple(p for p in _csv(args.peers) if p != "none")
-    if args.kvpool_transports:
-        overrides["kvpool_transports"] = tuple(_csv(args.kvpool_transports))
-    overrides["kvpool_api"] = args.kvpool_api
-    overrides["kvpool_masters"] = args.kvpool_masters
-    overrides["kvpool_nodes"] = args.kvpool_nodes
-    overrides["kvpool_in_memory"] = args.kvpool_in_memory
-    overrides["gc_freeze"] = bool(getattr(args, "gc_freeze", False))
-    overrides["directory"] = args.dir
-    overrides["seed"] = args.seed
-    if args.quick:
-        return PeersOptions.quick_run(**overrides)
-    return replace(PeersOptions(), **overrides)
-
-
-def main_peers(args: Any) -> int:
-    """``kvpool-bench peers``: 0 done, 1 a wrong read or kvpool could not be measured."""
-    import json
-
-    opts = options_from_args(args)
-    doc = run_peers(opts, stderr_progress)
-    text = json.dumps(doc, indent=2, default=str)
-    if args.json == "-":
-        print(text)
-    else:
-        if args.json:
-            Path(args.json).write_text(text + "\n")
-        print(report.render_table(doc))
-        if args.json:
-            print(f"\nall numbers: {args.json}")
-    if args.markdown:
-        Path(args.markdown).write_text(report.render_markdown(doc))
-    kvpool_ok = any(
-        s["status"] == "measured" for n, s in doc["systems"].items() if report.is_kvpool(n)
-    )
-    return 0 if kvpool_ok and doc["verification"]["wrong"] == 0 else 1

@@ -9,7 +9,8 @@
   median over rounds is reported.
 * :func:`evaluate_targets` — the data-path targets, and the first-read targets when first
   reads were measured, met or missed, from the cells.
-* :func:`render_table` — the table a person reads.
+* :func:`render_table` — the table a person reads (with the hand-off and engine modes'
+  sections from :mod:`kvpool_bench.pair_report`).
 
 Throughput of two clients is their combined bytes over the span from the first start to the
 last end of each pass (both start together at a barrier). In a first-read cell only the
@@ -24,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvpool.units import format_size
+from kvpool_bench import pair_report
 
 GB = 1e9
 OPS = ("put", "get")
@@ -383,16 +385,18 @@ def render_table(doc: dict[str, Any]) -> str:
                 row += f" {_times(vs.get('p50_ratio')) if mine else '':>7}"
             row += f" {_pct(c['of_limit']['memcpy']):>7} {_pct(c['of_limit']['loopback_tcp']):>7}"
             lines.append(row)
-    lines.append("")
-    lines.append(
-        "vs PEER: the system's GB/s over the peer's in the same round (> 1 is faster); p50 vs: "
-        "its p50 over the peer's (< 1 is faster); memcpy, tcp: share of that machine limit"
-    )
+    if cells:  # (a run of the hand-off and engine modes alone has none)
+        lines.append("")
+        lines.append(
+            "vs PEER: the system's GB/s over the peer's in the same round (> 1 is faster); p50 "
+            "vs: its p50 over the peer's (< 1 is faster); memcpy, tcp: share of that machine limit"
+        )
     if any(c["mode"] == "first-read" for c in cells):
         lines.append(
             "first read: cl 1 = one process puts, another reads each block once; cl 2 = each "
             "of two processes reads the other's blocks, both at once"
         )
+    lines += pair_report.table_lines(doc)
     v = doc["verification"]
     lines.append(
         f"verified: {v['bytes_read']:,} bytes read, {v['bytes_verified']:,} equal to what was "
@@ -465,6 +469,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                     c = cells[k]
                     row.append(_pct(c["of_limit"]["loopback_tcp"]) if c else "-")
                 out.append("| " + " | ".join(row) + " |")
+    out += pair_report.markdown_lines(doc)
     v = doc["verification"]
     out += [
         "",

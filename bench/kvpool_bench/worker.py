@@ -6,7 +6,8 @@ commands over a pipe; each holds one client of every measured system, a source a
 destination arena (numpy, registered with Mooncake once), and answers with raw samples. All
 deciding — what to run, medians, ratios — happens in the orchestrator.
 
-A *cell* is one system at one block size in one mode (single-key, batched or first-read). A
+A *cell* is one system at one block size in one mode (single-key, batched or first-read; the
+hand-off and engine cells are in :mod:`kvpool_bench.pair_cells`, over :attr:`Worker.link`). A
 single-key or batched cell runs a few passes; each pass:
 
 1. stamps every value's first 16 bytes with (cell, pass, worker, slot), so that no two keys
@@ -140,9 +141,11 @@ def verify(
 
 
 class Worker:
-    def __init__(self, index: int, barrier: Any) -> None:
+    def __init__(self, index: int, barrier: Any, link: Connection | None = None) -> None:
         self.index = index
         self.barrier = barrier
+        self.link = link
+        """This worker's end of the pipe to the other worker (hand-off cells)."""
         self.drivers: dict[str, Driver] = {}
         self.src: Array = np.zeros(0, dtype=np.uint8)
         self.dst: Array = np.zeros(0, dtype=np.uint8)
@@ -235,6 +238,11 @@ class Worker:
     def _cell(self, msg: dict[str, Any]) -> dict[str, Any]:
         if msg.get("mode") == "first-read":
             return self._first_read(msg)
+        if msg.get("mode") in ("hand-off", "engine"):
+            from kvpool_bench import pair_cells  # it builds on this module
+
+            run = pair_cells.hand_off if msg["mode"] == "hand-off" else pair_cells.engine
+            return run(self, msg)
         drv = self.drivers[msg["system"]]
         size = int(msg["size_bytes"])
         keys_per_pass = int(msg["keys_per_pass"])
@@ -329,14 +337,21 @@ def _keys(msg: dict[str, Any], writer: int, pass_no: int, count: int) -> list[st
 
 
 def worker_main(
-    index: int, conn: Connection, barrier: Any, log_path: str, gc_freeze: bool = False
+    index: int,
+    conn: Connection,
+    barrier: Any,
+    log_path: str,
+    gc_freeze: bool = False,
+    *,
+    link: Connection | None = None,
 ) -> None:
     """The process body: answer commands until ``stop`` or the pipe closes. ``gc_freeze``:
-    freeze what survives a slow full collection (kvpool.gctune), for every client measured."""
+    freeze what survives a slow full collection (kvpool.gctune), for every client measured;
+    ``link``: this worker's end of the pipe to the other worker."""
     _redirect_output(log_path)
     if gc_freeze:
         freeze_after_slow_collections()
-    worker = Worker(index, barrier)
+    worker = Worker(index, barrier, link)
     try:
         while True:
             try:
@@ -365,6 +380,8 @@ class WorkerPool:
         self.gc_freeze = gc_freeze
         self.ctx = multiprocessing.get_context("spawn")
         self.barrier = self.ctx.Barrier(2)
+        self.links = self.ctx.Pipe()
+        """Between the two workers, for hand-offs: worker i holds end i."""
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
 
@@ -375,6 +392,7 @@ class WorkerPool:
             proc = self.ctx.Process(
                 target=worker_main,
                 args=(i, child, self.barrier, log, self.gc_freeze),
+                kwargs={"link": self.links[i % 2]},
                 name=f"bench-worker-{i}",
             )
             proc.start()
@@ -411,7 +429,7 @@ class WorkerPool:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5)
-        for conn in self.conns:
+        for conn in [*self.conns, *self.links]:
             conn.close()
 
 

@@ -40,12 +40,13 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.timeout(300)
-def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -> None:
+def _quick_run(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """``kvpool-bench peers --quick FLAGS`` as a user runs it: its output and its JSON, once it
+    exited 0 and left no process behind."""
     out = tmp_path / "peers.json"
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool_bench", "peers", "--quick", "--json", str(out),
+        [sys.executable, "-m", "kvpool_bench", "peers", "--quick", *flags, "--json", str(out),
          "--dir", str(run_dir)],
         capture_output=True,
         text=True,
@@ -54,7 +55,12 @@ def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not _processes_mentioning(str(run_dir)), "the bench left processes running"
-    doc = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -> None:
+    proc, doc = _quick_run(tmp_path)
 
     assert doc["schema"] == "kvpool-bench-peers/1"
     assert doc["limits"]["memcpy_GBps"] > 0.1
@@ -104,6 +110,59 @@ def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -
     assert len(doc["targets"]) == 7
     assert "GET, one key per call" in proc.stdout
     assert "verified:" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_quick_hand_off_and_engine_modes_report_their_numbers(tmp_path: Path) -> None:
+    """The two modes of one writer and one reader process, in quick form, on the default
+    cluster (3 masters): a kvpool hand-off miss would break the read-after-ack guarantee."""
+    proc, doc = _quick_run(tmp_path, "--modes", "hand-off,engine")
+    measured = [n for n, s in doc["systems"].items() if s["status"] == "measured"]
+    sizes = doc["options"]["sizes"]
+    assert not doc["cells"]  # no other mode ran
+    assert {(c["system"], c["size_bytes"]) for c in doc["handoffs"]} == {
+        (s, size) for s in measured for size in sizes
+    }
+    for c in doc["handoffs"]:
+        assert c["handoffs"] > 0, c
+        assert c["wrong"] == 0, c
+        assert c["bytes_read"] == c["bytes_verified"] == c["handoffs"] * c["size_bytes"], c
+        if c["system"].startswith("kvpool"):
+            assert c["misses"] == 0, c  # read-after-ack
+        assert c["latency_p99_us"] >= c["latency_p50_us"] > 0, c
+        assert c["latency_p50_us"] >= c["read_p50_us"] > 0, c
+        assert c["signal_p50_us"] >= 0, c
+        assert c["pipe_one_way_p50_us"] > 0, c
+    engine_systems = [n for n in measured if not n.endswith("-async")]
+    expected = {
+        (s, q, size)
+        for s in engine_systems
+        for q in (
+            ("prefix_match", "batch_exists") if s.startswith("kvpool")
+            else {"redis": ("exists",), "mooncake": ("batch_is_exist",)}[s]
+        )
+        for size in sizes
+    }  # fmt: skip
+    assert {(c["system"], c["query"], c["size_bytes"]) for c in doc["engine"]} == expected
+    for c in doc["engine"]:
+        assert c["batches"] > 0, c
+        assert c["batches_per_s"] > 0, c
+        assert c["GBps"] > 0, c
+        assert c["flow_p50_us"] >= c["query_p50_us"] > 0, c
+        assert c["wrong"] == c["misses"] == c["phantoms"] == c["read_misses"] == 0, c
+        written = c["keys_per_batch"] - c["keys_per_batch"] // 4
+        assert c["hits"] == c["batches"] * written, c
+        assert c["bytes_read"] == c["bytes_verified"] == c["hits"] * c["size_bytes"], c
+        if c["system"].startswith("kvpool"):
+            calls = c["index_calls_per_batch"]
+            # prefix_match is one Lookup whose entries the read uses: it asks the index nothing
+            # more; batch_exists sends no entries, so the read looks the hits up itself
+            assert calls["Lookup"] == 1.0, c
+            assert calls.get("PrefixMatch", 0) == (1.0 if c["query"] == "batch_exists" else 0), c
+    assert doc["verification"]["all_bytes_verified"]
+    assert "HAND-OFF: one process puts a block" in proc.stdout
+    assert "ENGINE: per batch" in proc.stdout
+    assert "HAND-OFF MISS" not in proc.stdout
 
 
 _RUNS = itertools.count()

@@ -303,3 +303,83 @@ def test_first_read_is_a_mode_of_its_own_and_planned_like_single() -> None:
     assert "modes" in " ".join(PeersOptions(modes=("first",)).validate())
     for size in opts.sizes:
         assert plan_cell(opts, size, "first-read") == plan_cell(opts, size, "single")
+
+
+def _hand_off_record(system: str, *, misses: int) -> Any:
+    writer = {
+        "put": {"durations_us": [100.0, 300.0], "failures": 0, "errors": []},
+        "handoff": {"pipe_one_way_us": [20.0, 30.0, 40.0]},
+    }
+    reader = {
+        "get": {
+            "durations_us": [50.0] * (2 - misses),
+            "misses": misses,
+            "wrong": 0,
+            "bytes_read": 4096 * (2 - misses),
+            "bytes_verified": 4096 * (2 - misses),
+            "errors": [],
+        },
+        "handoff": {"latency_us": [200.0, 400.0], "signal_us": [10.0, 30.0], "unacknowledged": 0},
+    }
+    return {
+        "system": system,
+        "mode": "hand-off",
+        "size_bytes": 4096,
+        "round": 0,
+        "workers": [writer, reader],
+    }
+
+
+def test_a_kvpool_hand_off_miss_is_a_loud_problem_and_a_peers_a_plain_one() -> None:
+    from kvpool_bench import pair_report
+
+    rows = pair_report.summarize_handoffs(
+        [_hand_off_record("kvpool-tcp", misses=1), _hand_off_record("mooncake", misses=1)]
+    )
+    kv = rows[0]
+    assert (kv["system"], kv["handoffs"], kv["misses"]) == ("kvpool-tcp", 2, 1)
+    assert (kv["latency_p50_us"], kv["latency_p99_us"]) == (300.0, 400.0)
+    assert (kv["put_p50_us"], kv["signal_p50_us"], kv["pipe_one_way_p50_us"]) == (200, 20, 30)
+    problems = pair_report.pair_problems(rows, [])
+    assert problems[0].startswith("HAND-OFF MISS (kvpool-tcp 4.0 KiB)")
+    assert "read-after-ack" in problems[0]
+    assert problems[1].startswith("mooncake hand-off")
+    text = "\n".join(pair_report.table_lines({"handoffs": rows}))
+    assert "!!! kvpool-tcp 4.0 KiB: 1 HAND-OFF MISS" in text
+    assert "!!! mooncake" not in text
+
+
+def test_engine_rates_are_of_the_whole_flow_and_index_calls_per_batch() -> None:
+    from kvpool_bench import pair_report
+
+    flow = {
+        "label": "prefix_match + batch_get_into",
+        "batches": 4,
+        "query_us": [100.0, 100.0, 200.0, 200.0],
+        "flow_us": [250_000.0] * 4,  # 1 s in all
+        "keys_asked": 16,
+        "hits": 12,
+        "misses": 0,
+        "phantoms": 0,
+        "read_misses": 0,
+        "wrong": 0,
+        "bytes_read": 12 * MiB,
+        "bytes_verified": 12 * MiB,
+        "put_failures": 0,
+        "index_calls": {"Lookup": 4},
+        "errors": [],
+    }
+    rec = {
+        "system": "kvpool-tcp",
+        "mode": "engine",
+        "size_bytes": MiB,
+        "batch": 4,
+        "round": 0,
+        "workers": [{"engine": {}}, {"engine": {"prefix_match": flow}}],  # writer, reader
+    }
+    (row,) = pair_report.summarize_engine([rec])
+    assert row["batches_per_s"] == pytest.approx(4.0)
+    assert row["GBps"] == pytest.approx(12 * MiB / 1e9)
+    assert row["query_p50_us"] == 150.0
+    assert row["index_calls_per_batch"] == {"Lookup": 1.0}
+    assert row["calls"] == "prefix_match + batch_get_into"

@@ -5,6 +5,7 @@ stores that live in a dict."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -13,8 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvpool_bench import pair_cells
 from kvpool_bench.drivers import Array, PassResult, Result, SyncDriver
-from kvpool_bench.peers import first_read_parts
+from kvpool_bench.pair_cells import PINGS
+from kvpool_bench.peers import first_read_parts, pair_parts
 from kvpool_bench.worker import POISON, Worker
 
 SIZE = 4096
@@ -265,3 +268,112 @@ def test_stamps_are_undone_so_earlier_cells_leave_no_trace() -> None:
     _writer, reader = _first_read(workers, size=4 * SIZE, keys=4)
     assert reader["get"]["wrong"] == 0
     assert reader["get"]["bytes_verified"] == 2 * 4 * 4 * SIZE
+
+
+# --- hand-off and engine: one writer, one reader, a pipe between them -------------------------
+
+
+def _linked_pair(driver: DictStore) -> list[Worker]:
+    barrier = threading.Barrier(2)
+    ends = multiprocessing.Pipe()
+    workers = []
+    for index in (0, 1):
+        worker = Worker(index, barrier, ends[index])
+        worker.setup({"arena_bytes": 64 * SIZE, "seed": 1, "systems": []})
+        worker.drivers["s"] = driver
+        workers.append(worker)
+    return workers
+
+
+def _pair_cell(workers: list[Worker], mode: str, **extra: Any) -> list[dict[str, Any]]:
+    msg = {
+        "cmd": "cell",
+        "mode": mode,
+        "system": "s",
+        "size_bytes": SIZE,
+        "keys_per_pass": 8,
+        "batch": 0,
+        "passes": 2,
+        "uid": 11,
+        "run": "t",
+        **extra,
+    }
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(w.cell, p) for w, p in zip(workers, pair_parts(msg), strict=True)]
+        return [f.result(timeout=30) for f in futures]
+
+
+def test_each_hand_off_is_read_by_the_other_worker_before_the_next_put() -> None:
+    driver = DictStore()
+    events: list[str] = []
+    put_one, get_one = driver.put_one, driver.get_one
+
+    def put_spy(key: str, src: Array, res: PassResult) -> bool:
+        events.append(f"put {key}")
+        return put_one(key, src, res)
+
+    def get_spy(key: str, dst: Array, res: PassResult) -> Result:
+        events.append(f"get {key}")
+        return get_one(key, dst, res)
+
+    driver.put_one = put_spy  # type: ignore[method-assign]
+    driver.get_one = get_spy  # type: ignore[method-assign]
+    writer, reader = _pair_cell(_linked_pair(driver), "hand-off")
+    keys = [e.split()[1] for e in events[::2]]
+    assert events == [f"{op} {k}" for k in keys for op in ("put", "get")]
+    assert len(set(keys)) == 16
+    assert all(k.split("/")[3] == "0" for k in keys)  # worker 0's keys
+    get, hand = reader["get"], reader["handoff"]
+    assert get["bytes_verified"] == get["bytes_read"] == 16 * SIZE
+    assert get["wrong"] == get["misses"] == hand["unacknowledged"] == 0
+    assert len(hand["latency_us"]) == len(hand["signal_us"]) == len(get["durations_us"]) == 16
+    pairs = zip(hand["latency_us"], get["durations_us"], strict=True)
+    assert all(latency >= read for latency, read in pairs)  # the latency includes the read
+    assert len(writer["handoff"]["pipe_one_way_us"]) == PINGS
+    assert writer["put"]["failures"] == 0
+    assert not driver.data  # the writer removed its keys
+
+
+@pytest.mark.parametrize(("store", "wrong", "misses"), [(FlipsAByte, 2, 0), (LosesAKey, 0, 2)])
+def test_a_hand_off_miss_and_a_wrong_block_are_counted(
+    store: type[DictStore], wrong: int, misses: int
+) -> None:
+    _writer, reader = _pair_cell(_linked_pair(store()), "hand-off")
+    assert reader["get"]["wrong"] == wrong
+    assert reader["get"]["misses"] == misses  # LosesAKey acknowledged the put it dropped
+    assert reader["get"]["bytes_verified"] == (16 - wrong - misses) * SIZE
+
+
+class DictFlow:
+    label = "in + get"
+
+    def __init__(self, store: DictStore) -> None:
+        self.store = store
+
+    def query(self, keys: Sequence[str]) -> list[bool]:
+        return [k in self.store.data for k in keys]
+
+    def read(self, keys: Sequence[str], dsts: Sequence[Array], res: PassResult) -> list[Result]:
+        return self.store.get_many(keys, dsts, res)
+
+    def index_calls(self) -> dict[str, int] | None:
+        return None
+
+
+@pytest.mark.parametrize(("store", "misses"), [(DictStore, 0), (LosesAKey, 2)])
+def test_the_engine_flow_queries_then_reads_the_hits_of_the_other_workers_batch(
+    monkeypatch: pytest.MonkeyPatch, store: type[DictStore], misses: int
+) -> None:
+    driver = store()
+    monkeypatch.setattr(pair_cells, "engine_flows", lambda d: {"in": DictFlow(d)})
+    writer, reader = _pair_cell(_linked_pair(driver), "engine", batch=4, queries=["in"])
+    flow = reader["engine"]["in"]
+    # 2 passes x 2 batches of 4 keys; the writer put 3 of each batch (one lost by LosesAKey)
+    assert flow["batches"] == len(flow["query_us"]) == len(flow["flow_us"]) == 4
+    assert flow["keys_asked"] == 16
+    assert flow["misses"] == misses
+    assert flow["hits"] == 12 - misses
+    assert flow["phantoms"] == flow["wrong"] == flow["read_misses"] == 0
+    assert flow["bytes_verified"] == flow["bytes_read"] == (12 - misses) * SIZE
+    assert writer["engine"]["in"]["put_failures"] == 0
+    assert not driver.data
