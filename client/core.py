@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import random
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from opentelemetry.trace import SpanKind
@@ -40,6 +40,7 @@ from kvpool.client.commits import (
 )
 from kvpool.client.hedge import HedgePolicy
 from kvpool.client.links import Links
+from kvpool.client.ops import Lookup, SinkFactory, read_flow
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.spans import read_attributes
 from kvpool.client.stats import ClientStats
@@ -69,8 +70,7 @@ from kvpool.errors import (
 )
 from kvpool.logs import get_logger
 from kvpool.mastercall import MasterClient, MasterRouting
-from kvpool.proto.v1 import common_pb2, master_pb2
-from kvpool.proto.wire import TierLevel
+from kvpool.proto.v1 import master_pb2
 from kvpool.transports.tcp import ConnectionPool
 
 __all__ = ["ClientCore", "PutReceipt", "RevisionFloor", "tier_limit"]
@@ -117,9 +117,6 @@ MASTER_ATTEMPT_S = 0.5
 writer this long (a new leader is elected within ~0.3-0.7 s; a retried commit applies once)."""
 """Longest wait for best-effort DELETE frames after a remove."""
 
-SinkFactory = Callable[[int, str, int], tuple[memoryview | None, bool]]
-"""Where the bytes of the i-th key go (None: into fresh bytes), given its index, key and size,
-and whether that is the caller's buffer."""
 TIER_LIMITS: dict[str, int] = {"": 0, "any": 0, "gpu": 1, "cpu": 2, "ssd": 3}
 """``max_tier`` names: the slowest tier a get accepts (a block held only on a slower one is a
 miss, ``slow_tier``, without reading it)."""
@@ -611,57 +608,6 @@ class ClientCore:
             self.cache.learn_members([MemberInfo.from_proto(m) for m in response.members])
             self.cache.store_many(keys, list(response.entries), response.revision)
 
-    def read_items(
-        self,
-        pairs: list[tuple[str, bytes]],
-        entries: Sequence[common_pb2.BlockEntry | None],
-        from_cache: Sequence[bool],
-        sink_for: SinkFactory,
-        *,
-        limit: int,
-        now_s: float,
-        indexes: Sequence[int] | None = None,
-    ) -> list[ReadItem | None]:
-        """One ReadItem per found entry (None for keys the index lacks)."""
-        items: list[ReadItem | None] = []
-        append = items.append
-        read_order = self._placement.read_order
-        randrange = random.randrange
-        slowest = TierLevel.SSD
-        for n_item, ((key, key_bytes), entry, cached) in enumerate(
-            zip(pairs, entries, from_cache, strict=True)
-        ):
-            if entry is None or not entry.found:
-                append(None)
-                continue
-            index = indexes[n_item] if indexes is not None else n_item
-            sink, caller_buffer = sink_for(index, key, entry.size_bytes)
-            held = entry.replicas
-            n = len(held)
-            replicas = [held[0]] if n == 1 else read_order(held, now_s, randrange(max(1, n)))
-            item = ReadItem(
-                key,
-                key_bytes,
-                entry,
-                sink=sink,
-                caller_buffer=caller_buffer,
-                replicas=replicas,
-                max_tier=limit,
-                from_cache=cached,
-            )
-            if limit and limit < entry.tier <= slowest:  # the index: on a slower tier
-                item.replicas = []
-                item.fail(
-                    "slow_tier",
-                    BlockMissError(
-                        f"{key!r} is on the {TierLevel(entry.tier).name.lower()} tier, slower "
-                        f"than max_tier {TierLevel(limit).name.lower()}",
-                        reason="slow_tier",
-                    ),
-                )
-            append(item)
-        return items
-
     def member(self, member_id: int, live: dict[int, MemberInfo]) -> MemberInfo | None:
         return (
             live.get(member_id) or self.cache.member(member_id) or self._placement.member(member_id)
@@ -670,55 +616,34 @@ class ClientCore:
     async def _read(
         self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, deadline: float, limit: int
     ) -> list[ReadItem | None]:
-        loop = asyncio.get_running_loop()
-        cache = self.cache
-        entries: list[common_pb2.BlockEntry | None] = [cache.get(k) for k, _ in pairs]
-        from_cache = [e is not None for e in entries]
-        live: dict[int, MemberInfo] = {}
-        todo = [i for i, e in enumerate(entries) if e is None]
-        if todo:
-            response = await self._lookup([pairs[i][0] for i in todo], deadline)
-            live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
-            for i, entry in zip(todo, response.entries, strict=True):
-                entries[i] = entry
-        items = self.read_items(
-            pairs, entries, from_cache, sink_for, limit=limit, now_s=loop.time()
+        """The event-loop driver of :func:`~kvpool.client.ops.read_flow`."""
+        flow = read_flow(
+            self.cache,
+            self._placement,
+            pairs,
+            sink_for,
+            limit=limit,
+            deadline=deadline,
+            clock=asyncio.get_running_loop().time,
         )
-        await self._data.read(
-            [it for it in items if it is not None and it.replicas],
-            lambda mid: self.member(mid, live),
-            deadline,
-            on_retry=self._stats.replica_retries,
-        )
-        stale = [i for i, it in enumerate(items) if it is not None and not it.ok and it.from_cache]
-        if stale and loop.time() < deadline:
-            # A cached entry missed: it may be stale. Look those keys up again, once.
-            for i in stale:
-                cache.drop(pairs[i][0])
-            sub = [pairs[i] for i in stale]
-            response = await self._lookup([k for k, _ in sub], deadline)
-            live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
-            fresh = self.read_items(
-                sub,
-                list(response.entries),
-                [False] * len(sub),
-                sink_for,
-                limit=limit,
-                now_s=loop.time(),
-                indexes=stale,
-            )
-            for i, item in zip(stale, fresh, strict=True):
-                items[i] = item
-            await self._data.read(
-                [it for it in fresh if it is not None and it.replicas],
-                lambda mid: self.member(mid, live),
-                deadline,
-                on_retry=self._stats.replica_retries,
-            )
-        for it in items:
-            if it is not None and not it.ok:
-                cache.drop(it.key, it.entry.write_id)
-        return items
+        member = self.member
+        answer: master_pb2.LookupResponse | None = None
+        while True:
+            try:
+                step = flow.send(answer)
+            except StopIteration as done:
+                items: list[ReadItem | None] = done.value
+                return items
+            if isinstance(step, Lookup):
+                answer = await self._lookup(step.keys, deadline)
+            else:
+                await self._data.read(
+                    step.items,
+                    partial(member, live=step.live),
+                    deadline,
+                    on_retry=self._stats.replica_retries,
+                )
+                answer = None
 
     # --- writes -------------------------------------------------------------------------------
 
