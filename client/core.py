@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
-from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem, new_write_ids
+from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem
 from kvpool.client.cache import LookupCache
 from kvpool.client.client_metrics import ClientMetrics
 from kvpool.client.commits import (
@@ -40,7 +40,17 @@ from kvpool.client.commits import (
 )
 from kvpool.client.hedge import HedgePolicy
 from kvpool.client.links import Links
-from kvpool.client.ops import Lookup, SinkFactory, read_flow
+from kvpool.client.ops import (
+    DELETE_WAIT_S,
+    Commit,
+    EnsureMembers,
+    Lookup,
+    Publish,
+    SinkFactory,
+    Stage,
+    put_flow,
+    read_flow,
+)
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.spans import read_attributes
 from kvpool.client.stats import ClientStats
@@ -79,14 +89,9 @@ T = TypeVar("T")
 
 DEADLINE_SLACK_S = 0.05
 """A call's guard fires this long after its deadline, should any step overrun it."""
-MAX_PUT_ATTEMPTS = 3
-"""Whole-put attempts when the index answers stale_ring (each on a refreshed ring)."""
-COMMIT_SHARE = 0.25
-"""Share of ``timeout_s`` that sending a put's bytes leaves for the commit and publish."""
 MAX_COMMIT_ENTRIES = 8192
 """Most entries in one CommitPuts (the masters' default commit_batch_max_entries); a larger
 batch_put commits in several calls, concurrently."""
-DELETE_WAIT_S = 0.25
 EMPTY_RING_ASKS = 4
 """How many times a put asks for the membership while the answer names no node that takes
 puts: right after a cluster starts a follower may answer before it has applied the nodes'
@@ -115,7 +120,6 @@ def leading_hits(response: master_pb2.LookupResponse) -> int:
 MASTER_ATTEMPT_S = 0.5
 """The longest one call waits for one master before asking another: a paused leader costs a
 writer this long (a new leader is elected within ~0.3-0.7 s; a retried commit applies once)."""
-"""Longest wait for best-effort DELETE frames after a remove."""
 
 TIER_LIMITS: dict[str, int] = {"": 0, "any": 0, "gpu": 1, "cpu": 2, "ssd": 3}
 """``max_tier`` names: the slowest tier a get accepts (a block held only on a slower one is a
@@ -686,49 +690,55 @@ class ClientCore:
     async def _put(
         self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
     ) -> None:
-        """Place, stage, commit, publish; what the index refuses as placed on a stale ring is
-        placed again on a fresh one (new write ids), up to MAX_PUT_ATTEMPTS times."""
-        send_deadline = deadline - COMMIT_SHARE * self.config.timeout_s
-        pending = items
-        for _attempt in range(MAX_PUT_ATTEMPTS):
-            await self._ensure_members(deadline)
-            ring_version = self._placement.ring_version or 0
-            for item, write_id in zip(pending, new_write_ids(len(pending)), strict=True):
-                item.restart(write_id, self._placement.place(item.key_bytes, self.config.replicas))
-            await self._data.stage(pending, send_deadline)
-            staged = [it for it in pending if it.acked]
-            if not staged:
+        """The event-loop driver of :func:`~kvpool.client.ops.put_flow` (a commit's chunks go
+        at once)."""
+        loop = asyncio.get_running_loop()
+        flow = put_flow(
+            self._placement,
+            items,
+            receipts,
+            self.commit_answered,
+            replicas=self.config.replicas,
+            timeout_s=self.config.timeout_s,
+            deadline=deadline,
+            max_commit_entries=MAX_COMMIT_ENTRIES,
+            clock=loop.time,
+        )
+        answer: list[CommitAnswer | KVPoolError] | None = None
+        while True:
+            try:
+                step = flow.send(answer)
+            except StopIteration:
                 return
-            chunks = [
-                staged[i : i + MAX_COMMIT_ENTRIES]
-                for i in range(0, len(staged), MAX_COMMIT_ENTRIES)
-            ]
-            outcomes = await asyncio.gather(
-                *(self._commit(chunk, ring_version, deadline, receipts) for chunk in chunks),
-                return_exceptions=True,
-            )
-            failures = [o for o in outcomes if isinstance(o, BaseException)]
-            if len(failures) == len(outcomes):
-                raise failures[0]  # the whole call failed (no leader, deadline, …)
-            after = AfterCommit()
-            stale = False
-            for chunk, outcome in zip(chunks, outcomes, strict=True):
-                if isinstance(outcome, KVPoolError):
-                    for it in chunk:
-                        it.error = outcome
-                elif isinstance(outcome, BaseException):
-                    raise outcome
-                elif outcome is None:
-                    stale = True
-                else:
-                    after.extend(outcome)
-            await self._data.publish(after.publish, deadline, wait=after.wait_publish)
-            if after.delete:
-                loop = asyncio.get_running_loop()
-                await self._data.delete(after.delete, min(deadline, loop.time() + DELETE_WAIT_S))
-            if not stale:
-                return
-            pending = [it for it in pending if not it.committed]
+            answer = None
+            if isinstance(step, EnsureMembers):
+                await self._ensure_members(deadline)
+            elif isinstance(step, Stage):
+                await self._data.stage(step.items, step.deadline)
+            elif isinstance(step, Commit):
+                answer = await self._commit_chunks(step.chunks, step.ring_version, deadline)
+            elif isinstance(step, Publish):
+                await self._data.publish(step.refs, deadline, wait=step.wait)
+            else:
+                await self._data.delete(step.refs, step.deadline)
+
+    async def _commit_chunks(
+        self, chunks: list[list[PutItem]], ring_version: int, deadline: float
+    ) -> list[CommitAnswer | KVPoolError]:
+        """Commit every chunk at once (each grouped with this client's other puts committing
+        meanwhile): one outcome per chunk. An error that is not a KVPoolError is raised (the
+        first chunk's error when every chunk failed)."""
+        outcomes = await asyncio.gather(
+            *(self._committer.commit(ring_version, put_entries(c), deadline) for c in chunks),
+            return_exceptions=True,
+        )
+        answers: list[CommitAnswer | KVPoolError] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, KVPoolError):
+                failures = [o for o in outcomes if isinstance(o, BaseException)]
+                raise failures[0] if len(failures) == len(outcomes) else outcome
+            answers.append(outcome)
+        return answers
 
     async def _commit_rpc(
         self, request: master_pb2.CommitPutsRequest, deadline: float
@@ -737,18 +747,6 @@ class ClientCore:
             "CommitPuts", request, deadline=deadline, leader_only=True
         )
         return response
-
-    async def _commit(
-        self,
-        staged: list[PutItem],
-        ring_version: int,
-        deadline: float,
-        receipts: dict[PutItem, PutReceipt],
-    ) -> AfterCommit | None:
-        """Commit ``staged`` (grouped with this client's other puts committing meanwhile): the
-        blocks to publish and delete, or None for a stale ring."""
-        answer = await self._committer.commit(ring_version, put_entries(staged), deadline)
-        return self.commit_answered(staged, answer, receipts)
 
     def commit_answered(
         self, staged: list[PutItem], answer: CommitAnswer, receipts: dict[PutItem, PutReceipt]

@@ -31,16 +31,12 @@ from kvpool import tracing
 from kvpool.client import core as core_module
 from kvpool.client.blocking_plane import BlockingDataPlane
 from kvpool.client.commits import (
-    AfterCommit,
     CommitAnswer,
     PutReceipt,
     SyncCommitter,
     put_entries,
 )
 from kvpool.client.core import (
-    COMMIT_SHARE,
-    DELETE_WAIT_S,
-    MAX_PUT_ATTEMPTS,
     PREFIX_LOOKUP_MAX_KEYS,
     ClientCore,
     _miss_reason,
@@ -50,14 +46,23 @@ from kvpool.client.core import (
     into_each,
     leading_hits,
 )
-from kvpool.client.ops import Lookup, SinkFactory, read_flow
+from kvpool.client.ops import (
+    DELETE_WAIT_S,
+    Commit,
+    EnsureMembers,
+    Lookup,
+    Publish,
+    SinkFactory,
+    Stage,
+    put_flow,
+    read_flow,
+)
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
     BlockLocation,
     BlockRef,
     PutItem,
     ReadItem,
-    new_write_ids,
 )
 from kvpool.client.spans import read_attributes
 from kvpool.client.values import (
@@ -462,48 +467,36 @@ class SyncPath:
     def _put(
         self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
     ) -> None:
+        """The blocking driver of :func:`~kvpool.client.ops.put_flow`."""
         core = self.core
-        send_deadline = deadline - COMMIT_SHARE * self.config.timeout_s
-        pending = items
-        for _attempt in range(MAX_PUT_ATTEMPTS):
-            self._ensure_members(deadline)
-            ring_version = core.placement.ring_version or 0
-            for item, write_id in zip(pending, new_write_ids(len(pending)), strict=True):
-                item.restart(write_id, core.placement.place(item.key_bytes, self.config.replicas))
-            self._data.stage(pending, send_deadline)
-            staged = [it for it in pending if it.acked]
-            if not staged:
+        flow = put_flow(
+            core.placement,
+            items,
+            receipts,
+            core.commit_answered,
+            replicas=self.config.replicas,
+            timeout_s=self.config.timeout_s,
+            deadline=deadline,
+            max_commit_entries=core_module.MAX_COMMIT_ENTRIES,
+            clock=time.monotonic,
+        )
+        answer: list[CommitAnswer | KVPoolError] | None = None
+        while True:
+            try:
+                step = flow.send(answer)
+            except StopIteration:
                 return
-            size = core_module.MAX_COMMIT_ENTRIES
-            chunks = [staged[i : i + size] for i in range(0, len(staged), size)]
-            after = AfterCommit()
-            stale = False
-            failures: list[KVPoolError] = []
-            for chunk, outcome in zip(
-                chunks, self._commit_chunks(chunks, ring_version, deadline), strict=True
-            ):
-                if isinstance(outcome, KVPoolError):
-                    failures.append(outcome)
-                    for it in chunk:
-                        it.error = outcome
-                    continue
-                result = core.commit_answered(chunk, outcome, receipts)
-                if result is None:
-                    stale = True
-                else:
-                    after.extend(result)
-            if len(failures) == len(chunks):
-                raise failures[0]  # the whole call failed (no leader, deadline, …)
-            if after.publish:
-                # Not waited for (a node serves a staged block to a read naming its write id),
-                # unless it replaces an older write there.
-                self._data.send_refs(Op.PUBLISH, after.publish, deadline, wait=after.wait_publish)
-            if after.delete:
-                delete_by = min(deadline, time.monotonic() + DELETE_WAIT_S)
-                self._data.send_refs(Op.DELETE, after.delete, delete_by)
-            if not stale:
-                return
-            pending = [it for it in pending if not it.committed]
+            answer = None
+            if isinstance(step, EnsureMembers):
+                self._ensure_members(deadline)
+            elif isinstance(step, Stage):
+                self._data.stage(step.items, step.deadline)
+            elif isinstance(step, Commit):
+                answer = self._commit_chunks(step.chunks, step.ring_version, deadline)
+            elif isinstance(step, Publish):
+                self._data.send_refs(Op.PUBLISH, step.refs, deadline, wait=step.wait)
+            else:
+                self._data.send_refs(Op.DELETE, step.refs, step.deadline)
 
     def _commit_chunks(
         self, chunks: list[list[PutItem]], ring_version: int, deadline: float

@@ -17,8 +17,16 @@ read decides is here, once:
 * the cached entry of an item that still failed is dropped (only if it names the write id
   that failed).
 
+A put of many blocks is :func:`put_flow`: per attempt it asks for a membership
+(:class:`EnsureMembers`), places every pending block on the ring under a fresh write id,
+stages the bytes on the replicas (:class:`Stage`), commits what was staged in chunks
+(:class:`Commit`, answered with one outcome per chunk), then PUBLISHes the new blocks
+(:class:`Publish`) and DELETEs the replaced ones (:class:`Delete`). What the index refused as
+placed on a stale ring is placed again on the refreshed ring, up to :data:`MAX_PUT_ATTEMPTS`
+attempts; when every chunk's commit failed the put fails with the first chunk's error.
+
 The clock is passed in (the driver's: ``time.monotonic`` or the event loop's ``time``), so a
-test drives a read step by step with no socket, no thread and no event loop.
+test drives a read or a put step by step with no socket, no thread and no event loop.
 """
 
 from __future__ import annotations
@@ -28,13 +36,38 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 from kvpool.client.cache import LookupCache
+from kvpool.client.commits import AfterCommit, CommitAnswer, PutReceipt
 from kvpool.client.placement import MemberInfo, Placement
-from kvpool.client.plans import ReadItem
-from kvpool.errors import BlockMissError
+from kvpool.client.plans import BlockRef, PutItem, ReadItem, new_write_ids
+from kvpool.errors import BlockMissError, KVPoolError
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import TierLevel
 
-__all__ = ["Lookup", "Read", "ReadFlow", "SinkFactory", "read_flow", "read_items"]
+__all__ = [
+    "COMMIT_SHARE",
+    "DELETE_WAIT_S",
+    "MAX_PUT_ATTEMPTS",
+    "Commit",
+    "Delete",
+    "EnsureMembers",
+    "Lookup",
+    "Publish",
+    "PutFlow",
+    "Read",
+    "ReadFlow",
+    "SinkFactory",
+    "Stage",
+    "put_flow",
+    "read_flow",
+    "read_items",
+]
+
+MAX_PUT_ATTEMPTS = 3
+"""Whole-put attempts when the index answers stale_ring (each on a refreshed ring)."""
+COMMIT_SHARE = 0.25
+"""Share of ``timeout_s`` that sending a put's bytes leaves for the commit and publish."""
+DELETE_WAIT_S = 0.25
+"""Longest wait for best-effort DELETE frames after a put or a remove."""
 
 SinkFactory = Callable[[int, str, int], tuple[memoryview | None, bool]]
 """Where the bytes of the i-th key go (None: into fresh bytes), given its index, key and size,
@@ -175,3 +208,112 @@ def read_items(
             )
         append(item)
     return items
+
+
+# --- puts -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EnsureMembers:
+    """Have a membership to place on (ask the masters when the placement needs a refresh);
+    answer with nothing."""
+
+
+@dataclass(slots=True)
+class Stage:
+    """Send every item's bytes to its targets, staged, by ``deadline``; answer with nothing:
+    the items record which replicas acked."""
+
+    items: list[PutItem]
+    deadline: float
+
+
+@dataclass(slots=True)
+class Commit:
+    """Commit each chunk's staged entries placed on ring ``ring_version``; answer with one
+    outcome per chunk, in order: the CommitAnswer, or the KVPoolError that commit failed
+    with."""
+
+    chunks: list[list[PutItem]]
+    ring_version: int
+
+
+@dataclass(slots=True)
+class Publish:
+    """PUBLISH ``refs``; wait for the answers only when ``wait``. Answer with nothing."""
+
+    refs: list[BlockRef]
+    wait: bool
+
+
+@dataclass(slots=True)
+class Delete:
+    """DELETE ``refs``, best effort, until ``deadline``. Answer with nothing."""
+
+    refs: list[BlockRef]
+    deadline: float
+
+
+PutStep = EnsureMembers | Stage | Commit | Publish | Delete
+CommitOutcomes = list[CommitAnswer | KVPoolError]
+PutFlow = Generator[PutStep, CommitOutcomes | None, None]
+CommitAnswered = Callable[
+    [list[PutItem], CommitAnswer, dict[PutItem, PutReceipt]], AfterCommit | None
+]
+"""Learn from one chunk's commit answer (receipts, errors, floor, cache): the blocks to publish
+and delete, or None when the index refused the ring (``ClientCore.commit_answered``)."""
+
+
+def put_flow(
+    placement: Placement,
+    items: list[PutItem],
+    receipts: dict[PutItem, PutReceipt],
+    answered: CommitAnswered,
+    *,
+    replicas: int,
+    timeout_s: float,
+    deadline: float,
+    max_commit_entries: int,
+    clock: Callable[[], float],
+) -> PutFlow:
+    """Put ``items`` (see the module doc); each committed item's receipt lands in
+    ``receipts``, each failed one keeps its error."""
+    send_deadline = deadline - COMMIT_SHARE * timeout_s
+    pending = items
+    for _attempt in range(MAX_PUT_ATTEMPTS):
+        yield EnsureMembers()
+        ring_version = placement.ring_version or 0
+        for item, write_id in zip(pending, new_write_ids(len(pending)), strict=True):
+            item.restart(write_id, placement.place(item.key_bytes, replicas))
+        yield Stage(pending, send_deadline)
+        staged = [it for it in pending if it.acked]
+        if not staged:
+            return
+        size = max_commit_entries
+        chunks = [staged[i : i + size] for i in range(0, len(staged), size)]
+        outcomes = yield Commit(chunks, ring_version)
+        assert outcomes is not None
+        failures = [o for o in outcomes if isinstance(o, KVPoolError)]
+        if len(failures) == len(chunks):
+            raise failures[0]  # the whole call failed (no leader, deadline, …)
+        after = AfterCommit()
+        stale = False
+        for chunk, outcome in zip(chunks, outcomes, strict=True):
+            if isinstance(outcome, KVPoolError):
+                for it in chunk:
+                    it.error = outcome
+                continue
+            result = answered(chunk, outcome, receipts)
+            if result is None:
+                stale = True
+            else:
+                after.extend(result)
+        if after.publish:
+            # Not waited for (a node serves a staged block to a read naming its write id),
+            # unless it replaces an older write there.
+            yield Publish(after.publish, after.wait_publish)
+        if after.delete:
+            yield Delete(after.delete, min(deadline, clock() + DELETE_WAIT_S))
+        if not stale:
+            return
+        pending = [it for it in pending if not it.committed]
