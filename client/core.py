@@ -46,6 +46,8 @@ from kvpool.client.ops import (
     EnsureMembers,
     Lookup,
     Publish,
+    PutFlow,
+    ReadFlow,
     SinkFactory,
     Stage,
     put_flow,
@@ -617,19 +619,31 @@ class ClientCore:
             live.get(member_id) or self.cache.member(member_id) or self._placement.member(member_id)
         )
 
-    async def _read(
-        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, deadline: float, limit: int
-    ) -> list[ReadItem | None]:
-        """The event-loop driver of :func:`~kvpool.client.ops.read_flow`."""
-        flow = read_flow(
+    def read_flow(
+        self,
+        pairs: list[tuple[str, bytes]],
+        sink_for: SinkFactory,
+        deadline: float,
+        limit: int,
+        clock: Callable[[], float],
+    ) -> ReadFlow:
+        """:func:`~kvpool.client.ops.read_flow` over this client's cache and placement, for
+        either driver (``clock``: the driver's)."""
+        return read_flow(
             self.cache,
             self._placement,
             pairs,
             sink_for,
             limit=limit,
             deadline=deadline,
-            clock=asyncio.get_running_loop().time,
+            clock=clock,
         )
+
+    async def _read(
+        self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, deadline: float, limit: int
+    ) -> list[ReadItem | None]:
+        """The event-loop driver of :func:`~kvpool.client.ops.read_flow`."""
+        flow = self.read_flow(pairs, sink_for, deadline, limit, asyncio.get_running_loop().time)
         member = self.member
         answer: master_pb2.LookupResponse | None = None
         while True:
@@ -687,13 +701,16 @@ class ClientCore:
             raise items[0].error or UnavailableError(f"put {items[0].key!r} failed")
         return results
 
-    async def _put(
-        self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
-    ) -> None:
-        """The event-loop driver of :func:`~kvpool.client.ops.put_flow` (a commit's chunks go
-        at once)."""
-        loop = asyncio.get_running_loop()
-        flow = put_flow(
+    def put_flow(
+        self,
+        items: list[PutItem],
+        receipts: dict[PutItem, PutReceipt],
+        deadline: float,
+        clock: Callable[[], float],
+    ) -> PutFlow:
+        """:func:`~kvpool.client.ops.put_flow` over this client's placement and commit
+        bookkeeping, for either driver (``clock``: the driver's)."""
+        return put_flow(
             self._placement,
             items,
             receipts,
@@ -702,8 +719,15 @@ class ClientCore:
             timeout_s=self.config.timeout_s,
             deadline=deadline,
             max_commit_entries=MAX_COMMIT_ENTRIES,
-            clock=loop.time,
+            clock=clock,
         )
+
+    async def _put(
+        self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
+    ) -> None:
+        """The event-loop driver of :func:`~kvpool.client.ops.put_flow` (a commit's chunks go
+        at once)."""
+        flow = self.put_flow(items, receipts, deadline, asyncio.get_running_loop().time)
         answer: list[CommitAnswer | KVPoolError] | None = None
         while True:
             try:

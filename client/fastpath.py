@@ -54,8 +54,6 @@ from kvpool.client.ops import (
     Publish,
     SinkFactory,
     Stage,
-    put_flow,
-    read_flow,
 )
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
@@ -418,15 +416,7 @@ class SyncPath:
     ) -> list[ReadItem | None]:
         """The blocking driver of :func:`~kvpool.client.ops.read_flow`."""
         core = self.core
-        flow = read_flow(
-            core.cache,
-            core.placement,
-            pairs,
-            sink_for,
-            limit=limit,
-            deadline=deadline,
-            clock=time.monotonic,
-        )
+        flow = core.read_flow(pairs, sink_for, deadline, limit, time.monotonic)
         member = core.member
         on_retry = core.counters.replica_retries
         answer: master_pb2.LookupResponse | None = None
@@ -468,18 +458,7 @@ class SyncPath:
         self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
     ) -> None:
         """The blocking driver of :func:`~kvpool.client.ops.put_flow`."""
-        core = self.core
-        flow = put_flow(
-            core.placement,
-            items,
-            receipts,
-            core.commit_answered,
-            replicas=self.config.replicas,
-            timeout_s=self.config.timeout_s,
-            deadline=deadline,
-            max_commit_entries=core_module.MAX_COMMIT_ENTRIES,
-            clock=time.monotonic,
-        )
+        flow = self.core.put_flow(items, receipts, deadline, time.monotonic)
         answer: list[CommitAnswer | KVPoolError] | None = None
         while True:
             try:
