@@ -17,15 +17,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import random
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
-from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem, new_write_ids
+from kvpool.client.blocks import BlockRef, DataPlane, PutItem, ReadItem
 from kvpool.client.cache import LookupCache
 from kvpool.client.client_metrics import ClientMetrics
 from kvpool.client.commits import (
@@ -40,6 +40,19 @@ from kvpool.client.commits import (
 )
 from kvpool.client.hedge import HedgePolicy
 from kvpool.client.links import Links
+from kvpool.client.ops import (
+    DELETE_WAIT_S,
+    Commit,
+    EnsureMembers,
+    Lookup,
+    Publish,
+    PutFlow,
+    ReadFlow,
+    SinkFactory,
+    Stage,
+    put_flow,
+    read_flow,
+)
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.spans import read_attributes
 from kvpool.client.stats import ClientStats
@@ -69,8 +82,7 @@ from kvpool.errors import (
 )
 from kvpool.logs import get_logger
 from kvpool.mastercall import MasterClient, MasterRouting
-from kvpool.proto.v1 import common_pb2, master_pb2
-from kvpool.proto.wire import TierLevel
+from kvpool.proto.v1 import master_pb2
 from kvpool.transports.tcp import ConnectionPool
 
 __all__ = ["ClientCore", "PutReceipt", "RevisionFloor", "tier_limit"]
@@ -79,14 +91,9 @@ T = TypeVar("T")
 
 DEADLINE_SLACK_S = 0.05
 """A call's guard fires this long after its deadline, should any step overrun it."""
-MAX_PUT_ATTEMPTS = 3
-"""Whole-put attempts when the index answers stale_ring (each on a refreshed ring)."""
-COMMIT_SHARE = 0.25
-"""Share of ``timeout_s`` that sending a put's bytes leaves for the commit and publish."""
 MAX_COMMIT_ENTRIES = 8192
 """Most entries in one CommitPuts (the masters' default commit_batch_max_entries); a larger
 batch_put commits in several calls, concurrently."""
-DELETE_WAIT_S = 0.25
 EMPTY_RING_ASKS = 4
 """How many times a put asks for the membership while the answer names no node that takes
 puts: right after a cluster starts a follower may answer before it has applied the nodes'
@@ -115,11 +122,7 @@ def leading_hits(response: master_pb2.LookupResponse) -> int:
 MASTER_ATTEMPT_S = 0.5
 """The longest one call waits for one master before asking another: a paused leader costs a
 writer this long (a new leader is elected within ~0.3-0.7 s; a retried commit applies once)."""
-"""Longest wait for best-effort DELETE frames after a remove."""
 
-SinkFactory = Callable[[int, str, int], tuple[memoryview | None, bool]]
-"""Where the bytes of the i-th key go (None: into fresh bytes), given its index, key and size,
-and whether that is the caller's buffer."""
 TIER_LIMITS: dict[str, int] = {"": 0, "any": 0, "gpu": 1, "cpu": 2, "ssd": 3}
 """``max_tier`` names: the slowest tier a get accepts (a block held only on a slower one is a
 miss, ``slow_tier``, without reading it)."""
@@ -611,114 +614,54 @@ class ClientCore:
             self.cache.learn_members([MemberInfo.from_proto(m) for m in response.members])
             self.cache.store_many(keys, list(response.entries), response.revision)
 
-    def read_items(
-        self,
-        pairs: list[tuple[str, bytes]],
-        entries: Sequence[common_pb2.BlockEntry | None],
-        from_cache: Sequence[bool],
-        sink_for: SinkFactory,
-        *,
-        limit: int,
-        now_s: float,
-        indexes: Sequence[int] | None = None,
-    ) -> list[ReadItem | None]:
-        """One ReadItem per found entry (None for keys the index lacks)."""
-        items: list[ReadItem | None] = []
-        append = items.append
-        read_order = self._placement.read_order
-        randrange = random.randrange
-        slowest = TierLevel.SSD
-        for n_item, ((key, key_bytes), entry, cached) in enumerate(
-            zip(pairs, entries, from_cache, strict=True)
-        ):
-            if entry is None or not entry.found:
-                append(None)
-                continue
-            index = indexes[n_item] if indexes is not None else n_item
-            sink, caller_buffer = sink_for(index, key, entry.size_bytes)
-            held = entry.replicas
-            n = len(held)
-            replicas = [held[0]] if n == 1 else read_order(held, now_s, randrange(max(1, n)))
-            item = ReadItem(
-                key,
-                key_bytes,
-                entry,
-                sink=sink,
-                caller_buffer=caller_buffer,
-                replicas=replicas,
-                max_tier=limit,
-                from_cache=cached,
-            )
-            if limit and limit < entry.tier <= slowest:  # the index: on a slower tier
-                item.replicas = []
-                item.fail(
-                    "slow_tier",
-                    BlockMissError(
-                        f"{key!r} is on the {TierLevel(entry.tier).name.lower()} tier, slower "
-                        f"than max_tier {TierLevel(limit).name.lower()}",
-                        reason="slow_tier",
-                    ),
-                )
-            append(item)
-        return items
-
     def member(self, member_id: int, live: dict[int, MemberInfo]) -> MemberInfo | None:
         return (
             live.get(member_id) or self.cache.member(member_id) or self._placement.member(member_id)
         )
 
+    def read_flow(
+        self,
+        pairs: list[tuple[str, bytes]],
+        sink_for: SinkFactory,
+        deadline: float,
+        limit: int,
+        clock: Callable[[], float],
+    ) -> ReadFlow:
+        """:func:`~kvpool.client.ops.read_flow` over this client's cache and placement, for
+        either driver (``clock``: the driver's)."""
+        return read_flow(
+            self.cache,
+            self._placement,
+            pairs,
+            sink_for,
+            limit=limit,
+            deadline=deadline,
+            clock=clock,
+        )
+
     async def _read(
         self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, deadline: float, limit: int
     ) -> list[ReadItem | None]:
-        loop = asyncio.get_running_loop()
-        cache = self.cache
-        entries: list[common_pb2.BlockEntry | None] = [cache.get(k) for k, _ in pairs]
-        from_cache = [e is not None for e in entries]
-        live: dict[int, MemberInfo] = {}
-        todo = [i for i, e in enumerate(entries) if e is None]
-        if todo:
-            response = await self._lookup([pairs[i][0] for i in todo], deadline)
-            live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
-            for i, entry in zip(todo, response.entries, strict=True):
-                entries[i] = entry
-        items = self.read_items(
-            pairs, entries, from_cache, sink_for, limit=limit, now_s=loop.time()
-        )
-        await self._data.read(
-            [it for it in items if it is not None and it.replicas],
-            lambda mid: self.member(mid, live),
-            deadline,
-            on_retry=self._stats.replica_retries,
-        )
-        stale = [i for i, it in enumerate(items) if it is not None and not it.ok and it.from_cache]
-        if stale and loop.time() < deadline:
-            # A cached entry missed: it may be stale. Look those keys up again, once.
-            for i in stale:
-                cache.drop(pairs[i][0])
-            sub = [pairs[i] for i in stale]
-            response = await self._lookup([k for k, _ in sub], deadline)
-            live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
-            fresh = self.read_items(
-                sub,
-                list(response.entries),
-                [False] * len(sub),
-                sink_for,
-                limit=limit,
-                now_s=loop.time(),
-                indexes=stale,
-            )
-            for i, item in zip(stale, fresh, strict=True):
-                items[i] = item
-            await self._data.read(
-                [it for it in fresh if it is not None and it.replicas],
-                lambda mid: self.member(mid, live),
-                deadline,
-                on_retry=self._stats.replica_retries,
-            )
-        for it in items:
-            if it is not None and not it.ok:
-                cache.drop(it.key, it.entry.write_id)
-        return items
+        """The event-loop driver of :func:`~kvpool.client.ops.read_flow`."""
+        flow = self.read_flow(pairs, sink_for, deadline, limit, asyncio.get_running_loop().time)
+        member = self.member
+        answer: master_pb2.LookupResponse | None = None
+        while True:
+            try:
+                step = flow.send(answer)
+            except StopIteration as done:
+                items: list[ReadItem | None] = done.value
+                return items
+            if isinstance(step, Lookup):
+                answer = await self._lookup(step.keys, deadline)
+            else:
+                await self._data.read(
+                    step.items,
+                    partial(member, live=step.live),
+                    deadline,
+                    on_retry=self._stats.replica_retries,
+                )
+                answer = None
 
     # --- writes -------------------------------------------------------------------------------
 
@@ -758,52 +701,68 @@ class ClientCore:
             raise items[0].error or UnavailableError(f"put {items[0].key!r} failed")
         return results
 
+    def put_flow(
+        self,
+        items: list[PutItem],
+        receipts: dict[PutItem, PutReceipt],
+        deadline: float,
+        clock: Callable[[], float],
+    ) -> PutFlow:
+        """:func:`~kvpool.client.ops.put_flow` over this client's placement and commit
+        bookkeeping, for either driver (``clock``: the driver's)."""
+        return put_flow(
+            self._placement,
+            items,
+            receipts,
+            self.commit_answered,
+            replicas=self.config.replicas,
+            timeout_s=self.config.timeout_s,
+            deadline=deadline,
+            max_commit_entries=MAX_COMMIT_ENTRIES,
+            clock=clock,
+        )
+
     async def _put(
         self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
     ) -> None:
-        """Place, stage, commit, publish; what the index refuses as placed on a stale ring is
-        placed again on a fresh one (new write ids), up to MAX_PUT_ATTEMPTS times."""
-        send_deadline = deadline - COMMIT_SHARE * self.config.timeout_s
-        pending = items
-        for _attempt in range(MAX_PUT_ATTEMPTS):
-            await self._ensure_members(deadline)
-            ring_version = self._placement.ring_version or 0
-            for item, write_id in zip(pending, new_write_ids(len(pending)), strict=True):
-                item.restart(write_id, self._placement.place(item.key_bytes, self.config.replicas))
-            await self._data.stage(pending, send_deadline)
-            staged = [it for it in pending if it.acked]
-            if not staged:
+        """The event-loop driver of :func:`~kvpool.client.ops.put_flow` (a commit's chunks go
+        at once)."""
+        flow = self.put_flow(items, receipts, deadline, asyncio.get_running_loop().time)
+        answer: list[CommitAnswer | KVPoolError] | None = None
+        while True:
+            try:
+                step = flow.send(answer)
+            except StopIteration:
                 return
-            chunks = [
-                staged[i : i + MAX_COMMIT_ENTRIES]
-                for i in range(0, len(staged), MAX_COMMIT_ENTRIES)
-            ]
-            outcomes = await asyncio.gather(
-                *(self._commit(chunk, ring_version, deadline, receipts) for chunk in chunks),
-                return_exceptions=True,
-            )
-            failures = [o for o in outcomes if isinstance(o, BaseException)]
-            if len(failures) == len(outcomes):
-                raise failures[0]  # the whole call failed (no leader, deadline, …)
-            after = AfterCommit()
-            stale = False
-            for chunk, outcome in zip(chunks, outcomes, strict=True):
-                if isinstance(outcome, KVPoolError):
-                    for it in chunk:
-                        it.error = outcome
-                elif isinstance(outcome, BaseException):
-                    raise outcome
-                elif outcome is None:
-                    stale = True
-                else:
-                    after.extend(outcome)
-            await self._data.publish(after.publish, deadline, wait=after.wait_publish)
-            if after.delete:
-                loop = asyncio.get_running_loop()
-                await self._data.delete(after.delete, min(deadline, loop.time() + DELETE_WAIT_S))
-            if not stale:
-                return
-            pending = [it for it in pending if not it.committed]
+            answer = None
+            if isinstance(step, EnsureMembers):
+                await self._ensure_members(deadline)
+            elif isinstance(step, Stage):
+                await self._data.stage(step.items, step.deadline)
+            elif isinstance(step, Commit):
+                answer = await self._commit_chunks(step.chunks, step.ring_version, deadline)
+            elif isinstance(step, Publish):
+                await self._data.publish(step.refs, deadline, wait=step.wait)
+            else:
+                await self._data.delete(step.refs, step.deadline)
+
+    async def _commit_chunks(
+        self, chunks: list[list[PutItem]], ring_version: int, deadline: float
+    ) -> list[CommitAnswer | KVPoolError]:
+        """Commit every chunk at once (each grouped with this client's other puts committing
+        meanwhile): one outcome per chunk. An error that is not a KVPoolError is raised (the
+        first chunk's error when every chunk failed)."""
+        outcomes = await asyncio.gather(
+            *(self._committer.commit(ring_version, put_entries(c), deadline) for c in chunks),
+            return_exceptions=True,
+        )
+        answers: list[CommitAnswer | KVPoolError] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, KVPoolError):
+                failures = [o for o in outcomes if isinstance(o, BaseException)]
+                raise failures[0] if len(failures) == len(outcomes) else outcome
+            answers.append(outcome)
+        return answers
 
     async def _commit_rpc(
         self, request: master_pb2.CommitPutsRequest, deadline: float
@@ -812,18 +771,6 @@ class ClientCore:
             "CommitPuts", request, deadline=deadline, leader_only=True
         )
         return response
-
-    async def _commit(
-        self,
-        staged: list[PutItem],
-        ring_version: int,
-        deadline: float,
-        receipts: dict[PutItem, PutReceipt],
-    ) -> AfterCommit | None:
-        """Commit ``staged`` (grouped with this client's other puts committing meanwhile): the
-        blocks to publish and delete, or None for a stale ring."""
-        answer = await self._committer.commit(ring_version, put_entries(staged), deadline)
-        return self.commit_answered(staged, answer, receipts)
 
     def commit_answered(
         self, staged: list[PutItem], answer: CommitAnswer, receipts: dict[PutItem, PutReceipt]

@@ -3,7 +3,8 @@
 Handing a call to the client's event-loop thread and back costs two thread wake-ups (64 µs
 measured here; a whole 4 KiB GET over loopback takes 22 µs with a blocking socket). So
 :class:`SyncPath` runs the same steps as :class:`~kvpool.client.core.ClientCore` — and the same
-deciding code: the core's lookup and commit bookkeeping, the per-node plans of
+deciding code: the read flow of :mod:`kvpool.client.ops` (this module drives it with blocking
+calls), the core's lookup and commit bookkeeping, the per-node plans of
 :mod:`kvpool.client.plans`, the placement, the lookup cache, the failure policy — with blocking
 I/O: sync gRPC to the masters (:class:`~kvpool.mastercall.SyncMasterClient`) and a
 :class:`~kvpool.transports.blocking.BlockingConnection` per thread and node (TCP, or the node's
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 from opentelemetry.trace import SpanKind
@@ -29,19 +31,14 @@ from kvpool import tracing
 from kvpool.client import core as core_module
 from kvpool.client.blocking_plane import BlockingDataPlane
 from kvpool.client.commits import (
-    AfterCommit,
     CommitAnswer,
     PutReceipt,
     SyncCommitter,
     put_entries,
 )
 from kvpool.client.core import (
-    COMMIT_SHARE,
-    DELETE_WAIT_S,
-    MAX_PUT_ATTEMPTS,
     PREFIX_LOOKUP_MAX_KEYS,
     ClientCore,
-    SinkFactory,
     _miss_reason,
     batch_sinks,
     fresh_bytes,
@@ -49,13 +46,21 @@ from kvpool.client.core import (
     into_each,
     leading_hits,
 )
+from kvpool.client.ops import (
+    DELETE_WAIT_S,
+    Commit,
+    EnsureMembers,
+    Lookup,
+    Publish,
+    SinkFactory,
+    Stage,
+)
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
     BlockLocation,
     BlockRef,
     PutItem,
     ReadItem,
-    new_write_ids,
 )
 from kvpool.client.spans import read_attributes
 from kvpool.client.values import (
@@ -75,7 +80,7 @@ from kvpool.errors import (
     UnavailableError,
 )
 from kvpool.mastercall import SyncMasterClient
-from kvpool.proto.v1 import common_pb2, master_pb2
+from kvpool.proto.v1 import master_pb2
 from kvpool.proto.wire import Op
 
 T = TypeVar("T")
@@ -409,56 +414,28 @@ class SyncPath:
     def _read(
         self, pairs: list[tuple[str, bytes]], sink_for: SinkFactory, deadline: float, limit: int
     ) -> list[ReadItem | None]:
+        """The blocking driver of :func:`~kvpool.client.ops.read_flow`."""
         core = self.core
-        cache = core.cache
-        counters = core.counters
-        entries: list[common_pb2.BlockEntry | None] = [cache.get(k) for k, _ in pairs]
-        from_cache = [e is not None for e in entries]
-        live: dict[int, MemberInfo] = {}
-        todo = [i for i, e in enumerate(entries) if e is None]
-        if todo:
-            response = self._lookup([pairs[i][0] for i in todo], deadline)
-            live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
-            for i, entry in zip(todo, response.entries, strict=True):
-                entries[i] = entry
-        items = core.read_items(
-            pairs, entries, from_cache, sink_for, limit=limit, now_s=time.monotonic()
-        )
-        self._data.read(
-            [it for it in items if it is not None and it.replicas],
-            lambda mid: core.member(mid, live),
-            deadline,
-            on_retry=counters.replica_retries,
-        )
-        stale = [i for i, it in enumerate(items) if it is not None and not it.ok and it.from_cache]
-        if stale and time.monotonic() < deadline:
-            # A cached entry missed: it may be stale. Look those keys up again, once.
-            for i in stale:
-                cache.drop(pairs[i][0])
-            sub = [pairs[i] for i in stale]
-            response = self._lookup([k for k, _ in sub], deadline)
-            live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
-            fresh = core.read_items(
-                sub,
-                list(response.entries),
-                [False] * len(sub),
-                sink_for,
-                limit=limit,
-                now_s=time.monotonic(),
-                indexes=stale,
-            )
-            for i, item in zip(stale, fresh, strict=True):
-                items[i] = item
-            self._data.read(
-                [it for it in fresh if it is not None and it.replicas],
-                lambda mid: core.member(mid, live),
-                deadline,
-                on_retry=counters.replica_retries,
-            )
-        for it in items:
-            if it is not None and not it.ok:
-                cache.drop(it.key, it.entry.write_id)
-        return items
+        flow = core.read_flow(pairs, sink_for, deadline, limit, time.monotonic)
+        member = core.member
+        on_retry = core.counters.replica_retries
+        answer: master_pb2.LookupResponse | None = None
+        while True:
+            try:
+                step = flow.send(answer)
+            except StopIteration as done:
+                items: list[ReadItem | None] = done.value
+                return items
+            if isinstance(step, Lookup):
+                answer = self._lookup(step.keys, deadline)
+            else:
+                self._data.read(
+                    step.items,
+                    partial(member, live=step.live),
+                    deadline,
+                    on_retry=on_retry,
+                )
+                answer = None
 
     # --- writes -----------------------------------------------------------------------------
 
@@ -480,48 +457,25 @@ class SyncPath:
     def _put(
         self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
     ) -> None:
-        core = self.core
-        send_deadline = deadline - COMMIT_SHARE * self.config.timeout_s
-        pending = items
-        for _attempt in range(MAX_PUT_ATTEMPTS):
-            self._ensure_members(deadline)
-            ring_version = core.placement.ring_version or 0
-            for item, write_id in zip(pending, new_write_ids(len(pending)), strict=True):
-                item.restart(write_id, core.placement.place(item.key_bytes, self.config.replicas))
-            self._data.stage(pending, send_deadline)
-            staged = [it for it in pending if it.acked]
-            if not staged:
+        """The blocking driver of :func:`~kvpool.client.ops.put_flow`."""
+        flow = self.core.put_flow(items, receipts, deadline, time.monotonic)
+        answer: list[CommitAnswer | KVPoolError] | None = None
+        while True:
+            try:
+                step = flow.send(answer)
+            except StopIteration:
                 return
-            size = core_module.MAX_COMMIT_ENTRIES
-            chunks = [staged[i : i + size] for i in range(0, len(staged), size)]
-            after = AfterCommit()
-            stale = False
-            failures: list[KVPoolError] = []
-            for chunk, outcome in zip(
-                chunks, self._commit_chunks(chunks, ring_version, deadline), strict=True
-            ):
-                if isinstance(outcome, KVPoolError):
-                    failures.append(outcome)
-                    for it in chunk:
-                        it.error = outcome
-                    continue
-                result = core.commit_answered(chunk, outcome, receipts)
-                if result is None:
-                    stale = True
-                else:
-                    after.extend(result)
-            if len(failures) == len(chunks):
-                raise failures[0]  # the whole call failed (no leader, deadline, …)
-            if after.publish:
-                # Not waited for (a node serves a staged block to a read naming its write id),
-                # unless it replaces an older write there.
-                self._data.send_refs(Op.PUBLISH, after.publish, deadline, wait=after.wait_publish)
-            if after.delete:
-                delete_by = min(deadline, time.monotonic() + DELETE_WAIT_S)
-                self._data.send_refs(Op.DELETE, after.delete, delete_by)
-            if not stale:
-                return
-            pending = [it for it in pending if not it.committed]
+            answer = None
+            if isinstance(step, EnsureMembers):
+                self._ensure_members(deadline)
+            elif isinstance(step, Stage):
+                self._data.stage(step.items, step.deadline)
+            elif isinstance(step, Commit):
+                answer = self._commit_chunks(step.chunks, step.ring_version, deadline)
+            elif isinstance(step, Publish):
+                self._data.send_refs(Op.PUBLISH, step.refs, deadline, wait=step.wait)
+            else:
+                self._data.send_refs(Op.DELETE, step.refs, step.deadline)
 
     def _commit_chunks(
         self, chunks: list[list[PutItem]], ring_version: int, deadline: float

@@ -1,0 +1,319 @@
+"""Client operations written once, with no I/O: each says what it needs done and takes the
+answers.
+
+A read of many keys is :func:`read_flow`, a generator. It yields a request — :class:`Lookup`
+(ask the index for these keys) or :class:`Read` (read these items from their replicas) — and is
+sent the answer: the ``LookupResponse`` for a Lookup, nothing for a Read (the data plane has
+filled the items in place). It returns one item per key. Two drivers run it: the synchronous
+client's fast path (:mod:`kvpool.client.fastpath`) with blocking calls in the caller's thread,
+and :class:`~kvpool.client.core.ClientCore` on the event loop, awaiting them. Everything the
+read decides is here, once:
+
+* keys the lookup cache holds are read through their cached entries, the others are looked up
+  first, in one Lookup;
+* a key the index lacks is None, and is not read;
+* an item read through a cached entry that missed may be stale: while time is left before the
+  deadline, those keys leave the cache and are looked up once more and read once more;
+* the cached entry of an item that still failed is dropped (only if it names the write id
+  that failed).
+
+A put of many blocks is :func:`put_flow`: per attempt it asks for a membership
+(:class:`EnsureMembers`), places every pending block on the ring under a fresh write id,
+stages the bytes on the replicas (:class:`Stage`), commits what was staged in chunks
+(:class:`Commit`, answered with one outcome per chunk), then PUBLISHes the new blocks
+(:class:`Publish`) and DELETEs the replaced ones (:class:`Delete`). What the index refused as
+placed on a stale ring is placed again on the refreshed ring, up to :data:`MAX_PUT_ATTEMPTS`
+attempts; when every chunk's commit failed the put fails with the first chunk's error.
+
+The clock is passed in (the driver's: ``time.monotonic`` or the event loop's ``time``), so a
+test drives a read or a put step by step with no socket, no thread and no event loop.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+
+from kvpool.client.cache import LookupCache
+from kvpool.client.commits import AfterCommit, CommitAnswer, PutReceipt
+from kvpool.client.placement import MemberInfo, Placement
+from kvpool.client.plans import BlockRef, PutItem, ReadItem, new_write_ids
+from kvpool.errors import BlockMissError, KVPoolError
+from kvpool.proto.v1 import common_pb2, master_pb2
+from kvpool.proto.wire import TierLevel
+
+__all__ = [
+    "COMMIT_SHARE",
+    "DELETE_WAIT_S",
+    "MAX_PUT_ATTEMPTS",
+    "Commit",
+    "Delete",
+    "EnsureMembers",
+    "Lookup",
+    "Publish",
+    "PutFlow",
+    "Read",
+    "ReadFlow",
+    "SinkFactory",
+    "Stage",
+    "put_flow",
+    "read_flow",
+    "read_items",
+]
+
+MAX_PUT_ATTEMPTS = 3
+"""Whole-put attempts when the index answers stale_ring (each on a refreshed ring)."""
+COMMIT_SHARE = 0.25
+"""Share of ``timeout_s`` that sending a put's bytes leaves for the commit and publish."""
+DELETE_WAIT_S = 0.25
+"""Longest wait for best-effort DELETE frames after a put or a remove."""
+
+SinkFactory = Callable[[int, str, int], tuple[memoryview | None, bool]]
+"""Where the bytes of the i-th key go (None: into fresh bytes), given its index, key and size,
+and whether that is the caller's buffer."""
+
+
+@dataclass(slots=True)
+class Lookup:
+    """Ask the index for the entries of ``keys``; answer with the ``LookupResponse``."""
+
+    keys: list[str]
+
+
+@dataclass(slots=True)
+class Read:
+    """Read ``items`` from their replicas until read, out of replicas or out of time; ``live``
+    names the members the last Lookup answered with (before the cached ones). Answer with
+    nothing: the items carry the outcome. (Not frozen, as Lookup: one is built for every get,
+    and a frozen dataclass takes twice as long to build.)"""
+
+    items: list[ReadItem]
+    live: dict[int, MemberInfo]
+
+
+ReadStep = Lookup | Read
+ReadFlow = Generator[ReadStep, master_pb2.LookupResponse | None, list[ReadItem | None]]
+
+
+def read_flow(
+    cache: LookupCache,
+    placement: Placement,
+    pairs: list[tuple[str, bytes]],
+    sink_for: SinkFactory,
+    *,
+    limit: int,
+    deadline: float,
+    clock: Callable[[], float],
+) -> ReadFlow:
+    """Read ``pairs`` (key, key bytes): one ReadItem per key the index holds, None for the
+    others (see the module doc)."""
+    entries: list[common_pb2.BlockEntry | None] = [cache.get(k) for k, _ in pairs]
+    from_cache = [e is not None for e in entries]
+    live: dict[int, MemberInfo] = {}
+    todo = [i for i, e in enumerate(entries) if e is None]
+    if todo:
+        response = yield Lookup([pairs[i][0] for i in todo])
+        assert response is not None
+        live = members_of(response)
+        for i, entry in zip(todo, response.entries, strict=True):
+            entries[i] = entry
+    items = read_items(placement, pairs, entries, from_cache, sink_for, limit=limit, now_s=clock())
+    readable = [it for it in items if it is not None and it.replicas]
+    if readable:
+        yield Read(readable, live)
+    stale = [i for i, it in enumerate(items) if it is not None and not it.ok and it.from_cache]
+    if stale and clock() < deadline:
+        # A cached entry missed: it may be stale. Look those keys up again, once.
+        for i in stale:
+            cache.drop(pairs[i][0])
+        sub = [pairs[i] for i in stale]
+        response = yield Lookup([k for k, _ in sub])
+        assert response is not None
+        fresh = read_items(
+            placement,
+            sub,
+            list(response.entries),
+            [False] * len(sub),
+            sink_for,
+            limit=limit,
+            now_s=clock(),
+            indexes=stale,
+        )
+        for i, item in zip(stale, fresh, strict=True):
+            items[i] = item
+        readable = [it for it in fresh if it is not None and it.replicas]
+        if readable:
+            yield Read(readable, members_of(response))
+    for it in items:
+        if it is not None and not it.ok:
+            cache.drop(it.key, it.entry.write_id)
+    return items
+
+
+def members_of(response: master_pb2.LookupResponse) -> dict[int, MemberInfo]:
+    """The members a Lookup answered with, by member id."""
+    return {m.member_id: MemberInfo.from_proto(m) for m in response.members}
+
+
+def read_items(
+    placement: Placement,
+    pairs: list[tuple[str, bytes]],
+    entries: Sequence[common_pb2.BlockEntry | None],
+    from_cache: Sequence[bool],
+    sink_for: SinkFactory,
+    *,
+    limit: int,
+    now_s: float,
+    indexes: Sequence[int] | None = None,
+) -> list[ReadItem | None]:
+    """One ReadItem per found entry (None for keys the index lacks), its replicas in the order
+    to try them; a block held only on a tier slower than ``limit`` is a ``slow_tier`` miss
+    with no replica left to read. ``indexes``: the keys' places in the caller's batch."""
+    items: list[ReadItem | None] = []
+    append = items.append
+    read_order = placement.read_order
+    randrange = random.randrange
+    slowest = TierLevel.SSD
+    for n_item, ((key, key_bytes), entry, cached) in enumerate(
+        zip(pairs, entries, from_cache, strict=True)
+    ):
+        if entry is None or not entry.found:
+            append(None)
+            continue
+        index = indexes[n_item] if indexes is not None else n_item
+        sink, caller_buffer = sink_for(index, key, entry.size_bytes)
+        held = entry.replicas
+        n = len(held)
+        replicas = [held[0]] if n == 1 else read_order(held, now_s, randrange(max(1, n)))
+        item = ReadItem(
+            key,
+            key_bytes,
+            entry,
+            sink=sink,
+            caller_buffer=caller_buffer,
+            replicas=replicas,
+            max_tier=limit,
+            from_cache=cached,
+        )
+        if limit and limit < entry.tier <= slowest:  # the index: on a slower tier
+            item.replicas = []
+            item.fail(
+                "slow_tier",
+                BlockMissError(
+                    f"{key!r} is on the {TierLevel(entry.tier).name.lower()} tier, slower "
+                    f"than max_tier {TierLevel(limit).name.lower()}",
+                    reason="slow_tier",
+                ),
+            )
+        append(item)
+    return items
+
+
+# --- puts -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EnsureMembers:
+    """Have a membership to place on (ask the masters when the placement needs a refresh);
+    answer with nothing."""
+
+
+@dataclass(slots=True)
+class Stage:
+    """Send every item's bytes to its targets, staged, by ``deadline``; answer with nothing:
+    the items record which replicas acked."""
+
+    items: list[PutItem]
+    deadline: float
+
+
+@dataclass(slots=True)
+class Commit:
+    """Commit each chunk's staged entries placed on ring ``ring_version``; answer with one
+    outcome per chunk, in order: the CommitAnswer, or the KVPoolError that commit failed
+    with."""
+
+    chunks: list[list[PutItem]]
+    ring_version: int
+
+
+@dataclass(slots=True)
+class Publish:
+    """PUBLISH ``refs``; wait for the answers only when ``wait``. Answer with nothing."""
+
+    refs: list[BlockRef]
+    wait: bool
+
+
+@dataclass(slots=True)
+class Delete:
+    """DELETE ``refs``, best effort, until ``deadline``. Answer with nothing."""
+
+    refs: list[BlockRef]
+    deadline: float
+
+
+PutStep = EnsureMembers | Stage | Commit | Publish | Delete
+CommitOutcomes = list[CommitAnswer | KVPoolError]
+PutFlow = Generator[PutStep, CommitOutcomes | None, None]
+CommitAnswered = Callable[
+    [list[PutItem], CommitAnswer, dict[PutItem, PutReceipt]], AfterCommit | None
+]
+"""Learn from one chunk's commit answer (receipts, errors, floor, cache): the blocks to publish
+and delete, or None when the index refused the ring (``ClientCore.commit_answered``)."""
+
+
+def put_flow(
+    placement: Placement,
+    items: list[PutItem],
+    receipts: dict[PutItem, PutReceipt],
+    answered: CommitAnswered,
+    *,
+    replicas: int,
+    timeout_s: float,
+    deadline: float,
+    max_commit_entries: int,
+    clock: Callable[[], float],
+) -> PutFlow:
+    """Put ``items`` (see the module doc); each committed item's receipt lands in
+    ``receipts``, each failed one keeps its error."""
+    send_deadline = deadline - COMMIT_SHARE * timeout_s
+    pending = items
+    for _attempt in range(MAX_PUT_ATTEMPTS):
+        yield EnsureMembers()
+        ring_version = placement.ring_version or 0
+        for item, write_id in zip(pending, new_write_ids(len(pending)), strict=True):
+            item.restart(write_id, placement.place(item.key_bytes, replicas))
+        yield Stage(pending, send_deadline)
+        staged = [it for it in pending if it.acked]
+        if not staged:
+            return
+        size = max_commit_entries
+        chunks = [staged[i : i + size] for i in range(0, len(staged), size)]
+        outcomes = yield Commit(chunks, ring_version)
+        assert outcomes is not None
+        failures = [o for o in outcomes if isinstance(o, KVPoolError)]
+        if len(failures) == len(chunks):
+            raise failures[0]  # the whole call failed (no leader, deadline, …)
+        after = AfterCommit()
+        stale = False
+        for chunk, outcome in zip(chunks, outcomes, strict=True):
+            if isinstance(outcome, KVPoolError):
+                for it in chunk:
+                    it.error = outcome
+                continue
+            result = answered(chunk, outcome, receipts)
+            if result is None:
+                stale = True
+            else:
+                after.extend(result)
+        if after.publish:
+            # Not waited for (a node serves a staged block to a read naming its write id),
+            # unless it replaces an older write there.
+            yield Publish(after.publish, after.wait_publish)
+        if after.delete:
+            yield Delete(after.delete, min(deadline, clock() + DELETE_WAIT_S))
+        if not stale:
+            return
+        pending = [it for it in pending if not it.committed]

@@ -1,0 +1,256 @@
+"""The read flow (:func:`kvpool.client.ops.read_flow`) driven step by step: no socket, no
+thread, no event loop. The test is the driver: it answers each Lookup from a dict standing for
+the index and each Read from a set standing for what the nodes hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvpool.client.cache import LookupCache
+from kvpool.client.ops import Lookup, Read, ReadFlow, read_flow
+from kvpool.client.placement import Placement
+from kvpool.client.plans import ReadItem
+from kvpool.errors import BlockMissError
+from kvpool.proto.v1 import common_pb2, master_pb2
+from kvpool.proto.wire import TierLevel
+
+DEADLINE = 10.0
+
+
+def entry(
+    key: str, write_id: int, tier: common_pb2.Tier.ValueType = common_pb2.TIER_UNKNOWN
+) -> common_pb2.BlockEntry:
+    return common_pb2.BlockEntry(
+        key=key,
+        found=True,
+        version=write_id,
+        write_id=write_id,
+        size_bytes=4,
+        replicas=[1],
+        tier=tier,
+    )
+
+
+@dataclass
+class World:
+    """The index (key → entry), the nodes (the (key, write id) pairs they hold), the clock."""
+
+    index: dict[str, common_pb2.BlockEntry] = field(default_factory=dict)
+    held: set[tuple[str, int]] = field(default_factory=set)
+    now: float = 0.0
+    after_read: float | None = None  # the clock once a Read is done
+    steps: list[tuple[str, list[str]]] = field(default_factory=list)
+    sinks: list[tuple[int, str]] = field(default_factory=list)
+    cache: LookupCache = field(default_factory=lambda: LookupCache(64, 60.0, clock=lambda: 0.0))
+
+    def cached(self, *entries: common_pb2.BlockEntry) -> None:
+        self.cache.store_many([e.key for e in entries], list(entries), revision=1)
+
+    def sink_for(self, index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+        self.sinks.append((index, key))
+        return None, False
+
+    def flow(self, keys: list[str], *, limit: int = 0) -> ReadFlow:
+        pairs = [(k, k.encode()) for k in keys]
+        return read_flow(
+            self.cache,
+            Placement(),
+            pairs,
+            self.sink_for,
+            limit=limit,
+            deadline=DEADLINE,
+            clock=lambda: self.now,
+        )
+
+    def run(self, keys: list[str], *, limit: int = 0) -> list[ReadItem | None]:
+        flow = self.flow(keys, limit=limit)
+        answer: master_pb2.LookupResponse | None = None
+        while True:
+            try:
+                step = flow.send(answer)
+            except StopIteration as done:
+                items: list[ReadItem | None] = done.value
+                self.check(keys, items)
+                return items
+            if isinstance(step, Lookup):
+                self.steps.append(("lookup", list(step.keys)))
+                answer = self.lookup(step.keys)
+            else:
+                assert isinstance(step, Read)
+                self.steps.append(("read", [it.key for it in step.items]))
+                self.read(step.items)
+                answer = None
+
+    def lookup(self, keys: list[str]) -> master_pb2.LookupResponse:
+        entries = [self.index.get(k) or common_pb2.BlockEntry(key=k, found=False) for k in keys]
+        return master_pb2.LookupResponse(
+            entries=entries,
+            members=[common_pb2.Member(member_id=1, node_id="n1", data_address="tcp://n1:1")],
+            revision=2,
+        )
+
+    def read(self, items: list[ReadItem]) -> None:
+        for it in items:
+            assert it.replicas, "a Read names only items with a replica to read"
+            if (it.key, it.entry.write_id) in self.held:
+                it.ok = True
+                it.value = b"data"
+            else:
+                it.fail("version_mismatch", BlockMissError("not held", reason="version_mismatch"))
+        if self.after_read is not None:
+            self.now = self.after_read
+
+    def check(self, keys: list[str], items: list[ReadItem | None]) -> None:
+        """Invariants of every read: one answer per key, in order; a failed item's cached
+        entry (for the write id that failed) is gone."""
+        assert len(items) == len(keys)
+        for key, it in zip(keys, items, strict=True):
+            if it is None:
+                continue
+            assert it.key == key
+            if not it.ok:
+                cached = self.cache.get(key)
+                assert cached is None or cached.write_id != it.entry.write_id
+
+
+def test_all_cached_and_hit_needs_no_lookup() -> None:
+    w = World(held={("a", 1), ("b", 1)})
+    w.cached(entry("a", 1), entry("b", 1))
+    items = w.run(["a", "b"])
+    assert w.steps == [("read", ["a", "b"])]
+    assert all(it is not None and it.ok and it.from_cache for it in items)
+    cached = w.cache.get("a")
+    assert cached is not None
+    assert cached.write_id == 1
+
+
+def test_uncached_keys_are_looked_up_once_then_read() -> None:
+    w = World(index={"a": entry("a", 1)}, held={("a", 1)})
+    items = w.run(["a"])
+    assert w.steps == [("lookup", ["a"]), ("read", ["a"])]
+    item = items[0]
+    assert item is not None
+    assert item.ok
+    assert not item.from_cache
+
+
+def test_stale_cached_entry_gets_exactly_one_more_lookup_and_read() -> None:
+    w = World(index={"a": entry("a", 2)}, held={("a", 2)})
+    w.cached(entry("a", 1))  # the key was written again since
+    items = w.run(["a"])
+    assert w.steps == [("read", ["a"]), ("lookup", ["a"]), ("read", ["a"])]
+    item = items[0]
+    assert item is not None
+    assert item.ok
+    assert item.entry.write_id == 2
+    assert not item.from_cache
+    assert w.cache.get("a") is None  # the stale entry is gone (the driver caches the new one)
+
+
+def test_a_fresh_entry_that_misses_again_is_not_looked_up_a_third_time() -> None:
+    w = World(index={"a": entry("a", 2)})  # no node holds it any more
+    w.cached(entry("a", 1))
+    items = w.run(["a"])
+    assert w.steps == [("read", ["a"]), ("lookup", ["a"]), ("read", ["a"])]
+    item = items[0]
+    assert item is not None
+    assert not item.ok
+    assert item.reason == "version_mismatch"
+
+
+def test_a_key_the_index_lacks_is_none_and_not_read() -> None:
+    w = World()
+    items = w.run(["gone"])
+    assert items == [None]
+    assert w.steps == [("lookup", ["gone"])]
+    assert w.sinks == []
+
+
+def test_past_the_deadline_a_stale_entry_gets_no_second_lookup() -> None:
+    w = World(index={"a": entry("a", 2)}, held={("a", 2)}, after_read=DEADLINE)
+    w.cached(entry("a", 1))
+    items = w.run(["a"])
+    assert w.steps == [("read", ["a"])]
+    item = items[0]
+    assert item is not None
+    assert not item.ok
+    assert item.from_cache
+    assert w.cache.get("a") is None  # dropped: it names the write id that missed
+
+
+def test_just_before_the_deadline_a_stale_entry_is_looked_up_again() -> None:
+    w = World(index={"a": entry("a", 2)}, held={("a", 2)}, after_read=DEADLINE - 1e-6)
+    w.cached(entry("a", 1))
+    items = w.run(["a"])
+    assert [kind for kind, _ in w.steps] == ["read", "lookup", "read"]
+    assert items[0] is not None
+    assert items[0].ok
+
+
+def test_partial_batch_some_hit_some_miss() -> None:
+    w = World(
+        index={"a": entry("a", 1), "b": entry("b", 2), "c": entry("c", 1), "e": entry("e", 1)},
+        held={("a", 1), ("b", 2), ("c", 1)},
+    )
+    w.cached(entry("a", 1), entry("b", 1), entry("e", 1))
+    items = w.run(["a", "b", "c", "d", "e"])
+    # c and d are looked up together; a, b and e are read through the cache, with c; the
+    # two cached entries that missed (b stale, e held nowhere) are looked up again at once.
+    assert w.steps == [
+        ("lookup", ["c", "d"]),
+        ("read", ["a", "b", "c", "e"]),
+        ("lookup", ["b", "e"]),
+        ("read", ["b", "e"]),
+    ]
+    a, b, c, d, e = items
+    assert a is not None
+    assert a.ok
+    assert a.from_cache
+    assert b is not None
+    assert b.ok
+    assert b.entry.write_id == 2
+    assert not b.from_cache
+    assert c is not None
+    assert c.ok
+    assert d is None
+    assert e is not None
+    assert not e.ok
+    assert not e.from_cache
+    # A re-read key's bytes go to its place in the caller's batch.
+    assert w.sinks == [(0, "a"), (1, "b"), (2, "c"), (4, "e"), (1, "b"), (4, "e")]
+
+
+def test_a_block_only_on_a_slower_tier_is_a_miss_without_a_read() -> None:
+    w = World(index={"a": entry("a", 1, tier=common_pb2.TIER_SSD)}, held={("a", 1)})
+    items = w.run(["a"], limit=TierLevel.CPU)
+    assert w.steps == [("lookup", ["a"])]
+    item = items[0]
+    assert item is not None
+    assert not item.ok
+    assert item.reason == "slow_tier"
+
+
+def test_only_the_failed_write_id_is_dropped_from_the_cache() -> None:
+    w = World(index={"a": entry("a", 2)}, after_read=DEADLINE)
+    w.cached(entry("a", 1))
+    flow = w.flow(["a"])
+    step = next(flow)
+    assert isinstance(step, Read)
+    w.read(step.items)
+    w.cached(entry("a", 3))  # a newer write learnt meanwhile (another call's lookup)
+    with pytest.raises(StopIteration) as done:  # past its deadline: no more steps
+        flow.send(None)
+    item = done.value.value[0]
+    assert item is not None
+    assert not item.ok
+    cached = w.cache.get("a")
+    assert cached is not None
+    assert cached.write_id == 3
+
+
+def test_no_keys_no_steps() -> None:
+    w = World()
+    assert w.run([]) == []
+    assert w.steps == []
