@@ -91,6 +91,13 @@ from kvpool.transports.limits import IngressLimits, MemoryBudget, overloaded_mes
 from kvpool.transports.stream import Buffer, FrameStream, StreamServer, listen_tcp, tune_socket
 
 LEASE_TIMEOUT_S = 30.0
+SETTLE_FIRST_S = 0.2
+SETTLE_MAX_DELAY_S = 2.0
+SETTLE_PATIENCE_S = 30.0
+"""A PUBLISH whose index check failed (no master answered: all restarting, say) is checked again
+in the background, first after SETTLE_FIRST_S, the pause doubling up to SETTLE_MAX_DELAY_S, for
+SETTLE_PATIENCE_S at most (the staged reaper settles what is left): the block is readable again
+soon after the masters are, not only when the reaper's ``staged_ttl_s`` has passed."""
 """A connection whose responses have not left for this long is cut (its leases end)."""
 _TIER_LIMITS = {int(level) for level in TierLevel}
 
@@ -377,9 +384,19 @@ class DataConnection:
         try:
             version, other = await versions.version_of(name, header.write_id)
         except KVPoolError:
-            # Left staged (readable by its write id); the staged reaper settles it.
+            # Left staged (readable by its write id for a while): answered now, asked again
+            # in the background until the index answers.
             self._answer(header, Status.MISS, flags=MissReason.STAGED)
+            await self._settle_later(header, name)
             return
+        status, reason, version = self._settle(header, name, version, other)
+        self._answer(header, status, flags=reason, version=version)
+
+    def _settle(
+        self, header: Header, name: str, version: int | None, other: int
+    ) -> tuple[Status, int, int]:
+        """Publish the staged write with the index's ``version``, or refuse it: (status, miss
+        reason, version) for the answer."""
         if version is None:  # the index holds another write of the key, or none
             replaced = other and other >= header.version
             if replaced:  # replaced, or never committed: no reader may get it any more
@@ -392,10 +409,30 @@ class DataConnection:
                 claimed_version=header.version,
                 dropped=bool(replaced),
             )
-            self._answer(header, Status.MISS, flags=MissReason.WRONG_VERSION)
-            return
+            return Status.MISS, MissReason.WRONG_VERSION, 0
         result = self._store.publish(name, header.write_id, version)
-        self._answer(header, result.status, flags=result.reason, version=version)
+        return result.status, result.reason, version
+
+    async def _settle_later(self, header: Header, name: str) -> None:
+        """Ask the index again (see :data:`SETTLE_PATIENCE_S`) while the write is still staged
+        here; nothing is answered (the PUBLISH was)."""
+        versions = self._server.versions
+        assert versions is not None
+        loop = asyncio.get_running_loop()
+        until = loop.time() + SETTLE_PATIENCE_S
+        delay = SETTLE_FIRST_S
+        while loop.time() < until:
+            await asyncio.sleep(delay)
+            block = self._store.block(name, header.write_id)
+            if block is None or block.state is not BlockState.STAGED:
+                return  # settled otherwise: the reaper, a DELETE, another PUBLISH
+            try:
+                version, other = await versions.version_of(name, header.write_id)
+            except KVPoolError:
+                delay = min(delay * 2, SETTLE_MAX_DELAY_S)
+                continue
+            self._settle(header, name, version, other)
+            return
 
     def _dispatch_table(self, header: Header, payload: memoryview | None) -> None:
         """Multi-key ops: their payload is a table of keys (see :mod:`kvpool.proto.wire`)."""

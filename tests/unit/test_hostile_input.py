@@ -310,6 +310,39 @@ def test_a_publish_with_a_forged_version_poisons_nothing() -> None:
     run(scenario())
 
 
+def test_a_publish_checked_while_no_master_answers_is_settled_once_one_does() -> None:
+    """Every master restarting right after a put: the PUBLISH's index check fails, the block
+    stays staged (answered MISS STAGED at once) and is asked about again in the background, so
+    that it is readable as soon as the masters are back, not only when the staged reaper's ttl
+    has passed."""
+    index = FakeIndex()
+
+    async def scenario() -> None:
+        versions = IndexVersions(index, timeout_s=0.5)
+        async with node(versions=versions) as (server, port):
+            conn = await TcpConnection.open("127.0.0.1", port, timeout_s=5)
+            data = b"precious"
+            r = await conn.request(
+                Op.PUT, b"k", write_id=7, checksum=block_checksum(data), payload=data,
+                timeout_s=5,
+            )  # fmt: skip
+            assert r.status == Status.OK
+            index.down = True
+            published = await conn.request(Op.PUBLISH, b"k", write_id=7, version=3, timeout_s=5)
+            assert (published.status, published.header.flags) == (Status.MISS, MissReason.STAGED)
+            assert server.store.state_of("k", 7) is BlockState.STAGED
+            index.entries["k"] = (7, 3)
+            index.down = False
+            deadline = asyncio.get_running_loop().time() + 5
+            while server.store.state_of("k", 7) is not BlockState.COMMITTED:
+                assert asyncio.get_running_loop().time() < deadline, "never settled"
+                await asyncio.sleep(0.05)
+            conn.close()
+        await versions.close()
+
+    run(scenario())
+
+
 def test_a_publish_of_a_write_deleted_first_still_retires_the_older_write() -> None:
     """An overwrite raced by a remove: the remove's DELETE of the new write reaches the node
     before the new write's PUBLISH. The PUBLISH finds nothing to publish, but the older write
