@@ -21,10 +21,11 @@ When the index cannot be asked the block stays staged and the PUBLISH is answere
 the node asks again in the background (after 0.2 s, the pause doubling up to 2 s, for 30 s:
 ``data_server.SETTLE_*``) and settles it as above once a master answers — a full restart of the
 masters right after a put left every block of it unreadable until the staged reaper's
-``staged_ttl_s`` — and the staged reaper settles whatever is still staged after that. Meanwhile the key's older committed block (by the claimed version)
-has already left the table (:meth:`~kvpool.store_node.block_store.BlockStore.retire_older`):
-a reader with a stale entry misses and looks the key up again, it never reads the replaced
-value after the put was acknowledged.
+``staged_ttl_s`` — and the staged reaper settles whatever is still staged after that.
+Meanwhile the key's older committed block (by the claimed version) has already left the table
+(:meth:`~kvpool.store_node.block_store.BlockStore.retire_older`): a reader with a stale entry
+misses and looks the key up again, it never reads the replaced value after the put was
+acknowledged.
 """
 
 from __future__ import annotations
