@@ -98,6 +98,9 @@ SETTLE_PATIENCE_S = 30.0
 in the background, first after SETTLE_FIRST_S, the pause doubling up to SETTLE_MAX_DELAY_S, for
 SETTLE_PATIENCE_S at most (the staged reaper settles what is left): the block is readable again
 soon after the masters are, not only when the reaper's ``staged_ttl_s`` has passed."""
+MAX_SETTLING = 4096
+"""Writes asked about again in the background at once, per server (each holds a waiting task);
+beyond it, and for a write already waiting, the staged reaper settles them."""
 """A connection whose responses have not left for this long is cut (its leases end)."""
 _TIER_LIMITS = {int(level) for level in TierLevel}
 
@@ -416,23 +419,31 @@ class DataConnection:
     async def _settle_later(self, header: Header, name: str) -> None:
         """Ask the index again (see :data:`SETTLE_PATIENCE_S`) while the write is still staged
         here; nothing is answered (the PUBLISH was)."""
-        versions = self._server.versions
+        server = self._server
+        versions = server.versions
         assert versions is not None
-        loop = asyncio.get_running_loop()
-        until = loop.time() + SETTLE_PATIENCE_S
-        delay = SETTLE_FIRST_S
-        while loop.time() < until:
-            await asyncio.sleep(delay)
-            block = self._store.block(name, header.write_id)
-            if block is None or block.state is not BlockState.STAGED:
-                return  # settled otherwise: the reaper, a DELETE, another PUBLISH
-            try:
-                version, other = await versions.version_of(name, header.write_id)
-            except KVPoolError:
-                delay = min(delay * 2, SETTLE_MAX_DELAY_S)
-                continue
-            self._settle(header, name, version, other)
-            return
+        write = (name, header.write_id)
+        if write in server.settling or len(server.settling) >= MAX_SETTLING:
+            return  # already waiting, or too many: the staged reaper settles it
+        server.settling.add(write)
+        try:
+            loop = asyncio.get_running_loop()
+            until = loop.time() + SETTLE_PATIENCE_S
+            delay = SETTLE_FIRST_S
+            while loop.time() < until:
+                await asyncio.sleep(delay)
+                block = self._store.block(name, header.write_id)
+                if block is None or block.state is not BlockState.STAGED:
+                    return  # settled otherwise: the reaper, a DELETE, another PUBLISH
+                try:
+                    version, other = await versions.version_of(name, header.write_id)
+                except KVPoolError:
+                    delay = min(delay * 2, SETTLE_MAX_DELAY_S)
+                    continue
+                self._settle(header, name, version, other)
+                return
+        finally:
+            server.settling.discard(write)
 
     def _dispatch_table(self, header: Header, payload: memoryview | None) -> None:
         """Multi-key ops: their payload is a table of keys (see :mod:`kvpool.proto.wire`)."""
@@ -658,6 +669,7 @@ class DataServer:
         self.connections: set[DataConnection] = set()
         self.reads: set[asyncio.Task[None]] = set()  # slow-tier reads in progress
         self.publishing: set[asyncio.Task[None]] = set()  # PUBLISHes asking the index
+        self.settling: set[tuple[str, int]] = set()  # (key, write id) waiting to ask again
         self.versions: IndexVersions | None = None
         """Where PUBLISH versions come from: the index (a node sets it once it has its master
         client); None only for a standalone data server, which takes them from the frames."""

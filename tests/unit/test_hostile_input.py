@@ -27,6 +27,7 @@ from kvpool.proto.wire import (
     encode_key_table,
     unpack_header,
 )
+from kvpool.store_node import data_server
 from kvpool.store_node.block_store import BlockState, BlockStore
 from kvpool.store_node.cpu_tier import CpuTier
 from kvpool.store_node.data_server import DataServer
@@ -327,10 +328,29 @@ def test_a_publish_checked_while_no_master_answers_is_settled_once_one_does() ->
                 timeout_s=5,
             )  # fmt: skip
             assert r.status == Status.OK
+            other = b"other"
+            r = await conn.request(
+                Op.PUT, b"j", write_id=8, checksum=block_checksum(other), payload=other,
+                timeout_s=5,
+            )  # fmt: skip
+            assert r.status == Status.OK
             index.down = True
-            published = await conn.request(Op.PUBLISH, b"k", write_id=7, version=3, timeout_s=5)
-            assert (published.status, published.header.flags) == (Status.MISS, MissReason.STAGED)
+            for _ in range(2):  # a repeated PUBLISH waits once
+                published = await conn.request(Op.PUBLISH, b"k", write_id=7, version=3, timeout_s=5)
+                assert (published.status, published.header.flags) == (
+                    Status.MISS,
+                    MissReason.STAGED,
+                )
             assert server.store.state_of("k", 7) is BlockState.STAGED
+            assert server.settling == {("k", 7)}
+            # Bounded: beyond MAX_SETTLING writes waiting, the staged reaper is left to it.
+            saved, data_server.MAX_SETTLING = data_server.MAX_SETTLING, 1
+            try:
+                refused = await conn.request(Op.PUBLISH, b"j", write_id=8, version=4, timeout_s=5)
+                assert refused.status == Status.MISS
+                assert server.settling == {("k", 7)}
+            finally:
+                data_server.MAX_SETTLING = saved
             index.entries["k"] = (7, 3)
             index.down = False
             deadline = asyncio.get_running_loop().time() + 5
