@@ -18,6 +18,7 @@ to vLLM, which recomputes them; nothing raises into the engine because the store
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -150,7 +151,9 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._planner = SchedulerPlanner(
                 self._layout,
-                self._client.prefix_match,
+                # A count only: the workers read, in their own processes, so entries fetched
+                # here would fill a lookup cache nobody reads from.
+                functools.partial(self._client.prefix_match, fetch_entries=False),
                 load=self._load,
                 save=self._save,
                 retry_after_s=self._settings.retry_after_s,
