@@ -392,6 +392,34 @@ def sample_masters(
     return asyncio.run(sample_masters_async(masters, rpc_timeout_s=rpc_timeout_s, clock=clock))
 
 
+def sample_until_agreed(
+    masters: Mapping[str, str],
+    within_s: float,
+    *,
+    every_s: float = 0.25,
+    rpc_timeout_s: float = 1.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[CommitSample]:
+    """CommitSamples every ``every_s`` until every master shows the same commit index and has
+    applied it (the same revision), or ``within_s`` has passed: the evidence the convergence
+    check wants. One sample is not enough: a follower one entry behind the leader at that
+    instant is a healthy cluster mid-replication, not a failure to converge."""
+    samples: list[CommitSample] = []
+    deadline = clock() + within_s
+    while True:
+        sample = sample_masters(masters, rpc_timeout_s=rpc_timeout_s, clock=clock)
+        samples.append(sample)
+        # A follower can know the commit index before it has applied the entries, and the
+        # convergence check asks for both.
+        values = list(zip(sample.commit_index.values(), sample.revision.values(), strict=True))
+        if values and all(None not in v for v in values) and len(set(values)) == 1:
+            return samples
+        if clock() >= deadline:
+            return samples
+        sleep(every_s)
+
+
 async def live_member_ids_async(
     masters: Sequence[str], *, rpc_timeout_s: float = 1.0
 ) -> set[int] | None:

@@ -34,12 +34,11 @@ from typing import Any
 
 from kvpool.chaos.checks import Verdict, run_all
 from kvpool.chaos.final_state import (
-    CommitSample,
     HitRateSample,
     collect_final_state,
     fault_windows,
     live_member_ids,
-    sample_masters,
+    sample_until_agreed,
     verify_reads,
 )
 from kvpool.chaos.harness import ChaosHarness
@@ -415,18 +414,7 @@ def _judge(
     names = {m.name: m.grpc for m in harness.cluster.masters}
     if progress:
         progress(f"[{scenario.name}] healed; waiting for the masters to agree and reads to recover")
-    commit_samples: list[CommitSample] = []
-    deadline = time.monotonic() + CONVERGE_WITHIN_S + 5
-    while time.monotonic() < deadline:
-        sample = sample_masters(names)
-        commit_samples.append(sample)
-        # Done when every master has the same commit index and has applied it (the same
-        # revision): a follower can know the commit index before it has applied the entries,
-        # and the convergence check asks for both.
-        values = list(zip(sample.commit_index.values(), sample.revision.values(), strict=True))
-        if values and all(None not in v for v in values) and len(set(values)) == 1:
-            break
-        time.sleep(0.25)
+    commit_samples = sample_until_agreed(names, CONVERGE_WITHIN_S + 5)
     history = load_history(workloads.paths)
     hit_samples: list[HitRateSample] = []
     live = live_member_ids(masters)

@@ -20,7 +20,7 @@ from kvpool.chaos.checks import run_all
 from kvpool.chaos.final_state import (
     collect_final_state,
     live_member_ids,
-    sample_masters,
+    sample_until_agreed,
     verify_reads,
 )
 from kvpool.chaos.history import CheckContext, HistoryWriter, Op, load_history
@@ -289,7 +289,7 @@ def test_two_workloads_on_a_healthy_cluster_pass_every_checker(
     assert any(len(ps) == 2 for ps in writers.values())
 
     final = collect_final_state(cluster.master_addresses, key_space(KEYS), settle_timeout_s=15)
-    commit = sample_masters({m.name: m.grpc for m in cluster.masters})
+    commits = sample_until_agreed({m.name: m.grpc for m in cluster.masters}, 20.0)
     with Client(cluster.master_addresses, timeout_s=TIMEOUT_S) as client:
         acknowledged = history.acknowledged_keys(live_member_ids(cluster.master_addresses))
         hits = verify_reads(client, acknowledged)
@@ -301,7 +301,7 @@ def test_two_workloads_on_a_healthy_cluster_pass_every_checker(
         margin_s=1.5,
         final_state=final,
         heal_t=healed_t,
-        commit_samples=[commit],
+        commit_samples=commits,
         hit_rate_samples=[hits],
         converge_within_s=20.0,
         hit_rate_target=0.99,

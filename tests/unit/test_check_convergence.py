@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpool.chaos import check_convergence
+import pytest
+
+from kvpool.chaos import check_convergence, final_state
 from kvpool.chaos.final_state import CommitSample, FinalState, HitRateSample, MasterState
 from kvpool.chaos.history import CheckContext, CheckResult, History
 
@@ -136,3 +138,37 @@ def test_a_wrong_verification_read_fails() -> None:
 def test_no_sample_after_healing_fails() -> None:
     result = run(hits=[hit(-1.0, 1.0)])
     assert not result.ok
+
+
+# --- the probe loop that gathers the samples ----------------------------------------------------
+
+
+def test_sampling_goes_on_past_a_follower_one_entry_behind_until_the_masters_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A healthy cluster probed mid-replication: master-3 one entry behind at first. One sample
+    # would fail the check; the loop samples again and the check passes.
+    answers = iter([sample(0.1, 1221, 1221, 1220), sample(0.4, 1221, 1221, 1221)])
+    monkeypatch.setattr(final_state, "sample_masters", lambda *a, **k: next(answers))
+    samples = final_state.sample_until_agreed(
+        {"master-1": "x"}, 20.0, clock=lambda: HEAL_T, sleep=lambda s: None
+    )
+    assert [s.commit_index["master-3"] for s in samples] == [1220, 1221]
+    assert run(samples).ok
+    assert not run(samples[:1]).ok
+
+
+def test_sampling_stops_at_its_deadline_when_a_master_never_catches_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [HEAL_T]
+    monkeypatch.setattr(final_state, "sample_masters", lambda *a, **k: sample(0, 9, 9, None))
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    samples = final_state.sample_until_agreed(
+        {"m": "x"}, 2.0, every_s=0.5, clock=lambda: now[0], sleep=sleep
+    )
+    assert len(samples) == 5  # at +0, +0.5, +1, +1.5, +2
+    assert not run(samples).ok
