@@ -26,7 +26,6 @@ from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
 from kvpool.client.blocks import next_round
-from kvpool.client.core import ClientCore
 from kvpool.client.hedge import Hedge, HedgePolicy, round_bytes
 from kvpool.client.links import NodeOffer, hello_call, read_hello
 from kvpool.client.placement import MemberInfo
@@ -41,6 +40,7 @@ from kvpool.client.plans import (
     transport_failure,
 )
 from kvpool.client.spans import read_attributes
+from kvpool.client.state import ClientState
 from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
 from kvpool.proto.wire import Op
 from kvpool.transports import open_blocking
@@ -53,7 +53,7 @@ class BlockingDataPlane:
 
     def __init__(
         self,
-        core: ClientCore,
+        core: ClientState,
         on_node_failed: Callable[[int], None],
         *,
         connect_timeout_s: float,

@@ -4,13 +4,26 @@ timeout, ...), puts, fallbacks, replica retries — read from its counters at sc
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
+from prometheus_client import start_http_server
 from prometheus_client.core import Metric
 
 from kvpool.client.stats import ClientStats
-from kvpool.metrics import METRICS_OFF, MetricsServer, counter, register_collector, start_metrics
+from kvpool.logs import get_logger
+from kvpool.metrics import (
+    METRICS_OFF,
+    REGISTRY,
+    MetricsServer,
+    counter,
+    register_collector,
+    start_metrics,
+)
+
+log = get_logger("kvpool.client")
 
 
 def client_families(stats: ClientStats) -> Iterator[Metric]:
@@ -39,13 +52,38 @@ def client_families(stats: ClientStats) -> Iterator[Metric]:
 
 
 class ClientMetrics:
-    """The client's /metrics server and collector, started and stopped on its event loop."""
+    """The client's /metrics server and collector: on the client's event loop (AsyncClient), or
+    for a client with no event loop (the synchronous Client) prometheus_client's own server in a
+    daemon thread (the counters are safe to read from any thread)."""
 
     def __init__(self, stats: ClientStats) -> None:
         self._stats = stats
         self._server: MetricsServer | None = None
+        self._threaded: tuple[WSGIServer, threading.Thread] | None = None
         self._remove: Callable[[], None] | None = None
         self.address = ""
+
+    def start_threaded(self, host: str, port: int) -> str:
+        """Serve /metrics from a daemon thread; its address ("" when ``port`` is off)."""
+        if port == METRICS_OFF:
+            return ""
+        self._threaded = start_http_server(port, addr=host, registry=REGISTRY)
+        self._remove = register_collector(lambda: client_families(self._stats))
+        shown = f"[{host}]" if ":" in host else host
+        self.address = f"{shown}:{self._threaded[0].server_port}"
+        log.info("metrics_serving", role="client", address=self.address)
+        return self.address
+
+    def close_threaded(self) -> None:
+        if self._remove is not None:
+            self._remove()
+            self._remove = None
+        if self._threaded is not None:
+            server, thread = self._threaded
+            self._threaded = None
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5.0)
 
     async def start(self, host: str, port: int) -> str:
         if port == METRICS_OFF:

@@ -4,81 +4,33 @@
         kv.put("model-x/tp0/blk/3f2a…", block)       # True once committed
         data = kv.get("model-x/tp0/blk/3f2a…")        # bytes, or None on a miss
 
-The hot calls (get, get_into, their batches, puts) run in the caller's thread through
-:class:`~kvpool.client.fastpath.SyncPath`: the core's own bookkeeping and per-node plans with
-blocking I/O, because handing a call to an event-loop thread and back costs more than a whole
-4 KiB read. The rest (exists, prefix_match) runs the async
-:class:`~kvpool.client.core.ClientCore` on a private event loop in a daemon thread. One
+Every call runs in the caller's thread through :class:`~kvpool.client.fastpath.SyncPath`, the
+client's state (:mod:`kvpool.client.state`) driven with blocking I/O: no event loop and no
+thread of the client's own (but the /metrics server's, when ``metrics_port`` asks for one). One
 ``Client`` may be shared by many engine threads. Misses and failures of the cache return None /
 False (or raise the typed error with ``strict=True``); bad keys and values raise in every mode.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
-import threading
 import weakref
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvpool.client.core import ClientCore, PutReceipt
 from kvpool.client.fastpath import SyncPath
 from kvpool.client.plans import BlockLocation
 from kvpool.client.settings import DEFAULTS, make_config
+from kvpool.client.state import PutReceipt
 from kvpool.client.values import BytesLike, WritableBuffer, as_payload
-from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
 
 T = TypeVar("T")
 
-LOOP_GRACE_S = 5.0
-"""How long past a call's own deadline the caller waits for the loop thread before giving up:
-the core keeps its deadlines, so this fires only if the loop thread is stuck."""
-CANCEL_WAIT_S = 1.0
-"""After giving up on a call, how long to wait for it to unwind (it may be writing into a
-caller's buffer until it does)."""
-CLOSE_TIMEOUT_S = 5.0
 
-
-def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
-    asyncio.set_event_loop(loop)
-    try:
-        loop.run_forever()
-    finally:
-        # Calls still pending when the loop stopped end as cancelled, so no caller waits.
-        tasks = asyncio.all_tasks(loop)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
-
-
-def _shutdown(
-    core: ClientCore, path: SyncPath, loop: asyncio.AbstractEventLoop, thread: threading.Thread
-) -> None:
-    """Close the fast path, close the core on its loop, stop the loop, join the thread. Runs
-    once (weakref.finalize): from close(), or when the Client is garbage-collected, or at
-    interpreter exit."""
-    core.mark_closed()
+def _shutdown(path: SyncPath) -> None:
+    """Close the client's connections and its /metrics server. Runs once (weakref.finalize):
+    from close(), or when the Client is garbage-collected, or at interpreter exit."""
     path.close()
-    if thread.is_alive() and not loop.is_closed():
-        future = asyncio.run_coroutine_threadsafe(core.close(), loop)
-        with contextlib.suppress(Exception):  # closing goes on whatever the close raised
-            future.result(timeout=CLOSE_TIMEOUT_S)
-        loop.call_soon_threadsafe(loop.stop)
-    if thread is not threading.current_thread():
-        thread.join(timeout=CLOSE_TIMEOUT_S)
-
-
-def _false() -> bool:
-    return False
-
-
-def _none() -> None:
-    return None
+    path.metrics.close_threaded()
 
 
 class Client:
@@ -143,24 +95,12 @@ class Client:
             tls_key_file=tls_key_file,
             tls_server_name=tls_server_name,
         )
-        self._core = ClientCore(config, strict=strict)
-        self._path = SyncPath(self._core)
-        self._strict = strict
-        self._timeout_s = config.timeout_s
+        self._path = SyncPath(config, strict=strict)
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=_run_loop, args=(self._loop,), name="kvpool-client-loop", daemon=True
-        )
-        self._thread.start()
-        self._finalizer = weakref.finalize(
-            self, _shutdown, self._core, self._path, self._loop, self._thread
-        )
+        self._finalizer = weakref.finalize(self, _shutdown, self._path)
         if config.metrics_port != -1:
             try:
-                asyncio.run_coroutine_threadsafe(self._core.start_metrics(), self._loop).result(
-                    timeout=CLOSE_TIMEOUT_S
-                )
+                self._path.metrics.start_threaded(config.metrics_host, config.metrics_port)
             except BaseException:
                 self.close()
                 raise
@@ -168,46 +108,7 @@ class Client:
     @property
     def metrics_address(self) -> str:
         """``host:port`` of this client's /metrics ("" when off)."""
-        return self._core.metrics.address
-
-    # --- plumbing -------------------------------------------------------------------------
-
-    def _call(
-        self, coro: Coroutine[Any, Any, T], fallback: Callable[[], T], strict: bool | None
-    ) -> T:
-        """Run a core coroutine on the loop thread and wait for it. ``fallback`` gives the
-        non-strict answer should the loop thread itself not answer in time."""
-        finished = threading.Event()
-
-        async def tracked() -> T:
-            try:
-                return await coro
-            finally:
-                finished.set()
-
-        runner = tracked()
-        try:
-            if self._closed:
-                raise RuntimeError("closed")
-            future = asyncio.run_coroutine_threadsafe(runner, self._loop)
-        except RuntimeError:  # closed, or the loop already stopped
-            runner.close()
-            coro.close()
-            raise UnavailableError("this kvpool client is closed") from None
-        try:
-            return future.result(timeout=self._timeout_s + LOOP_GRACE_S)
-        except KVPoolError:  # the call's own error (a DeadlineExceededError is a TimeoutError too)
-            raise
-        except concurrent.futures.CancelledError:
-            raise UnavailableError("this kvpool client was closed during the call") from None
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            finished.wait(CANCEL_WAIT_S)
-            if self._strict if strict is None else strict:
-                raise DeadlineExceededError(
-                    f"the client's event loop did not answer within {self._timeout_s}s"
-                ) from None
-            return fallback()
+        return self._path.metrics.address
 
     # --- the API --------------------------------------------------------------------------
 
@@ -249,7 +150,7 @@ class Client:
 
     def exists(self, key: str) -> bool:
         """Whether the index has ``key`` (False on failure unless the client is strict)."""
-        return self._call(self._core.exists(key), _false, None)
+        return self._path.exists(key)
 
     def batch_exists(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
         """Whether the index has each key, in one call to a master that sends no entries
@@ -335,11 +236,11 @@ class Client:
         replicated in the index (survives a master failover). True per key pinned, False when
         the index has no such key; raises PinQuotaExceededError above the masters' pin_quota,
         and other failures as typed errors."""
-        return self._call(self._core.pin(keys, replicas), list, True)
+        return self._path.pin(keys, replicas)
 
     def unpin(self, keys: Sequence[str]) -> list[bool]:
         """End pins (True per key the index has)."""
-        return self._call(self._core.pin(keys, 0), list, True)
+        return self._path.pin(keys, 0)
 
     def prefix_match(self, keys: Sequence[str], *, fetch_entries: bool = True) -> int:
         """How many leading keys of a chain are cached (0 on failure), in one call to a
@@ -357,7 +258,7 @@ class Client:
         if data is not None:
             return data
         value = fn()
-        payload = as_payload(value, self._core.config.max_value_size)
+        payload = as_payload(value, self._path.config.max_value_size)
         computed = value if type(value) is bytes else bytes(payload)
         return self._path.store_computed(key, computed)
 
@@ -365,16 +266,15 @@ class Client:
     def stats(self) -> dict[str, Any]:
         """Counters: hits, misses (total and by reason), puts ok/failed, fallbacks (values
         get_or_compute had to compute), replica retries, ring refreshes."""
-        return self._core.stats
+        return self._path.stats
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self) -> None:
-        """Close connections and stop the loop thread. Idempotent."""
+        """Close connections (and the /metrics server). Idempotent."""
         self._closed = True
-        self._core.mark_closed()
         self._finalizer()
 
     def __enter__(self) -> Client:
@@ -385,4 +285,4 @@ class Client:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<kvpool.Client masters={list(self._core.config.masters)} {state}>"
+        return f"<kvpool.Client masters={list(self._path.config.masters)} {state}>"

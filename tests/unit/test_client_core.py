@@ -22,7 +22,7 @@ import pytest
 
 from kvpool import Client
 from kvpool.checksum import block_checksum
-from kvpool.client import core as core_module
+from kvpool.client import state as state_module
 from kvpool.client.core import ClientCore
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.settings import make_config
@@ -420,8 +420,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def loop_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "kvpool-client-loop"]
+def threads_started_since(before: set[threading.Thread]) -> set[threading.Thread]:
+    return set(threading.enumerate()) - before
 
 
 # --- round trips ------------------------------------------------------------------------------
@@ -523,7 +523,7 @@ def test_batch_put_and_get_use_one_master_call_each(client: Client, cluster: Fak
 def test_huge_batch_put_commits_in_chunks(
     client: Client, cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(core_module, "MAX_COMMIT_ENTRIES", 10)
+    monkeypatch.setattr(state_module, "MAX_COMMIT_ENTRIES", 10)
     items = {f"blk/{i}": b"v%d" % i for i in range(25)}
     assert client.batch_put(items) == [True] * 25
     commits = [r for m, r in cluster.master.requests if m == "CommitPuts"]
@@ -537,7 +537,7 @@ def test_batch_put_reports_each_key(client: Client, cluster: FakeCluster) -> Non
     keys = [f"k{i}" for i in range(40)]
     results = client.batch_put(dict.fromkeys(keys, b"v"))
     # Keys placed on the full node fail, the others commit (one replica each).
-    on_full = {k for k in keys if client._core._placement.place(k.encode(), 1)[0].member_id == 1}
+    on_full = {k for k in keys if client._path._placement.place(k.encode(), 1)[0].member_id == 1}
     assert 0 < len(on_full) < len(keys)
     assert results == [k not in on_full for k in keys]
     stats = client.stats
@@ -876,9 +876,10 @@ def test_too_large_value_raises(client_factory: Callable[..., Client]) -> None:
 )
 def test_bad_configuration_raises_config_error(kwargs: dict[str, Any], name: str) -> None:
     args = {"masters": ["127.0.0.1:7300"], **kwargs}
+    before = set(threading.enumerate())
     with pytest.raises(ConfigError, match=name):
         Client(**args)
-    assert not loop_threads()
+    assert not threads_started_since(before)
 
 
 def test_masters_as_comma_separated_string() -> None:
@@ -950,20 +951,27 @@ def test_get_or_compute_propagates_fn_errors_and_survives_store_failures(
 # --- lifecycle and threads --------------------------------------------------------------------
 
 
-def test_close_is_idempotent_and_leaves_no_thread(cluster: FakeCluster) -> None:
+def test_close_is_idempotent_and_the_client_runs_no_thread_of_its_own(
+    cluster: FakeCluster,
+) -> None:
+    before = set(threading.enumerate())
     kv = Client([cluster.master_address], timeout_s=1.0)
+    # Every call runs in the caller's thread: no event-loop thread, no helper threads.
     assert kv.put("k", b"v")
-    assert len(loop_threads()) == 1
+    assert kv.get("k") == b"v"
+    assert (kv.exists("k"), kv.exists("absent")) == (True, False)
+    assert (kv.sizes(["k"]), kv.prefix_match(["k", "absent"])) == ([1], 1)
+    assert not threads_started_since(before)
     kv.close()
     kv.close()
     assert kv.closed
-    assert not loop_threads()
-    with pytest.raises(UnavailableError):
-        kv.get("k")
+    for call in (lambda: kv.get("k"), lambda: kv.exists("k"), lambda: kv.pin(["k"])):
+        with pytest.raises(UnavailableError):
+            call()
     with Client([cluster.master_address]) as kv2:
         assert kv2.get("k") == b"v"
     assert kv2.closed
-    assert not loop_threads()
+    assert not threads_started_since(before)
 
 
 def test_many_threads_share_one_client(client: Client) -> None:

@@ -51,7 +51,7 @@ def test_every_setting_is_a_keyword_with_client_configs_default(
 
 def test_a_sync_client_built_with_no_settings_runs_on_client_configs_defaults() -> None:
     with Client(MASTERS) as kv:
-        assert kv._core.config == ClientConfig(masters=tuple(MASTERS))
+        assert kv._path.config == ClientConfig(masters=tuple(MASTERS))
 
 
 def test_an_async_client_built_with_no_settings_runs_on_client_configs_defaults() -> None:
@@ -66,7 +66,8 @@ def test_an_async_client_built_with_no_settings_runs_on_client_configs_defaults(
 def test_max_tier_and_metrics_host_reach_the_config(client: Callable[..., Any]) -> None:
     kv = client(MASTERS, max_tier="cpu", metrics_host="::1")
     try:
-        assert (kv._core.config.max_tier, kv._core.config.metrics_host) == ("cpu", "::1")
+        config = kv._path.config if isinstance(kv, Client) else kv._core.config
+        assert (config.max_tier, config.metrics_host) == ("cpu", "::1")
     finally:
         if isinstance(kv, Client):
             kv.close()

@@ -1,0 +1,787 @@
+"""What a client knows and decides, with no I/O: one :class:`ClientState` under both drivers.
+
+A client is this state plus a driver that carries out its requests:
+:class:`~kvpool.client.fastpath.SyncPath` with blocking sockets in the caller's thread (the
+synchronous :class:`~kvpool.client.sync.Client`), and :class:`~kvpool.client.core.ClientCore`
+on an event loop (:class:`~kvpool.client.aio.AsyncClient`). The state holds the placement, the
+lookup cache, the read-your-writes floor, the counters and the master routing, and writes every
+operation once:
+
+* a read is a :class:`ReadCall` — the keys, where their bytes go, the call's strictness and
+  tier limit, and how its answer is made from the read items; the read itself is
+  :func:`~kvpool.client.ops.read_flow`;
+* a put is :func:`~kvpool.client.ops.put_flow` over :meth:`ClientState.commit_answered`;
+* a question to the index or a change of it (exists, sizes, locate, batch_exists,
+  prefix_match, pin, remove) is a :class:`Query` — the master method and request, how the
+  answer is read (a value, or the next Query), and the neutral answer on failure.
+
+Failure policy, in one place: bad input raises the typed caller error in every mode; a failure
+of the cache (no master, node down, timeout, checksum mismatch, miss) returns the call's
+neutral answer (None, False, 0) and is counted in :attr:`ClientState.stats`, or, with
+``strict``, raises the typed error. Every call runs under one deadline of ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Generic, NamedTuple, TypeVar
+
+from kvpool import tracing
+from kvpool.client.blocks import BlockRef, PutItem, ReadItem
+from kvpool.client.cache import LookupCache
+from kvpool.client.client_metrics import ClientMetrics
+from kvpool.client.commits import (
+    AfterCommit,
+    CommitAnswer,
+    PutReceipt,
+    committed_entry,
+    judge_commit,
+    superseded,
+)
+from kvpool.client.hedge import HedgePolicy
+from kvpool.client.links import Links
+from kvpool.client.ops import PutFlow, ReadFlow, SinkFactory, put_flow, read_flow
+from kvpool.client.placement import MemberInfo, Placement
+from kvpool.client.plans import BlockLocation
+from kvpool.client.spans import read_attributes
+from kvpool.client.stats import ClientStats
+from kvpool.client.values import (
+    BytesLike,
+    PutItems,
+    WritableBuffer,
+    as_payload,
+    as_sink,
+    check_fits,
+    put_items,
+    validate_key,
+    validate_key_names,
+    validate_keys,
+)
+from kvpool.config import ClientConfig
+from kvpool.errors import (
+    BlockMissError,
+    ConfigError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    KVPoolError,
+    PinQuotaExceededError,
+    StaleRingError,
+    UnavailableError,
+)
+from kvpool.logs import get_logger
+from kvpool.mastercall import MasterRouting
+from kvpool.proto.v1 import master_pb2
+
+__all__ = ["ClientState", "PutReceipt", "Query", "ReadCall", "RevisionFloor", "tier_limit"]
+
+T = TypeVar("T")
+
+MAX_COMMIT_ENTRIES = 8192
+"""Most entries in one CommitPuts (the masters' default commit_batch_max_entries); a larger
+batch_put commits in several calls."""
+EMPTY_RING_ASKS = 4
+"""How many times a put asks for the membership while the answer names no node that takes
+puts: right after a cluster starts a follower may answer before it has applied the nodes'
+registrations (GetMembers is answered by any master); the masters are asked in turn."""
+
+
+def empty_ring_delay(attempt: int) -> float:
+    """The pause before asking again for the membership after an empty answer."""
+    return 0.02 * attempt
+
+
+PREFIX_LOOKUP_MAX_KEYS = 1024
+"""prefix_match of at most this many keys is a Lookup (entries cached for the reads that follow)
+unless the caller asks for a count only; a longer chain asks PrefixMatch, which answers a count
+only."""
+
+MASTER_ATTEMPT_S = 0.5
+"""The longest one call waits for one master before asking another: a paused leader costs a
+writer this long (a new leader is elected within ~0.3-0.7 s; a retried commit applies once)."""
+
+TIER_LIMITS: dict[str, int] = {"": 0, "any": 0, "gpu": 1, "cpu": 2, "ssd": 3}
+"""``max_tier`` names: the slowest tier a get accepts (a block held only on a slower one is a
+miss, ``slow_tier``, without reading it)."""
+
+PIN_OK = master_pb2.PIN_STATUS_OK
+PIN_QUOTA = master_pb2.PIN_STATUS_QUOTA_EXCEEDED
+
+
+def tier_limit(max_tier: str) -> int:
+    """The TierLevel for a ``max_tier`` name; InvalidArgumentError for an unknown one."""
+    try:
+        return TIER_LIMITS[max_tier.lower()]
+    except (KeyError, AttributeError):
+        raise InvalidArgumentError(
+            f"max_tier: expected one of gpu, cpu, ssd or any, got {max_tier!r}"
+        ) from None
+
+
+def leading_hits(response: master_pb2.LookupResponse) -> int:
+    """prefix_match from a Lookup: the leading run of found keys. The entries are in the lookup
+    cache by then, so the get of the hits that an engine sends next needs no second index round
+    trip."""
+    entries = response.entries
+    return next((i for i, e in enumerate(entries) if not e.found), len(entries))
+
+
+def miss_reason(error: KVPoolError) -> str:
+    return "timeout" if isinstance(error, DeadlineExceededError) else "unavailable"
+
+
+class RevisionFloor:
+    """The highest index revision a client has committed, removed or read at; its lookups ask
+    for at least this much (read-your-writes, monotonic reads). Shared by threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def raise_to(self, revision: int) -> None:
+        if revision > self.value:
+            with self._lock:
+                self.value = max(self.value, revision)
+
+
+# --- what the drivers carry out -------------------------------------------------------------------
+
+
+class ReadCall(NamedTuple):
+    """One read operation: read ``pairs`` (key, key bytes) into where ``sink_for`` says, then
+    ``finish(items)`` is the caller's answer (``items`` None: the whole read failed)."""
+
+    op: str
+    pairs: list[tuple[str, bytes]]
+    sink_for: SinkFactory
+    strict: bool
+    limit: int
+    finish: Callable[[list[ReadItem | None] | None], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Query(Generic[T]):
+    """One call to a master: ``answered(response)`` is the caller's answer, the next Query to
+    ask (within the same deadline), or :class:`Removed`. On a failure of the cache the answer is
+    ``neutral`` unless ``strict`` (then the typed error)."""
+
+    op: str
+    method: str
+    request: Any
+    answered: Callable[[Any], Any]
+    neutral: T
+    strict: bool
+    leader_only: bool = False
+
+
+class Removed(NamedTuple):
+    """A remove's answer, once the replicas named in ``refs`` have been told to drop the bytes
+    (best effort, within DELETE_WAIT_S)."""
+
+    value: Any
+    refs: list[BlockRef]
+
+
+def fresh_bytes(_index: int, _key: str, _size: int) -> tuple[memoryview | None, bool]:
+    """Into new bytes (get, batch_get)."""
+    return None, False
+
+
+def into(sink: memoryview) -> SinkFactory:
+    """Into the caller's buffer (get_into): BufferTooSmallError when the block does not fit."""
+
+    def caller(_index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+        check_fits(sink, size, key)
+        return sink[:size], True
+
+    return caller
+
+
+def batch_sinks(pairs: list[tuple[str, bytes]], buffers: Sequence[object]) -> list[memoryview]:
+    if isinstance(buffers, str | bytes) or not isinstance(buffers, Sequence):
+        raise InvalidArgumentError("batch_get_into takes a sequence of buffers, one per key")
+    if len(buffers) != len(pairs):
+        raise InvalidArgumentError(
+            f"batch_get_into: {len(pairs)} keys but {len(buffers)} buffers (one per key)"
+        )
+    return [as_sink(b) for b in buffers]
+
+
+def into_each(sinks: list[memoryview]) -> SinkFactory:
+    """Into each key's own buffer (batch_get_into)."""
+
+    def caller(index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+        sink = sinks[index]
+        check_fits(sink, size, key)
+        return sink[:size], True
+
+    return caller
+
+
+def _result(_index: int, item: ReadItem) -> bytes:
+    return item.result()
+
+
+def _size(_index: int, item: ReadItem) -> int:
+    return int(item.entry.size_bytes)
+
+
+class ClientState:
+    """A client's knowledge and decisions (see the module doc); the drivers subclass it."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        strict: bool = False,
+        logger: Any = None,
+        routing: MasterRouting | None = None,
+    ) -> None:
+        if not isinstance(strict, bool):
+            raise ConfigError(f"strict: expected True or False, got {strict!r}")
+        self.config = config
+        self.strict = strict
+        self._log = logger if logger is not None else get_logger("kvpool.client")
+        tracing.setup_client_tracing()
+        self.attempt_timeout_s = min(MASTER_ATTEMPT_S, config.timeout_s)
+        self.security = config.security()
+        self.routing = routing or MasterRouting(config.masters)
+        self.links = Links(config.transport)
+        self.hedge_policy = HedgePolicy(config.hedge_reads, config.hedge_delay_ms / 1000)
+        self._placement = Placement(is_local=self.links.is_local)
+        self.cache = LookupCache(config.lookup_cache_size, config.lookup_cache_ttl_s)
+        self.floor = RevisionFloor()
+        self._stats = ClientStats()
+        self.metrics = ClientMetrics(self._stats)
+        self._closed = False
+
+    # --- state ----------------------------------------------------------------------------
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    @property
+    def counters(self) -> ClientStats:
+        return self._stats
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters (a copy; safe from any thread): see ClientStats.snapshot."""
+        return self._stats.snapshot()
+
+    @property
+    def read_floor(self) -> int:
+        """The highest index revision this client committed or removed at; lookups ask the
+        master to have applied at least this much (read-your-writes)."""
+        return self.floor.value
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def mark_closed(self) -> None:
+        """Refuse further calls."""
+        self._closed = True
+
+    # --- failure policy -------------------------------------------------------------------
+
+    def _tier_limit(self, max_tier: str | None) -> int:
+        return tier_limit(self.config.max_tier if max_tier is None else max_tier)
+
+    def _strict(self, strict: bool | None) -> bool:
+        """The call's strictness; also refuses calls on a closed client, in every mode (using a
+        closed client is a bug in the caller, not a failure of the cache)."""
+        if self._closed:
+            raise UnavailableError("this kvpool client is closed")
+        return self.strict if strict is None else bool(strict)
+
+    def call_error(self, op: str, error: Exception) -> KVPoolError:
+        """The typed error for what a call under its deadline raised."""
+        if isinstance(error, KVPoolError):
+            return error
+        if isinstance(error, TimeoutError):
+            return DeadlineExceededError(f"{op}: not done within timeout_s={self.config.timeout_s}")
+        if isinstance(error, OSError):
+            return UnavailableError(f"{op}: {error}")
+        self._log.exception("client_call_failed", op=op)  # called while handling ``error``
+        return InternalError(f"{op}: {type(error).__name__}: {error}")
+
+    def failed(self, error: KVPoolError, strict: bool, neutral: T) -> T:
+        """A call's answer once it failed: a caller error raises in every mode, a failure of
+        the cache raises only when strict, else the neutral answer."""
+        if strict or isinstance(error, InvalidArgumentError):
+            raise error
+        return neutral
+
+    # --- reads ----------------------------------------------------------------------------
+
+    def get_call(self, key: str, strict: bool | None, max_tier: str | None) -> ReadCall:
+        pair = (key, validate_key(key))
+        strict_ = self._strict(strict)
+        finish = partial(self._finish_one, key, strict_, _result)
+        return ReadCall("get", [pair], fresh_bytes, strict_, self._tier_limit(max_tier), finish)
+
+    def get_into_call(
+        self, key: str, buffer: WritableBuffer, strict: bool | None, max_tier: str | None
+    ) -> ReadCall:
+        pair = (key, validate_key(key))
+        sink = as_sink(buffer)
+        strict_ = self._strict(strict)
+        finish = partial(self._finish_one, key, strict_, _size)
+        return ReadCall("get_into", [pair], into(sink), strict_, self._tier_limit(max_tier), finish)
+
+    def batch_get_call(
+        self, keys: Sequence[str], strict: bool | None, max_tier: str | None
+    ) -> ReadCall:
+        pairs = validate_keys(keys)
+        finish = partial(self._finish_batch, pairs, _result)
+        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        return ReadCall("batch_get", pairs, fresh_bytes, strict_, limit, finish)
+
+    def batch_get_into_call(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[WritableBuffer],
+        strict: bool | None,
+        max_tier: str | None,
+    ) -> ReadCall:
+        pairs = validate_keys(keys)
+        sinks = batch_sinks(pairs, buffers)
+        finish = partial(self._finish_batch, pairs, _size)
+        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        return ReadCall("batch_get_into", pairs, into_each(sinks), strict_, limit, finish)
+
+    def batch_get_alloc_call(
+        self,
+        keys: Sequence[str],
+        alloc: Callable[[int], object],
+        strict: bool | None,
+        max_tier: str | None,
+    ) -> ReadCall:
+        """Each hit's bytes go into the buffer ``alloc(size)`` made once its size is known."""
+        pairs = validate_keys(keys)
+        made: dict[int, object] = {}
+
+        def sink_for(index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+            buffer = alloc(size)
+            sink = as_sink(buffer)
+            check_fits(sink, size, key)
+            made[index] = buffer
+            return sink[:size], True
+
+        finish = partial(self._finish_batch, pairs, lambda i, _item: made.get(i))
+        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        return ReadCall("batch_get_alloc", pairs, sink_for, strict_, limit, finish)
+
+    def _finish_one(
+        self,
+        key: str,
+        strict: bool,
+        value: Callable[[int, ReadItem], Any],
+        items: list[ReadItem | None] | None,
+    ) -> Any:
+        if items is None or not self.settle(items[0], key, strict):
+            return None
+        item = items[0]
+        assert item is not None
+        return value(0, item)
+
+    def _finish_batch(
+        self,
+        pairs: list[tuple[str, bytes]],
+        value: Callable[[int, ReadItem], Any],
+        items: list[ReadItem | None] | None,
+    ) -> list[Any]:
+        if items is None:
+            return [None] * len(pairs)
+        hits = self.settle_batch(items, pairs)
+        return [
+            value(i, item) if hit and item is not None else None
+            for i, (item, hit) in enumerate(zip(items, hits, strict=True))
+        ]
+
+    def read_failed(self, call: ReadCall, error: KVPoolError, span: Any) -> None:
+        """A read that failed as a whole: counted as misses of every key; None (strict: the
+        error). Caller errors raise in every mode."""
+        if isinstance(error, InvalidArgumentError):
+            raise error
+        self._stats.miss(miss_reason(error), len(call.pairs))
+        if span is not None and span.is_recording():
+            span.set_attributes(read_attributes(None, miss_reason(error)))
+        if call.strict:
+            raise error
+
+    @staticmethod
+    def read_done(items: list[ReadItem | None], span: Any) -> list[ReadItem | None]:
+        if span.is_recording():
+            span.set_attributes(read_attributes(items))
+        return items
+
+    def settle(self, item: ReadItem | None, key: str, strict: bool) -> bool:
+        """Count a read's outcome; True for a hit. Strict misses raise the typed error."""
+        if item is None:
+            self._stats.miss("absent")
+            if strict:
+                raise BlockMissError(f"{key!r} is not in the index", reason="absent")
+            return False
+        if item.ok:
+            self._stats.hit()
+            return True
+        reason = item.reason
+        self._stats.miss(reason)
+        if reason == "checksum_mismatch":
+            self._log.warning("block_checksum_mismatch", key=key[:128], reasons=item.reasons)
+        if strict:
+            raise item.error()
+        return False
+
+    def settle_batch(
+        self, items: Sequence[ReadItem | None], pairs: Sequence[tuple[str, bytes]]
+    ) -> list[bool]:
+        """:meth:`settle` for a batch (never strict), hits counted at once."""
+        out: list[bool] = []
+        hits = 0
+        for item, (key, _) in zip(items, pairs, strict=True):
+            if item is not None and item.ok:
+                hits += 1
+                out.append(True)
+            else:
+                out.append(self.settle(item, key, strict=False))
+        if hits:
+            self._stats.hit(hits)
+        return out
+
+    def lookup_answered(self, keys: list[str], response: master_pb2.LookupResponse) -> None:
+        """Check a Lookup answer and learn from it (ring version, revision floor, cache)."""
+        if len(response.entries) != len(keys):
+            raise InternalError(
+                f"Lookup answered {len(response.entries)} entries for {len(keys)} keys"
+            )
+        for key, entry in zip(keys, response.entries, strict=True):
+            answered = entry.key  # read once: each field read builds a new str
+            if answered != key and answered and entry.found:
+                raise InternalError(f"Lookup answered {answered!r} in the place of {key!r}")
+        self._placement.observe_ring_version(response.ring_version)
+        # Monotonic reads: never ask a master that has applied less than what we have seen.
+        self.floor.raise_to(response.revision)
+        if self.cache.enabled:
+            self.cache.learn_members([MemberInfo.from_proto(m) for m in response.members])
+            self.cache.store_many(keys, list(response.entries), response.revision)
+
+    def member(self, member_id: int, live: dict[int, MemberInfo]) -> MemberInfo | None:
+        return (
+            live.get(member_id) or self.cache.member(member_id) or self._placement.member(member_id)
+        )
+
+    def read_flow(
+        self,
+        pairs: list[tuple[str, bytes]],
+        sink_for: SinkFactory,
+        deadline: float,
+        limit: int,
+        clock: Callable[[], float],
+    ) -> ReadFlow:
+        """:func:`~kvpool.client.ops.read_flow` over this client's cache and placement, for
+        either driver (``clock``: the driver's)."""
+        return read_flow(
+            self.cache,
+            self._placement,
+            pairs,
+            sink_for,
+            limit=limit,
+            deadline=deadline,
+            clock=clock,
+        )
+
+    # --- index questions ------------------------------------------------------------------
+
+    def lookup_request(self, names: list[str]) -> master_pb2.LookupRequest:
+        """A Lookup of ``names`` from a master that has applied all this client has seen."""
+        return master_pb2.LookupRequest(keys=names, min_revision=self.floor.value)
+
+    def lookup_query(
+        self,
+        op: str,
+        names: list[str],
+        answered: Callable[[master_pb2.LookupResponse], Any],
+        neutral: Any,
+        strict: bool,
+    ) -> Query[Any]:
+        request = self.lookup_request(names)
+
+        def learn(response: master_pb2.LookupResponse) -> Any:
+            self.lookup_answered(names, response)
+            return answered(response)
+
+        return Query(op, "Lookup", request, learn, neutral, strict)
+
+    def exists_query(self, key: str, strict: bool | None) -> Query[bool]:
+        validate_key(key)
+        return self.lookup_query(
+            "exists", [key], lambda r: bool(r.entries[0].found), False, self._strict(strict)
+        )
+
+    def sizes_query(self, keys: Sequence[str], strict: bool | None) -> Query[Any] | list[Any]:
+        names = validate_key_names(keys)
+        if not names:
+            return []
+
+        def sizes(response: master_pb2.LookupResponse) -> list[int | None]:
+            return [int(e.size_bytes) if e.found else None for e in response.entries]
+
+        return self.lookup_query("sizes", names, sizes, [None] * len(names), self._strict(strict))
+
+    def locate_query(self, keys: Sequence[str], strict: bool | None) -> Query[Any] | list[Any]:
+        names = validate_key_names(keys)
+        if not names:
+            return []
+
+        def locations(response: master_pb2.LookupResponse) -> list[BlockLocation | None]:
+            members = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
+            return [
+                BlockLocation.from_entry(e, members) if e.found else None for e in response.entries
+            ]
+
+        neutral = [None] * len(names)
+        return self.lookup_query("locate", names, locations, neutral, self._strict(strict))
+
+    def batch_exists_query(
+        self, keys: Sequence[str], strict: bool | None
+    ) -> Query[Any] | list[Any]:
+        """One PrefixMatch answering each key (no entries sent); a master of an older release
+        answers the count only, and then a Lookup is asked."""
+        names = validate_key_names(keys)
+        if not names:
+            return []
+        strict_ = self._strict(strict)
+        neutral = [False] * len(names)
+
+        def found(response: master_pb2.PrefixMatchResponse) -> list[bool] | Query[Any]:
+            self.floor.raise_to(response.revision)
+            if len(response.found) == len(names):
+                return list(response.found)
+            return self.lookup_query(
+                "exists", names, lambda r: [e.found for e in r.entries], neutral, strict_
+            )
+
+        request = master_pb2.PrefixMatchRequest(
+            keys=names, min_revision=self.floor.value, each=True
+        )
+        return Query("exists", "PrefixMatch", request, found, neutral, strict_)
+
+    def prefix_match_query(
+        self, keys: Sequence[str], strict: bool | None, fetch_entries: bool
+    ) -> Query[int] | int:
+        names = validate_key_names(keys)
+        if not names:
+            return 0
+        strict_ = self._strict(strict)
+        if fetch_entries and len(names) <= PREFIX_LOOKUP_MAX_KEYS:
+            return self.lookup_query("prefix_match", names, leading_hits, 0, strict_)
+
+        def matched(response: master_pb2.PrefixMatchResponse) -> int:
+            self.floor.raise_to(response.revision)
+            return min(int(response.matched), len(names))
+
+        request = master_pb2.PrefixMatchRequest(keys=names, min_revision=self.floor.value)
+        return Query("prefix_match", "PrefixMatch", request, matched, 0, strict_)
+
+    def pin_query(self, keys: Sequence[str], replicas: int) -> Query[list[bool]] | list[bool]:
+        """Pin keys at ``replicas`` copies (0: unpin); always strict (pinning is an explicit
+        request, never a silent miss). PinQuotaExceededError when the masters' pin quota would
+        be exceeded (the keys that fit are pinned)."""
+        pairs = validate_keys(keys)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise InvalidArgumentError(f"replicas: expected an int >= 0, got {replicas!r}")
+        self._strict(True)
+        if not pairs:
+            return []
+        request = master_pb2.PinRequest(
+            request_id=os.urandom(16), keys=[k for k, _ in pairs], replicas=replicas
+        )
+
+        def pinned(response: master_pb2.PinResponse) -> list[bool]:
+            self.floor.raise_to(response.revision)
+            statuses = list(response.statuses)
+            if len(statuses) != len(pairs):
+                raise InternalError(f"Pin answered {len(statuses)} statuses for {len(pairs)} keys")
+            over = [k for (k, _), s in zip(pairs, statuses, strict=True) if s == PIN_QUOTA]
+            if over:
+                raise PinQuotaExceededError(
+                    f"pin quota exceeded: {len(over)} of {len(pairs)} keys not pinned (first: "
+                    f"{over[0]!r}); pinned {response.pinned_bytes} of {response.quota_bytes} "
+                    "bytes (raise the masters' pin_quota or pin fewer blocks)"
+                )
+            return [s == PIN_OK for s in statuses]
+
+        return Query("pin", "Pin", request, pinned, [], True, leader_only=True)
+
+    def remove_query(
+        self,
+        op: str,
+        keys: list[str],
+        strict: bool,
+        neutral: Any,
+        answer: Callable[[master_pb2.RemoveResponse], Any],
+        *,
+        prefixes: tuple[str, ...] = (),
+        limit: int = 0,
+    ) -> Query[Any]:
+        """Remove keys (or every key under ``prefixes``, at most ``limit``) in one commit; the
+        replicas the index named are told to drop the bytes."""
+        request = master_pb2.RemoveRequest(
+            request_id=os.urandom(16), keys=keys, prefixes=prefixes, limit=limit
+        )
+
+        def removed(response: master_pb2.RemoveResponse) -> Removed:
+            if len(response.removed) != len(keys):
+                raise InternalError(
+                    f"Remove answered {len(response.removed)} results for {len(keys)} keys"
+                )
+            self.floor.raise_to(response.revision)
+            for key in keys:
+                self.cache.removed(key, response.revision)
+            live = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
+            refs = []
+            for block in response.blocks:
+                if prefixes:
+                    self.cache.removed(block.key, response.revision)
+                for member_id in block.replicas:
+                    member = live.get(member_id) or self._placement.member(member_id)
+                    if member is not None:
+                        refs.append(BlockRef(block.key.encode("utf-8"), block.write_id, 0, member))
+            return Removed(answer(response), refs)
+
+        return Query(op, "Remove", request, removed, neutral, strict, leader_only=True)
+
+    def remove_one_query(self, key: str, strict: bool | None) -> Query[bool]:
+        validate_key(key)
+        return self.remove_query(
+            "remove", [key], self._strict(strict), False, lambda r: bool(r.removed[0])
+        )
+
+    def batch_remove_query(
+        self, keys: Sequence[str], strict: bool | None
+    ) -> Query[Any] | list[bool]:
+        names = validate_key_names(keys)
+        if not names:
+            return []
+        neutral = [False] * len(names)
+        strict_ = self._strict(strict)
+        return self.remove_query("batch_remove", names, strict_, neutral, lambda r: list(r.removed))
+
+    def remove_prefix_query(self, prefix: str, limit: int) -> Query[tuple[int, bool]]:
+        """One step of removing every key that starts with ``prefix`` ("" = every key): (keys
+        removed, whether matching keys are left). An admin call: failures raise, typed."""
+        if not isinstance(prefix, str):
+            raise InvalidArgumentError(f"a prefix must be a str, not {type(prefix).__name__}")
+        self._strict(True)
+        return self.remove_query(
+            "remove_prefix",
+            [],
+            True,
+            (0, False),
+            lambda r: (int(r.prefix_removed), bool(r.more)),
+            prefixes=(prefix,),
+            limit=limit,
+        )
+
+    # --- writes ---------------------------------------------------------------------------
+
+    def put_item(self, key: str, value: object) -> PutItem:
+        key_bytes = validate_key(key)
+        payload = as_payload(value, self.config.max_value_size)
+        return PutItem(key, key_bytes, payload)
+
+    def put_items(self, items: PutItems) -> list[PutItem]:
+        return [self.put_item(k, v) for k, v in put_items(items)]
+
+    def computed_item(self, key: str, value: BytesLike) -> PutItem:
+        """get_or_compute's put: bad keys and values raise; its failure never does."""
+        self._strict(False)  # refuses a closed client
+        item = self.put_item(key, value)
+        self._stats.fallback()
+        return item
+
+    def put_failed(
+        self, items: list[PutItem], error: KVPoolError, strict: bool
+    ) -> list[PutReceipt | None]:
+        """A put that failed as a whole: every item counted failed; None each (strict: the
+        error). Caller errors raise in every mode."""
+        if isinstance(error, InvalidArgumentError):
+            raise error
+        self._stats.puts(0, len(items))
+        if strict:
+            raise error
+        return [None] * len(items)
+
+    def put_results(
+        self,
+        items: list[PutItem],
+        receipts: dict[PutItem, PutReceipt],
+        strict: bool,
+        *,
+        single: bool,
+    ) -> list[PutReceipt | None]:
+        results = [receipts.get(it) if it.committed else None for it in items]
+        ok = sum(r is not None for r in results)
+        self._stats.puts(ok, len(results) - ok)
+        if single and strict and results[0] is None:
+            raise items[0].error or UnavailableError(f"put {items[0].key!r} failed")
+        return results
+
+    def put_flow(
+        self,
+        items: list[PutItem],
+        receipts: dict[PutItem, PutReceipt],
+        deadline: float,
+        clock: Callable[[], float],
+    ) -> PutFlow:
+        """:func:`~kvpool.client.ops.put_flow` over this client's placement and commit
+        bookkeeping, for either driver (``clock``: the driver's)."""
+        return put_flow(
+            self._placement,
+            items,
+            receipts,
+            self.commit_answered,
+            replicas=self.config.replicas,
+            timeout_s=self.config.timeout_s,
+            deadline=deadline,
+            max_commit_entries=MAX_COMMIT_ENTRIES,
+            clock=clock,
+        )
+
+    def commit_answered(
+        self, staged: list[PutItem], answer: CommitAnswer, receipts: dict[PutItem, PutReceipt]
+    ) -> AfterCommit | None:
+        """Learn from a commit's answer: receipts, errors, the floor, the cache; the blocks to
+        publish and to delete, or None when the index refused the ring (StaleRingError on every
+        item)."""
+        if answer.stale_ring:
+            self._placement.mark_stale(answer.ring_version)
+            for it in staged:
+                it.error = StaleRingError(
+                    f"put {it.key!r}: the ring changed under the put",
+                    ring_version=answer.ring_version,
+                )
+            return None
+        self._placement.observe_ring_version(answer.ring_version)
+        self.floor.raise_to(answer.revision)
+        refs = judge_commit(staged, answer, receipts)
+        if self.cache.enabled:
+            for it, result in zip(staged, answer.results, strict=True):
+                if it.committed:
+                    self.cache.committed(it.key, committed_entry(it, result), answer.revision)
+        deletes, wait = superseded(staged, answer.results, self._placement.member)
+        return AfterCommit(refs, deletes, wait)
+
+    def members_answered(self, response: master_pb2.GetMembersResponse, now_s: float) -> None:
+        self._placement.update(
+            (MemberInfo.from_proto(m) for m in response.members), response.ring_version, now_s
+        )
+        self._stats.ring_refreshed()
