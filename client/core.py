@@ -23,6 +23,7 @@ from kvpool.client import state as state_module
 from kvpool.client.blocks import DataPlane, PutItem, ReadItem
 from kvpool.client.commits import AsyncCommitter, CommitAnswer, PutReceipt, put_entries
 from kvpool.client.ops import DELETE_WAIT_S, Commit, EnsureMembers, Lookup, Publish, Stage
+from kvpool.client.plans import BlockLocation
 from kvpool.client.state import ClientState, Query, ReadCall, Removed
 from kvpool.client.values import BytesLike, PutItems, WritableBuffer
 from kvpool.config import ClientConfig
@@ -85,8 +86,16 @@ class ClientCore(ClientState):
         await self._masters.close()
 
     async def start_metrics(self) -> str:
-        """Serve this client's /metrics when ``metrics_port`` asks for it; its address."""
+        """Serve this client's /metrics when ``metrics_port`` asks for it (``async with`` does
+        this); its address ("" when off). Idempotent."""
+        if self.metrics.address:
+            return self.metrics.address
         return await self.metrics.start(self.config.metrics_host, self.config.metrics_port)
+
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` of this client's /metrics ("" when off or not started yet)."""
+        return self.metrics.address
 
     # --- the API --------------------------------------------------------------------------
 
@@ -162,9 +171,36 @@ class ClientCore(ClientState):
         result: list[int | None] = await self._run(call)
         return result
 
+    async def batch_get_alloc(
+        self,
+        keys: Sequence[str],
+        alloc: Callable[[int], T],
+        *,
+        strict: bool | None = None,
+        max_tier: str | None = None,
+    ) -> list[T | None]:
+        """Read each key into a buffer ``alloc(size)`` makes once the block's size is known
+        (as :meth:`kvpool.Client.batch_get_alloc`; ``alloc`` runs on the event loop)."""
+        call = self.batch_get_alloc_call(keys, alloc, strict, max_tier)
+        result: list[T | None] = await self._run(call)
+        return result
+
     async def exists(self, key: str, *, strict: bool | None = None) -> bool:
         """Whether the index has the key (the bytes are not checked)."""
         return bool(await self._ask(self.exists_query(key, strict)))
+
+    async def batch_exists(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
+        """Whether the index has each key, in one call to a master that sends no entries; all
+        False on failure unless strict."""
+        result: list[bool] = await self._ask(self.batch_exists_query(keys, strict))
+        return result
+
+    async def locate(
+        self, keys: Sequence[str], *, strict: bool | None = None
+    ) -> list[BlockLocation | None]:
+        """Where the index has each key's block (as :meth:`kvpool.Client.locate`)."""
+        result: list[BlockLocation | None] = await self._ask(self.locate_query(keys, strict))
+        return result
 
     async def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
         """Each key's block size in bytes as the index has it, or None where it has no such key
@@ -184,6 +220,21 @@ class ClientCore(ClientState):
         quota would be exceeded (the keys that fit are pinned), and any other failure as its
         typed error: pinning is an explicit request, never a silent miss."""
         result: list[bool] = await self._ask(self.pin_query(keys, replicas))
+        return result
+
+    async def unpin(self, keys: Sequence[str]) -> list[bool]:
+        """End pins (True per key the index has)."""
+        return await self.pin(keys, 0)
+
+    async def batch_remove(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
+        """Remove many keys with one commit; True per key the index had."""
+        result: list[bool] = await self._ask(self.batch_remove_query(keys, strict))
+        return result
+
+    async def remove_prefix(self, prefix: str, *, limit: int = 0) -> tuple[int, bool]:
+        """One step of removing the keys under ``prefix`` (as :meth:`kvpool.Client.
+        remove_prefix`): (keys removed, whether matching keys are left). Failures raise."""
+        result: tuple[int, bool] = await self._ask(self.remove_prefix_query(prefix, limit))
         return result
 
     async def prefix_match(

@@ -52,24 +52,61 @@ class SyncPath(ClientState):
         self._masters = SyncMasterClient(
             self.routing, attempt_timeout_s=self.attempt_timeout_s, security=self.security
         )
+        placement = self._placement  # the callbacks hold the placement, not the client
         self._data = BlockingDataPlane(
             self,
-            self._node_failed,
+            lambda mid: placement.node_failed(mid, time.monotonic()),
             connect_timeout_s=self.attempt_timeout_s,
-            on_node_slow=lambda mid: self._placement.node_slow(mid, time.monotonic()),
+            on_node_slow=lambda mid: placement.node_slow(mid, time.monotonic()),
         )
         self._committer = SyncCommitter(self._commit_rpc, lambda: state_module.MAX_COMMIT_ENTRIES)
         self._members_lock = threading.Lock()
 
     def close(self) -> None:
+        """Close connections. Idempotent; later calls raise UnavailableError."""
         self.mark_closed()
         self._data.close()
         self._masters.close()
 
     # --- the API --------------------------------------------------------------------------
 
-    def get(self, key: str, *, strict: bool | None = None, max_tier: str | None = None) -> Any:
-        return self._run(self.get_call(key, strict, max_tier))
+    def put(self, key: str, value: BytesLike, *, strict: bool | None = None) -> bool:
+        """Store ``value`` under ``key``: True once committed; False on failure (strict raises).
+
+        ``value``: bytes, bytearray, C-contiguous memoryview or numpy array (sent as its raw
+        bytes). Do not modify it until put returns."""
+        return self.put_receipt(key, value, strict=strict) is not None
+
+    def put_receipt(
+        self, key: str, value: BytesLike, *, strict: bool | None = None
+    ) -> PutReceipt | None:
+        """As :meth:`put`, answering the commit's receipt (version, write id, index revision,
+        replica node ids) instead of True; None on failure (strict raises as put does)."""
+        item = self.put_item(key, value)
+        (receipt,) = self._put_prepared([item], self._strict(strict), single=True)
+        return receipt
+
+    def batch_put(self, items: PutItems, *, strict: bool | None = None) -> list[bool]:
+        """Store many blocks with one commit; one bool per item, in order."""
+        return [r is not None for r in self.batch_put_receipts(items, strict=strict)]
+
+    def batch_put_receipts(
+        self, items: PutItems, *, strict: bool | None = None
+    ) -> list[PutReceipt | None]:
+        """As :meth:`batch_put`, with each committed item's receipt (None where it failed)."""
+        prepared = self.put_items(items)
+        if not prepared:
+            return []
+        return self._put_prepared(prepared, self._strict(strict), single=False)
+
+    def get(
+        self, key: str, *, strict: bool | None = None, max_tier: str | None = None
+    ) -> bytes | None:
+        """The bytes stored under ``key``, or None on a miss or any failure (strict raises
+        BlockMissError, ChecksumMismatchError, DeadlineExceededError, UnavailableError…).
+        ``max_tier`` ("gpu", "cpu", "ssd"): a block held only on a slower tier is a miss."""
+        result: bytes | None = self._run(self.get_call(key, strict, max_tier))
+        return result
 
     def get_into(
         self,
@@ -79,12 +116,17 @@ class SyncPath(ClientState):
         strict: bool | None = None,
         max_tier: str | None = None,
     ) -> int | None:
+        """Read the block straight into ``buffer`` (writable, C-contiguous, large enough, else
+        BufferTooSmallError / InvalidValueError): its size in bytes, or None (the buffer's
+        content is then undefined). The bytes are copied once, into ``buffer``."""
         result: int | None = self._run(self.get_into_call(key, buffer, strict, max_tier))
         return result
 
     def batch_get(
         self, keys: Sequence[str], *, strict: bool | None = None, max_tier: str | None = None
     ) -> list[bytes | None]:
+        """Each key's bytes or None, in order (one lookup for the keys not cached, one MGET
+        per node)."""
         result: list[bytes | None] = self._run(self.batch_get_call(keys, strict, max_tier))
         return result
 
@@ -96,6 +138,8 @@ class SyncPath(ClientState):
         strict: bool | None = None,
         max_tier: str | None = None,
     ) -> list[int | None]:
+        """Read each key into its own buffer (``buffers[i]`` for ``keys[i]``): each block's size
+        or None. The bytes are copied once, into the buffers."""
         call = self.batch_get_into_call(keys, buffers, strict, max_tier)
         result: list[int | None] = self._run(call)
         return result
@@ -108,65 +152,89 @@ class SyncPath(ClientState):
         strict: bool | None = None,
         max_tier: str | None = None,
     ) -> list[T | None]:
+        """Read each key into a buffer ``alloc(size)`` makes once the block's size is known
+        (writable, at least ``size`` bytes): the buffers, None where a key missed. The bytes
+        are copied once, into them; ``alloc`` runs in the calling thread."""
         result: list[T | None] = self._run(self.batch_get_alloc_call(keys, alloc, strict, max_tier))
         return result
 
+    def get_or_compute(self, key: str, fn: Callable[[], BytesLike]) -> bytes:
+        """The cached bytes; on a miss ``fn()``'s value, stored best effort (never raises
+        because the store failed). ``fn`` runs in the calling thread; its exceptions
+        propagate."""
+        data = self.get(key, strict=False)
+        if data is not None:
+            return data
+        value = fn()
+        item = self.computed_item(key, value)
+        self._put_prepared([item], strict=False, single=True)
+        return value if type(value) is bytes else bytes(item.payload)
+
     def exists(self, key: str, *, strict: bool | None = None) -> bool:
+        """Whether the index has ``key`` (False on failure unless the client is strict)."""
         return bool(self._ask(self.exists_query(key, strict)))
 
     def batch_exists(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
+        """Whether the index has each key, in one call to a master that sends no entries
+        (cheaper than :meth:`sizes` for a long batch); all False on failure unless strict."""
         result: list[bool] = self._ask(self.batch_exists_query(keys, strict))
         return result
 
     def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
+        """Each key's block size in bytes, or None where the index has no such key (one lookup;
+        no bytes are read; None for all on failure unless strict)."""
         result: list[int | None] = self._ask(self.sizes_query(keys, strict))
         return result
 
     def locate(
         self, keys: Sequence[str], *, strict: bool | None = None
     ) -> list[BlockLocation | None]:
+        """Where the index has each key's block — its size, version, checksum, the fastest tier
+        a replica reported and the live nodes holding it — or None where it has no such key
+        (one lookup; no bytes are read; None for all on failure unless strict)."""
         result: list[BlockLocation | None] = self._ask(self.locate_query(keys, strict))
         return result
 
     def prefix_match(
         self, keys: Sequence[str], *, strict: bool | None = None, fetch_entries: bool = True
     ) -> int:
+        """How many leading keys of a chain are cached (0 on failure), in one call to a
+        master, from the calling thread. ``fetch_entries`` (up to 1024 keys): the call brings
+        the keys' index entries into the lookup cache, so that a get of the hits right after
+        asks the index nothing; False asks for the count only, which is cheaper for this call
+        and the master (a probe that reads may not follow, or a latency-bound hit query)."""
         return int(self._ask(self.prefix_match_query(keys, strict, fetch_entries)))
 
     def pin(self, keys: Sequence[str], replicas: int = 1) -> list[bool]:
+        """Pin keys at ``replicas`` copies: never evicted, kept at that count by the masters,
+        replicated in the index (survives a master failover). True per key pinned, False when
+        the index has no such key; raises PinQuotaExceededError above the masters' pin_quota,
+        and other failures as typed errors."""
         result: list[bool] = self._ask(self.pin_query(keys, replicas))
         return result
 
+    def unpin(self, keys: Sequence[str]) -> list[bool]:
+        """End pins (True per key the index has)."""
+        return self.pin(keys, 0)
+
     def remove(self, key: str, *, strict: bool | None = None) -> bool:
+        """Remove ``key``; True if the index had it. Replicas are told to drop the bytes, best
+        effort."""
         return bool(self._ask(self.remove_one_query(key, strict)))
 
     def batch_remove(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
+        """Remove many keys with one commit; True per key the index had (False for all on
+        failure unless strict)."""
         result: list[bool] = self._ask(self.batch_remove_query(keys, strict))
         return result
 
     def remove_prefix(self, prefix: str, *, limit: int = 0) -> tuple[int, bool]:
+        """Remove keys that start with ``prefix`` (``""``: every key in the cluster), at most
+        ``limit`` (0: the masters' step, 4096) in one Raft commit: (keys removed, whether
+        matching keys are left — call again). Replicas are told to drop the bytes, best effort.
+        An admin call: failures raise, typed."""
         result: tuple[int, bool] = self._ask(self.remove_prefix_query(prefix, limit))
         return result
-
-    def put_receipt(
-        self, key: str, value: BytesLike, *, strict: bool | None = None
-    ) -> PutReceipt | None:
-        item = self.put_item(key, value)
-        (receipt,) = self._put_prepared([item], self._strict(strict), single=True)
-        return receipt
-
-    def batch_put_receipts(
-        self, items: PutItems, *, strict: bool | None = None
-    ) -> list[PutReceipt | None]:
-        prepared = self.put_items(items)
-        if not prepared:
-            return []
-        return self._put_prepared(prepared, self._strict(strict), single=False)
-
-    def store_computed(self, key: str, value: BytesLike) -> bytes:
-        item = self.computed_item(key, value)
-        self._put_prepared([item], strict=False, single=True)
-        return value if type(value) is bytes else bytes(item.payload)
 
     # --- carrying out ---------------------------------------------------------------------
 
@@ -345,6 +413,3 @@ class SyncPath(ClientState):
                 self.members_answered(response, time.monotonic())
                 if not placement.ring_is_empty():
                     return
-
-    def _node_failed(self, member_id: int) -> None:
-        self._placement.node_failed(member_id, time.monotonic())

@@ -219,7 +219,7 @@ class Bench:
     def concurrent_puts(self, transport: str, threads: int, per_thread: int, tag: str) -> Any:
         kv = self.clients[transport]
         value = _rng_bytes(4 * KIB, 5)
-        committer = kv._path._committer
+        committer = kv._committer
         before = (committer.requests, committer.jobs)
         times: list[float] = []
         errors: list[str] = []

@@ -65,16 +65,15 @@ class MasterCallCounter:
 
 
 def count_master_calls(client: Any) -> MasterCallCounter | None:
-    """Wrap the sync client's master stub (``client._path._masters``, private: feature-
+    """Wrap the sync client's master stub (``client._masters``, private: feature-
     detected), so that its index calls can be counted; None where there is none."""
-    path = getattr(client, "_path", None)
-    masters = getattr(path, "_masters", None)
+    masters = getattr(client, "_masters", None)
     if masters is None or not callable(getattr(masters, "call", None)):
         return None
     if isinstance(masters, MasterCallCounter):
         return masters
     counter = MasterCallCounter(masters)
-    path._masters = counter  # type: ignore[union-attr]
+    client._masters = counter
     return counter
 
 

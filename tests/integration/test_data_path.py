@@ -121,7 +121,7 @@ def test_the_client_over_tcp_and_shared_memory(cluster: LocalCluster, transport:
             buf = bytearray(len(value))
             assert kv.get_into(key, buf) == len(value)
             assert buf == value
-        conns = list(kv._path._data._conns().values())
+        conns = list(kv._data._conns().values())
         assert conns
         assert all(isinstance(c, ShmBlockingConnection) == (transport == "shm") for c in conns)
     with Client(cluster.master_addresses, timeout_s=5.0, transport="tcp") as other:

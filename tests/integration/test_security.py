@@ -64,7 +64,7 @@ def test_the_right_token_works_on_every_path(secured: LocalCluster) -> None:
             assert await kv.put("sec/b", b"b" * 3000)
             assert await kv.get("sec/b") == b"b" * 3000
             # Lookup and CommitPuts went over the masters' frame RPC port (authenticated).
-            rpc_pool = kv._core._masters._rpc_pool
+            rpc_pool = kv._masters._rpc_pool
             assert any(c.is_open for conns in rpc_pool._conns.values() for c in conns)
         finally:
             await kv.close()

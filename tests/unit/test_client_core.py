@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -537,7 +539,7 @@ def test_batch_put_reports_each_key(client: Client, cluster: FakeCluster) -> Non
     keys = [f"k{i}" for i in range(40)]
     results = client.batch_put(dict.fromkeys(keys, b"v"))
     # Keys placed on the full node fail, the others commit (one replica each).
-    on_full = {k for k in keys if client._path._placement.place(k.encode(), 1)[0].member_id == 1}
+    on_full = {k for k in keys if client._placement.place(k.encode(), 1)[0].member_id == 1}
     assert 0 < len(on_full) < len(keys)
     assert results == [k not in on_full for k in keys]
     stats = client.stats
@@ -974,6 +976,19 @@ def test_close_is_idempotent_and_the_client_runs_no_thread_of_its_own(
     assert not threads_started_since(before)
 
 
+def test_a_client_dropped_without_close_is_collected_and_closes_its_connections(
+    cluster: FakeCluster,
+) -> None:
+    kv = Client([cluster.master_address], timeout_s=2.0)
+    assert kv.put("dropped", b"v")
+    data = kv._data
+    alive = weakref.ref(kv)
+    del kv
+    gc.collect()
+    assert alive() is None  # nothing the client made holds the client
+    assert data._closed
+
+
 def test_many_threads_share_one_client(client: Client) -> None:
     errors: list[BaseException] = []
 
@@ -1013,6 +1028,27 @@ def test_core_runs_on_any_event_loop(cluster: FakeCluster) -> None:
         assert core.closed
         with pytest.raises(UnavailableError):
             await core.get("a")
+
+    asyncio.run(main())
+
+
+def test_the_async_core_has_the_sync_clients_index_and_batch_calls(cluster: FakeCluster) -> None:
+    async def main() -> None:
+        core = ClientCore(make_config([cluster.master_address], timeout_s=2.0))
+        try:
+            assert await core.batch_put({"x/1": b"a", "x/2": b"bb"}) == [True, True]
+            # The fake answers PrefixMatch with a count only, as an older master: a Lookup.
+            assert await core.batch_exists(["x/1", "nope", "x/2"]) == [True, False, True]
+            where = await core.locate(["x/2", "nope"])
+            assert where[0] is not None
+            assert where[1] is None
+            assert (where[0].key, where[0].size_bytes) == ("x/2", 2)
+            made = await core.batch_get_alloc(["x/1", "nope"], bytearray)
+            assert made == [bytearray(b"a"), None]
+            assert await core.batch_remove(["x/1", "nope"]) == [True, False]
+            assert await core.sizes(["x/1", "x/2"]) == [None, 2]
+        finally:
+            await core.close()
 
     asyncio.run(main())
 

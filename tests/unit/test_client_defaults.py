@@ -51,13 +51,13 @@ def test_every_setting_is_a_keyword_with_client_configs_default(
 
 def test_a_sync_client_built_with_no_settings_runs_on_client_configs_defaults() -> None:
     with Client(MASTERS) as kv:
-        assert kv._path.config == ClientConfig(masters=tuple(MASTERS))
+        assert kv.config == ClientConfig(masters=tuple(MASTERS))
 
 
 def test_an_async_client_built_with_no_settings_runs_on_client_configs_defaults() -> None:
     async def build() -> ClientConfig:
         async with AsyncClient(MASTERS) as kv:
-            return kv._core.config
+            return kv.config
 
     assert asyncio.run(build()) == ClientConfig(masters=tuple(MASTERS))
 
@@ -66,7 +66,7 @@ def test_an_async_client_built_with_no_settings_runs_on_client_configs_defaults(
 def test_max_tier_and_metrics_host_reach_the_config(client: Callable[..., Any]) -> None:
     kv = client(MASTERS, max_tier="cpu", metrics_host="::1")
     try:
-        config = kv._path.config if isinstance(kv, Client) else kv._core.config
+        config = kv.config
         assert (config.max_tier, config.metrics_host) == ("cpu", "::1")
     finally:
         if isinstance(kv, Client):

@@ -155,7 +155,7 @@ def test_a_slow_replica_is_hedged_and_the_late_answer_never_lands_in_the_buffer(
         _slow_first_node(cluster, "blk")
         # A hedged node is read last for 2 s; without that, every read that starts at the slow
         # node is hedged — the second one after the first one's late answer has arrived.
-        kv._path.placement._suspect_s = 0.0
+        kv.placement._suspect_s = 0.0
         returned: list[bytearray] = []  # buffers of hedged reads, given back by the caller
         for attempt in range(60):  # reads start at a random replica: some at the slow one
             buf = bytearray(65536)
