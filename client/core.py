@@ -16,9 +16,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from opentelemetry.trace import SpanKind
-
-from kvpool import tracing
 from kvpool.client import state as state_module
 from kvpool.client.blocks import DataPlane, PutItem, ReadItem
 from kvpool.client.commits import AsyncCommitter, CommitAnswer, PutReceipt, put_entries
@@ -300,33 +297,17 @@ class ClientCore(ClientState):
                 return step.value
             return step
 
-        try:
-            return await self._within_deadline(query.op, call)
-        except KVPoolError as e:
-            return self.failed(e, query.strict, query.neutral)
+        with self.asking(query) as asked:
+            asked.value = await self._within_deadline(query.op, call)
+        return asked.value
 
     async def _run(self, call: ReadCall) -> Any:
         """Carry out a :class:`ReadCall`: its answer from the items read (None: all failed)."""
         if not call.pairs:
             return call.finish(None)
-        if not tracing.STATE.enabled:
-            try:
-                return call.finish(await self._within_deadline("get", partial(self._read, call)))
-            except KVPoolError as e:
-                self.read_failed(call, e, None)
-                return call.finish(None)
-        span, token = tracing.enter_span(
-            f"kvpool.{call.op}", kind=SpanKind.CLIENT, attributes={"kvpool.keys": len(call.pairs)}
-        )
-        try:
-            try:
-                items = await self._within_deadline("get", partial(self._read, call))
-            except KVPoolError as e:
-                self.read_failed(call, e, span)
-                return call.finish(None)
-            return call.finish(self.read_done(items, span))
-        finally:
-            tracing.exit_span(span, token)
+        with self.reading(call) as read:
+            read.value = await self._within_deadline("get", partial(self._read, call))
+        return call.finish(read.value)
 
     async def _read(self, call: ReadCall, deadline: float) -> list[ReadItem | None]:
         """The event-loop driver of :func:`~kvpool.client.ops.read_flow`."""
@@ -358,10 +339,11 @@ class ClientCore(ClientState):
     ) -> list[PutReceipt | None]:
         """The one put path: each item's receipt once committed, None where it failed."""
         receipts: dict[PutItem, PutReceipt] = {}
-        try:
+        with self.putting(items, strict) as put:
             await self._within_deadline("put", lambda d: self._put(items, d, receipts))
-        except KVPoolError as e:
-            return self.put_failed(items, e, strict)
+            put.value = True
+        if not put.value:
+            return [None] * len(items)
         return self.put_results(items, receipts, strict, single=single)
 
     async def _put(

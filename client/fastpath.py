@@ -268,10 +268,9 @@ class SyncPath(ClientState):
                 return step.value
             return step
 
-        try:
-            return self._within_deadline(query.op, call)
-        except KVPoolError as e:
-            return self.failed(e, query.strict, query.neutral)
+        with self.asking(query) as asked:
+            asked.value = self._within_deadline(query.op, call)
+        return asked.value
 
     def _call_master(
         self, method: str, request: Any, deadline: float, leader_only: bool = False
@@ -292,24 +291,9 @@ class SyncPath(ClientState):
         """Carry out a :class:`ReadCall`: its answer from the items read (None: all failed)."""
         if not call.pairs:
             return call.finish(None)
-        if not tracing.STATE.enabled:
-            try:
-                return call.finish(self._within_deadline("get", partial(self._read, call)))
-            except KVPoolError as e:
-                self.read_failed(call, e, None)
-                return call.finish(None)
-        span, token = tracing.enter_span(
-            f"kvpool.{call.op}", kind=SpanKind.CLIENT, attributes={"kvpool.keys": len(call.pairs)}
-        )
-        try:
-            try:
-                items = self._within_deadline("get", partial(self._read, call))
-            except KVPoolError as e:
-                self.read_failed(call, e, span)
-                return call.finish(None)
-            return call.finish(self.read_done(items, span))
-        finally:
-            tracing.exit_span(span, token)
+        with self.reading(call) as read:
+            read.value = self._within_deadline("get", partial(self._read, call))
+        return call.finish(read.value)
 
     def _read(self, call: ReadCall, deadline: float) -> list[ReadItem | None]:
         """The blocking driver of :func:`~kvpool.client.ops.read_flow`."""
@@ -336,10 +320,11 @@ class SyncPath(ClientState):
         self, items: list[PutItem], strict: bool, *, single: bool
     ) -> list[PutReceipt | None]:
         receipts: dict[PutItem, PutReceipt] = {}
-        try:
+        with self.putting(items, strict) as put:
             self._within_deadline("put", lambda d: self._put(items, d, receipts))
-        except KVPoolError as e:
-            return self.put_failed(items, e, strict)
+            put.value = True
+        if not put.value:
+            return [None] * len(items)
         return self.put_results(items, receipts, strict, single=single)
 
     def _put(

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from opentelemetry.trace import SpanKind
+
 from kvpool import tracing
 from kvpool.client.blocks import BlockRef, PutItem, ReadItem
 from kvpool.client.cache import LookupCache
@@ -186,6 +188,60 @@ class Removed(NamedTuple):
     refs: list[BlockRef]
 
 
+class Attempt:
+    """The failure policy around one call, for either driver::
+
+        with state.reading(call) as read:
+            read.value = <carry the call out>       # blocking or awaited
+        return call.finish(read.value)
+
+    A failure of the cache (a KVPoolError) leaves ``value`` at the call's neutral answer —
+    counted (``on_failure``) and recorded on the call's span — unless the call is strict; caller
+    errors (InvalidArgumentError) and strict failures propagate. The span, when tracing is on,
+    is entered and ended here."""
+
+    __slots__ = ("_on_failure", "_on_success", "_span", "_strict", "_token", "value")
+
+    def __init__(
+        self,
+        neutral: Any,
+        strict: bool,
+        on_failure: Callable[[KVPoolError, Any], None] | None = None,
+        span: tuple[str, int] | None = None,
+        on_success: Callable[[Any, Any], None] | None = None,
+    ) -> None:
+        self.value = neutral
+        self._strict = strict
+        self._on_failure = on_failure
+        self._on_success = on_success
+        self._span: Any = None
+        self._token: object = None
+        if span is not None and tracing.STATE.enabled:
+            name, keys = span
+            self._span, self._token = tracing.enter_span(
+                name, kind=SpanKind.CLIENT, attributes={"kvpool.keys": keys}
+            )
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, _kind: object, error: BaseException | None, _tb: object) -> bool:
+        span = self._span
+        try:
+            if error is None:
+                if span is not None and self._on_success is not None and span.is_recording():
+                    self._on_success(self.value, span)
+                return False
+            if not isinstance(error, KVPoolError) or isinstance(error, InvalidArgumentError):
+                return False
+            if self._on_failure is not None:
+                self._on_failure(error, span)
+            return not self._strict
+        finally:
+            if span is not None:
+                tracing.exit_span(span, self._token)
+
+
 def fresh_bytes(_index: int, _key: str, _size: int) -> tuple[memoryview | None, bool]:
     """Into new bytes (get, batch_get)."""
     return None, False
@@ -220,6 +276,10 @@ def into_each(sinks: list[memoryview]) -> SinkFactory:
         return sink[:size], True
 
     return caller
+
+
+def _read_done(items: list[ReadItem | None] | None, span: Any) -> None:
+    span.set_attributes(read_attributes(items))
 
 
 def _result(_index: int, item: ReadItem) -> bytes:
@@ -311,12 +371,9 @@ class ClientState:
         self._log.exception("client_call_failed", op=op)  # called while handling ``error``
         return InternalError(f"{op}: {type(error).__name__}: {error}")
 
-    def failed(self, error: KVPoolError, strict: bool, neutral: T) -> T:
-        """A call's answer once it failed: a caller error raises in every mode, a failure of
-        the cache raises only when strict, else the neutral answer."""
-        if strict or isinstance(error, InvalidArgumentError):
-            raise error
-        return neutral
+    def asking(self, query: Query[Any]) -> Attempt:
+        """The failure policy of a :class:`Query`: its neutral answer unless strict."""
+        return Attempt(query.neutral, query.strict)
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -405,22 +462,17 @@ class ClientState:
             for i, (item, hit) in enumerate(zip(items, hits, strict=True))
         ]
 
-    def read_failed(self, call: ReadCall, error: KVPoolError, span: Any) -> None:
-        """A read that failed as a whole: counted as misses of every key; None (strict: the
-        error). Caller errors raise in every mode."""
-        if isinstance(error, InvalidArgumentError):
-            raise error
-        self._stats.miss(miss_reason(error), len(call.pairs))
-        if span is not None and span.is_recording():
-            span.set_attributes(read_attributes(None, miss_reason(error)))
-        if call.strict:
-            raise error
+    def reading(self, call: ReadCall) -> Attempt:
+        """The failure policy of a read (see :class:`Attempt`): a read that failed as a whole
+        is counted as a miss of every key, and its answer is ``finish(None)``."""
+        n = len(call.pairs)
 
-    @staticmethod
-    def read_done(items: list[ReadItem | None], span: Any) -> list[ReadItem | None]:
-        if span.is_recording():
-            span.set_attributes(read_attributes(items))
-        return items
+        def failed(error: KVPoolError, span: Any) -> None:
+            self._stats.miss(miss_reason(error), n)
+            if span is not None and span.is_recording():
+                span.set_attributes(read_attributes(None, miss_reason(error)))
+
+        return Attempt(None, call.strict, failed, (f"kvpool.{call.op}", n), _read_done)
 
     def settle(self, item: ReadItem | None, key: str, strict: bool) -> bool:
         """Count a read's outcome; True for a hit. Strict misses raise the typed error."""
@@ -708,17 +760,10 @@ class ClientState:
         self._stats.fallback()
         return item
 
-    def put_failed(
-        self, items: list[PutItem], error: KVPoolError, strict: bool
-    ) -> list[PutReceipt | None]:
-        """A put that failed as a whole: every item counted failed; None each (strict: the
-        error). Caller errors raise in every mode."""
-        if isinstance(error, InvalidArgumentError):
-            raise error
-        self._stats.puts(0, len(items))
-        if strict:
-            raise error
-        return [None] * len(items)
+    def putting(self, items: list[PutItem], strict: bool) -> Attempt:
+        """The failure policy of a put: one that failed as a whole counts every item failed
+        and leaves ``value`` False (strict: the error)."""
+        return Attempt(False, strict, lambda _e, _span: self._stats.puts(0, len(items)))
 
     def put_results(
         self,
