@@ -17,60 +17,16 @@ every mode.
 from __future__ import annotations
 
 from kvpool.client.core import ClientCore
-from kvpool.client.settings import DEFAULTS, make_config
+from kvpool.client.settings import ClientConstructor
+from kvpool.config import ClientConfig
 
 
-class AsyncClient(ClientCore):
+class AsyncClient(ClientConstructor, ClientCore):
     """A kvpool client for asyncio code; see the module doc."""
 
-    def __init__(
-        self,
-        masters: list[str] | str,
-        *,
-        timeout_s: float = DEFAULTS.timeout_s,
-        replicas: int = DEFAULTS.replicas,
-        strict: bool = False,
-        max_value_size: int = DEFAULTS.max_value_size,
-        connections_per_node: int = DEFAULTS.connections_per_node,
-        max_tier: str = DEFAULTS.max_tier,
-        transport: str = DEFAULTS.transport,
-        lookup_cache_size: int = DEFAULTS.lookup_cache_size,
-        lookup_cache_ttl_s: float = DEFAULTS.lookup_cache_ttl_s,
-        hedge_reads: bool = DEFAULTS.hedge_reads,
-        hedge_delay_ms: float = DEFAULTS.hedge_delay_ms,
-        metrics_port: int = DEFAULTS.metrics_port,
-        metrics_host: str = DEFAULTS.metrics_host,
-        cluster_token: str = DEFAULTS.cluster_token,
-        cluster_token_file: str = DEFAULTS.cluster_token_file,
-        tls_ca_file: str = DEFAULTS.tls_ca_file,
-        tls_cert_file: str = DEFAULTS.tls_cert_file,
-        tls_key_file: str = DEFAULTS.tls_key_file,
-        tls_server_name: str = DEFAULTS.tls_server_name,
-    ) -> None:
-        """The settings of :class:`kvpool.Client`, with its defaults (ClientConfig's);
-        ``metrics_port``'s /metrics is served from ``async with`` or :meth:`start_metrics`."""
-        config = make_config(
-            masters,
-            timeout_s=timeout_s,
-            replicas=replicas,
-            max_value_size=max_value_size,
-            connections_per_node=connections_per_node,
-            max_tier=max_tier,
-            transport=transport,
-            lookup_cache_size=lookup_cache_size,
-            lookup_cache_ttl_s=lookup_cache_ttl_s,
-            hedge_reads=hedge_reads,
-            hedge_delay_ms=hedge_delay_ms,
-            metrics_port=metrics_port,
-            metrics_host=metrics_host,
-            cluster_token=cluster_token,
-            cluster_token_file=cluster_token_file,
-            tls_ca_file=tls_ca_file,
-            tls_cert_file=tls_cert_file,
-            tls_key_file=tls_key_file,
-            tls_server_name=tls_server_name,
-        )
-        super().__init__(config, strict=strict)
+    def _start(self, config: ClientConfig, *, strict: bool) -> None:
+        """``metrics_port``'s /metrics is served from ``async with`` or :meth:`start_metrics`."""
+        ClientCore.__init__(self, config, strict=strict)
 
     async def __aenter__(self) -> AsyncClient:
         await self.start_metrics()

@@ -1,13 +1,15 @@
 """The client's settings from constructor arguments, checked by ClientConfig's rules.
 
 Their defaults are ClientConfig's fields, written there once: :data:`DEFAULTS` is read by
-:func:`make_config` and by the keyword defaults of :class:`kvpool.Client` and
-:class:`kvpool.AsyncClient`."""
+:func:`make_config` and by the keyword defaults of :class:`ClientConstructor`, the constructor
+:class:`kvpool.Client` and :class:`kvpool.AsyncClient` share."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kvpool.config import ClientConfig
 from kvpool.errors import ConfigError
@@ -16,49 +18,35 @@ DEFAULTS = ClientConfig()
 """Every client setting at its default (``masters`` aside: a client must name them)."""
 
 
+SETTING_NAMES: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(ClientConfig) if f.name != "masters"
+)
+"""Every client setting, by name: ClientConfig's fields (``masters`` aside)."""
+
+
 def make_config(
-    masters: Sequence[str] | str,
-    *,
-    timeout_s: float = DEFAULTS.timeout_s,
-    replicas: int = DEFAULTS.replicas,
-    max_value_size: int = DEFAULTS.max_value_size,
-    connections_per_node: int = DEFAULTS.connections_per_node,
-    max_tier: str = DEFAULTS.max_tier,
-    transport: str = DEFAULTS.transport,
-    lookup_cache_size: int = DEFAULTS.lookup_cache_size,
-    lookup_cache_ttl_s: float = DEFAULTS.lookup_cache_ttl_s,
-    hedge_reads: bool = DEFAULTS.hedge_reads,
-    hedge_delay_ms: float = DEFAULTS.hedge_delay_ms,
-    metrics_port: int = DEFAULTS.metrics_port,
-    metrics_host: str = DEFAULTS.metrics_host,
-    cluster_token: str = DEFAULTS.cluster_token,
-    cluster_token_file: str = DEFAULTS.cluster_token_file,
-    tls_ca_file: str = DEFAULTS.tls_ca_file,
-    tls_cert_file: str = DEFAULTS.tls_cert_file,
-    tls_key_file: str = DEFAULTS.tls_key_file,
-    tls_server_name: str = DEFAULTS.tls_server_name,
-    env: Mapping[str, str] | None = None,
+    masters: Sequence[str] | str, *, env: Mapping[str, str] | None = None, **settings: Any
 ) -> ClientConfig:
-    """A validated ClientConfig from constructor arguments; ConfigError names every problem.
+    """A validated ClientConfig from constructor arguments (any of :data:`SETTING_NAMES`, the
+    others at ClientConfig's defaults); ConfigError names every problem.
 
     ``masters`` is a list of ``host:port`` or one comma-separated string. The security
     settings left empty come from ``env`` (default: the process environment), as for every
     kvpool process: ``KVPOOL_CLUSTER_TOKEN``, ``KVPOOL_CLUSTER_TOKEN_FILE``, ``KVPOOL_TLS_*``.
     """
+    unknown = sorted(set(settings) - set(SETTING_NAMES))
+    if unknown:
+        raise ConfigError(
+            f"unknown client setting(s): {', '.join(unknown)} (the settings: "
+            f"{', '.join(SETTING_NAMES)})"
+        )
+    given = {name: settings.get(name, getattr(DEFAULTS, name)) for name in SETTING_NAMES}
     env = os.environ if env is None else env
-    security = {
-        "cluster_token": cluster_token,
-        "cluster_token_file": cluster_token_file,
-        "tls_ca_file": tls_ca_file,
-        "tls_cert_file": tls_cert_file,
-        "tls_key_file": tls_key_file,
-        "tls_server_name": tls_server_name,
-    }
-    if not (cluster_token or cluster_token_file):
-        security["cluster_token"] = env.get("KVPOOL_CLUSTER_TOKEN", "")
-        security["cluster_token_file"] = env.get("KVPOOL_CLUSTER_TOKEN_FILE", "")
+    if not (given["cluster_token"] or given["cluster_token_file"]):
+        given["cluster_token"] = env.get("KVPOOL_CLUSTER_TOKEN", "")
+        given["cluster_token_file"] = env.get("KVPOOL_CLUSTER_TOKEN_FILE", "")
     for setting in ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name"):
-        security[setting] = security[setting] or env.get("KVPOOL_" + setting.upper(), "")
+        given[setting] = given[setting] or env.get("KVPOOL_" + setting.upper(), "")
 
     errors: list[str] = []
     addresses: tuple[str, ...] = ()
@@ -68,54 +56,77 @@ def make_config(
         addresses = tuple(a.strip() for a in masters)
     else:
         errors.append("masters: expected a list of host:port strings or one comma-separated str")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
-        errors.append(f"timeout_s: expected a number of seconds, got {timeout_s!r}")
-    if isinstance(lookup_cache_ttl_s, bool) or not isinstance(lookup_cache_ttl_s, int | float):
-        errors.append(
-            f"lookup_cache_ttl_s: expected a number of seconds, got {lookup_cache_ttl_s!r}"
-        )
-    if not isinstance(hedge_reads, bool):
-        errors.append(  # type: ignore[unreachable]  # callers without type checks
-            f"hedge_reads: expected True or False, got {hedge_reads!r}"
-        )
-    for name, text in (
-        ("max_tier", max_tier),
-        ("transport", transport),
-        ("metrics_host", metrics_host),
-    ):
-        if not isinstance(text, str):
-            errors.append(  # type: ignore[unreachable]  # callers without type checks
-                f"{name}: expected a string, got {text!r}"
-            )
-    if isinstance(hedge_delay_ms, bool) or not isinstance(hedge_delay_ms, int | float):
-        errors.append(f"hedge_delay_ms: expected a number of milliseconds, got {hedge_delay_ms!r}")
-    for name, value in (
-        ("replicas", replicas),
-        ("max_value_size", max_value_size),
-        ("connections_per_node", connections_per_node),
-        ("lookup_cache_size", lookup_cache_size),
-        ("metrics_port", metrics_port),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            errors.append(f"{name}: expected an integer, got {value!r}")
+    for name, default in ((n, getattr(DEFAULTS, n)) for n in SETTING_NAMES):
+        value = given[name]
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                errors.append(f"{name}: expected True or False, got {value!r}")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                errors.append(f"{name}: expected a number ({_UNITS.get(name, '')}), got {value!r}")
+            else:
+                given[name] = float(value)
+        elif isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                errors.append(f"{name}: expected an integer, got {value!r}")
+        elif not isinstance(value, str):
+            errors.append(f"{name}: expected a string, got {value!r}")
     if not errors:
-        config = ClientConfig(
-            masters=addresses,
-            timeout_s=float(timeout_s),
-            replicas=replicas,
-            max_value_size=max_value_size,
-            connections_per_node=connections_per_node,
-            max_tier=max_tier,
-            transport=transport,
-            lookup_cache_size=lookup_cache_size,
-            lookup_cache_ttl_s=float(lookup_cache_ttl_s),
-            hedge_reads=hedge_reads,
-            hedge_delay_ms=float(hedge_delay_ms),
-            metrics_port=metrics_port,
-            metrics_host=metrics_host,
-            **security,
-        )
+        config = ClientConfig(masters=addresses, **given)
         errors = config.validate()
         if not errors:
             return config
     raise ConfigError("invalid client configuration:\n  " + "\n  ".join(errors))
+
+
+_UNITS = {"timeout_s": "seconds", "lookup_cache_ttl_s": "seconds", "hedge_delay_ms": "milliseconds"}
+
+
+class ClientConstructor:
+    """The constructor :class:`kvpool.Client` and :class:`kvpool.AsyncClient` share: every
+    setting a keyword with ClientConfig's default; the class's ``_start`` takes the config."""
+
+    def __init__(
+        self,
+        masters: list[str] | str,
+        *,
+        timeout_s: float = DEFAULTS.timeout_s,
+        replicas: int = DEFAULTS.replicas,
+        strict: bool = False,
+        max_value_size: int = DEFAULTS.max_value_size,
+        connections_per_node: int = DEFAULTS.connections_per_node,
+        max_tier: str = DEFAULTS.max_tier,
+        transport: str = DEFAULTS.transport,
+        lookup_cache_size: int = DEFAULTS.lookup_cache_size,
+        lookup_cache_ttl_s: float = DEFAULTS.lookup_cache_ttl_s,
+        hedge_reads: bool = DEFAULTS.hedge_reads,
+        hedge_delay_ms: float = DEFAULTS.hedge_delay_ms,
+        metrics_port: int = DEFAULTS.metrics_port,
+        metrics_host: str = DEFAULTS.metrics_host,
+        cluster_token: str = DEFAULTS.cluster_token,
+        cluster_token_file: str = DEFAULTS.cluster_token_file,
+        tls_ca_file: str = DEFAULTS.tls_ca_file,
+        tls_cert_file: str = DEFAULTS.tls_cert_file,
+        tls_key_file: str = DEFAULTS.tls_key_file,
+        tls_server_name: str = DEFAULTS.tls_server_name,
+    ) -> None:
+        """``transport``: ``auto`` (a node on this host through its shared memory, others
+        over TCP), ``tcp`` or ``shm`` (shared memory only; a node it cannot reach that way
+        is a failure) — to measure both on one host. ``lookup_cache_size``: index entries
+        kept so that a repeated get skips the master (0: none). ``cluster_token`` (or
+        ``cluster_token_file``): the cluster's token, when it has one; ``tls_ca_file``: dial the
+        masters over TLS checked against this CA (``tls_cert_file``/``tls_key_file``: a client
+        certificate). Unset, these default to the ``KVPOOL_CLUSTER_TOKEN``,
+        ``KVPOOL_CLUSTER_TOKEN_FILE`` and ``KVPOOL_TLS_*`` environment variables.
+        ``hedge_reads``: a read whose replica has not answered after ``hedge_delay_ms`` (plus
+        1 ms per MB read) is also sent to the key's next replica; the first good answer wins.
+        ``metrics_port``: serve this client's Prometheus /metrics on ``metrics_host``
+        (127.0.0.1; 0: any free port, see :attr:`metrics_address`; -1: off; an AsyncClient
+        serves it from ``async with`` or ``start_metrics()``). ``max_tier`` (gpu, cpu, ssd):
+        the slowest tier a get accepts when it does not say (empty: any). Every default is
+        :class:`~kvpool.config.ClientConfig`'s."""
+        settings = {name: value for name, value in locals().items() if name in SETTING_NAMES}
+        self._start(make_config(masters, **settings), strict=strict)
+
+    def _start(self, config: ClientConfig, *, strict: bool) -> None:
+        raise NotImplementedError

@@ -16,11 +16,12 @@ import pytest
 from kvpool import AsyncClient, Client
 from kvpool.client.settings import make_config
 from kvpool.config import ClientConfig
+from kvpool.errors import ConfigError
 
 MASTERS = ["127.0.0.1:1"]
 """Nothing listens there: building a client asks no master."""
 SETTINGS = {f.name: f.default for f in dataclasses.fields(ClientConfig) if f.name != "masters"}
-CONSTRUCTORS: list[Callable[..., Any]] = [Client.__init__, AsyncClient.__init__, make_config]
+CONSTRUCTORS: list[Callable[..., Any]] = [Client.__init__, AsyncClient.__init__]
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +47,20 @@ def test_every_setting_is_a_keyword_with_client_configs_default(
     }
     assert {name: keywords.get(name, "<missing>") for name in SETTINGS} == SETTINGS
     # Nothing else but the call-level flags, which are not settings of the config.
-    assert set(keywords) - set(SETTINGS) <= {"strict", "env"}
+    assert set(keywords) - set(SETTINGS) <= {"strict"}
+
+
+def test_make_config_takes_every_setting_by_name_and_refuses_others() -> None:
+    assert make_config(MASTERS) == ClientConfig(masters=tuple(MASTERS))
+    assert make_config(MASTERS, replicas=2, hedge_reads=False).replicas == 2
+    with pytest.raises(ConfigError, match=r"unknown client setting.*replica\b"):
+        make_config(MASTERS, replica=2)
+    with pytest.raises(TypeError, match="timeout"):
+        Client(MASTERS, timeout=3.0)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError) as bad:
+        make_config(MASTERS, timeout_s="2", hedge_reads=1, transport=3, replicas=1.5)
+    for name in ("timeout_s", "hedge_reads", "transport", "replicas"):
+        assert name in str(bad.value)
 
 
 def test_a_sync_client_built_with_no_settings_runs_on_client_configs_defaults() -> None:
