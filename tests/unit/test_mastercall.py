@@ -332,6 +332,15 @@ def where(ios: list[Io]) -> list[str]:
     ]
 
 
+def known_ports(clock: Clock) -> MasterRouting:
+    """Masters A and B, both RPC ports known, A the leader."""
+    routing = MasterRouting([A, B], clock=clock)
+    routing.learn_rpc(A, RPC_A)
+    routing.learn_rpc(B, RPC_B)
+    routing.leader = A
+    return routing
+
+
 def members(rpc: str) -> master_pb2.GetMembersResponse:
     return master_pb2.GetMembersResponse(ring_version=3, rpc_address=rpc)
 
@@ -419,10 +428,7 @@ def test_a_port_that_drops_the_call_is_forgotten_and_the_next_master_asked(
     masters = Masters(clock)
     masters.rpc[RPC_A, "Lookup"] = TransportError("a:2: connection reset")
     masters.rpc[RPC_B, "Lookup"] = FOUND
-    routing = MasterRouting([A, B], clock=clock)
-    routing.learn_rpc(A, RPC_A)
-    routing.learn_rpc(B, RPC_B)
-    routing.leader = A
+    routing = known_ports(clock)
     assert masters.call(routing) == FOUND
     assert routing.rpc_of(A) is None  # a restarted master listens on another port
     assert routing.rpc_of(B) == RPC_B
@@ -443,10 +449,7 @@ def test_a_port_call_that_timed_out_keeps_the_port(clock: Clock) -> None:
     masters = Masters(clock)
     masters.rpc[RPC_A, "Lookup"] = DeadlineExceededError("a:2: no answer")
     masters.rpc[RPC_B, "Lookup"] = FOUND
-    routing = MasterRouting([A, B], clock=clock)
-    routing.learn_rpc(A, RPC_A)
-    routing.learn_rpc(B, RPC_B)
-    routing.leader = A
+    routing = known_ports(clock)
     assert masters.call(routing) == FOUND
     assert routing.rpc_of(A) == RPC_A  # slow, not gone
     assert A not in routing.order()  # held as a master that took the whole attempt
@@ -472,10 +475,7 @@ def test_an_error_answered_on_the_port_is_the_typed_error(clock: Clock) -> None:
     doc = {"code": "NOT_LEADER", "message": "not me", "leader": B}
     masters.rpc[RPC_A, "Lookup"] = (Status.RPC_ERROR, json.dumps(doc).encode())
     masters.rpc[RPC_B, "Lookup"] = FOUND
-    routing = MasterRouting([A, B], clock=clock)
-    routing.learn_rpc(A, RPC_A)
-    routing.learn_rpc(B, RPC_B)
-    routing.leader = A
+    routing = known_ports(clock)
     assert masters.call(routing) == FOUND
     assert routing.leader == B
     assert routing.rpc_of(A) == RPC_A
