@@ -1,10 +1,11 @@
 """Calling the master group: leader discovery, redirects, retries inside one deadline.
 
-Used by the client SDK and by store nodes. The retry policy is written once, in
-:class:`CallPlan`: a pure decision per attempt (ask this master for so long, follow a redirect,
-back off, give up) that two short loops perform: :class:`MasterClient` from an event loop
-(``grpc.aio``), :class:`SyncMasterClient` in the caller's thread (sync gRPC: the synchronous
-client's fast path, which has no loop to hop to). Both keep their leader knowledge in one
+Used by the client SDK and by store nodes. Written once, without I/O: :class:`CallPlan` decides
+each attempt (ask this master for so long, follow a redirect, back off, give up), and
+:class:`MasterCall` makes it (over the master's frame RPC port, or gRPC) and reads the answer;
+two thin drivers do the I/O: :class:`MasterClient` from an event loop (``grpc.aio``),
+:class:`SyncMasterClient` in the caller's thread (sync gRPC: the synchronous client's fast
+path, which has no loop to hop to). Both keep their leader knowledge in one
 :class:`MasterRouting`, which a client shares between them. Writes go to the leader: a follower
 answers NOT_LEADER with the leader's address, which becomes the preferred master. Lookups and
 prefix matches go to the leader too (:data:`LEADER_READS`): masters answer them there only,
@@ -20,9 +21,9 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 import grpc.aio
@@ -186,9 +187,8 @@ Step = Ask | Wait | GiveUp
 
 class CallPlan:
     """The retry policy of one call to the master group, without I/O: which master to ask next
-    and for how long, when to follow a redirect, back off or give up. A driver (the event-loop
-    :meth:`MasterClient.call`, the blocking :meth:`SyncMasterClient.call`) performs each
-    :class:`Step` and reports how it went; ``now`` is its clock, the one ``deadline`` is in.
+    and for how long, when to follow a redirect, back off or give up. :class:`MasterCall`
+    performs each :class:`Step` and reports how it went; ``now`` is its clock (``deadline``'s).
 
     Masters are asked in rounds, in :meth:`MasterRouting.order`. A NOT_LEADER naming another
     master ends the round (the next starts with that leader) and skips the backoff, except on
@@ -269,7 +269,159 @@ class CallPlan:
         return Wait(min(self.backoff.next_delay(), remaining))
 
 
-class MasterClient:
+@dataclass(frozen=True)
+class CallGrpc:
+    """Call ``Master.<method>`` on the master at ``address`` over gRPC; answer its response."""
+
+    address: str
+    method: str
+    request: Any
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class CallRpcPort:
+    """Exchange ``call`` (traced) on a connection to the frame RPC port ``rpc``, opened (and its
+    features asked when tracing) if none is; one that fails is dropped. The answer: in ``call``."""
+
+    rpc: str
+    call: Call
+    timeout_s: float
+
+
+Io = Wait | CallGrpc | CallRpcPort  # what a MasterCall asks its driver to do (Wait: sleep)
+
+
+class MasterCall:
+    """One call to the master group without I/O (``clock``: the one the plan's deadline is in):
+    :class:`CallPlan`'s attempts, each made and read by :func:`_attempt`. A driver
+    (:meth:`MasterClient.call`, :meth:`SyncMasterClient.call`) performs each :class:`Io` that
+    :meth:`next` names and passes its result, or the KVPoolError it raised, to the next ``next``;
+    that answers None once the call succeeded (:attr:`response`), and raises when it failed."""
+
+    def __init__(self, plan: CallPlan, request: Any, clock: Callable[[], float]) -> None:
+        self.response: Any = None
+        self._flow = _call(plan, request, clock)
+
+    def next(self, result: Any = None) -> Io | None:
+        try:
+            if isinstance(result, KVPoolError):
+                return self._flow.throw(result)
+            return self._flow.send(result)
+        except StopIteration as stop:
+            self.response = stop.value
+            return None
+
+
+Flow = Generator[Io, Any, Any]  # each Io yielded is answered (sent) or its error thrown in
+
+
+def _call(plan: CallPlan, request: Any, clock: Callable[[], float]) -> Flow:
+    step = plan.new_round(clock())
+    while not isinstance(step, GiveUp):
+        if isinstance(step, Wait):
+            yield step
+            step = plan.new_round(clock())
+            continue
+        try:
+            response = yield from _attempt(plan, step, request, clock)
+        except KVPoolError as e:
+            step = plan.failed(e, clock())
+        else:
+            plan.answered()
+            return response
+    raise step.error
+
+
+def _attempt(plan: CallPlan, ask: Ask, request: Any, clock: Callable[[], float]) -> Flow:
+    """One call to one master: over its frame RPC port (``rpc_address`` in its GetMembers answer)
+    when it has one and serves the call there (:data:`RPC_RESPONSES`: the same messages and typed
+    errors, without gRPC's per-call cost), else over gRPC. A port not known yet is learned by a
+    gRPC GetMembers first, kept when it is what was asked; its time comes off the attempt's."""
+    routing, method, address, timeout_s = plan.routing, plan.method, ask.address, ask.timeout_s
+    rpc = routing.rpc_of(address) if method in RPC_RESPONSES else ""
+    if rpc is None:
+        started = clock()
+        learn = CallGrpc(address, "GetMembers", master_pb2.GetMembersRequest(), timeout_s)
+        try:
+            members = yield learn
+        except KVPoolError as e:
+            rpc = no_rpc_port(routing, address, e)
+        else:
+            rpc = str(members.rpc_address)
+            routing.learn_rpc(address, rpc)
+            if method == "GetMembers":
+                return members
+        timeout_s -= clock() - started
+    if not rpc:
+        return (yield CallGrpc(address, method, request, timeout_s))
+    payload = request.SerializeToString()  # the time allowed, in µs, goes as the version
+    call = Call(Op.RPC, method.encode(), version=max(1, int(timeout_s * 1e6)), payload=payload)
+    try:
+        yield CallRpcPort(rpc, call, timeout_s)
+    except KVPoolError as e:
+        raise rpc_failure(address, rpc, method, e, routing) from None
+    return rpc_answer(address, method, call, routing)
+
+
+ChannelT = TypeVar("ChannelT", grpc.Channel, grpc.aio.Channel)
+
+
+class _MasterCaller(Generic[ChannelT]):
+    """What both drivers share: routing, attempt bound, credentials, a stub per master."""
+
+    def __init__(
+        self,
+        routing: MasterRouting,
+        attempt_timeout_s: float,
+        security: Security,
+        new_channel: Callable[[str, Security], ChannelT],
+    ) -> None:
+        self.routing = routing
+        self.security = security
+        self._attempt_timeout_s = attempt_timeout_s
+        self._metadata = call_metadata(security)
+        self._new_channel = new_channel
+        self._channels: dict[str, ChannelT] = {}
+        self._stubs: dict[str, master_pb2_grpc.MasterStub] = {}
+        self._lock = threading.Lock()
+        self._closed = False  # only a SyncMasterClient closes for good
+
+    def stub(self, address: str) -> master_pb2_grpc.MasterStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            with self._lock:
+                if self._closed:
+                    raise UnavailableError("this kvpool client is closed")
+                stub = self._stubs.get(address)
+                if stub is None:
+                    channel = self._new_channel(address, self.security)
+                    self._channels[address] = channel
+                    stub = master_pb2_grpc.MasterStub(channel)
+                    self._stubs[address] = stub
+        return stub
+
+    def _plan(self, method: str, deadline: float, leader_only: bool) -> CallPlan:
+        return CallPlan(
+            self.routing,
+            method,
+            deadline=deadline,
+            attempt_timeout_s=self._attempt_timeout_s,
+            leader_only=leader_only,
+        )
+
+    def _grpc(self, io: CallGrpc, unary: Callable[..., Any]) -> Any:
+        """``io`` by ``unary`` (:func:`~kvpool.grpcutil.unary` or ``unary_sync``)."""
+        return unary(
+            getattr(self.stub(io.address), io.method),
+            io.request,
+            timeout_s=io.timeout_s,
+            address=io.address,
+            metadata=self._metadata,
+        )
+
+
+class MasterClient(_MasterCaller[grpc.aio.Channel]):
     """Stubs for every master, a preferred (leader) address, and a retrying ``call``."""
 
     def __init__(
@@ -280,13 +432,9 @@ class MasterClient:
         routing: MasterRouting | None = None,
         security: Security = NO_SECURITY,
     ) -> None:
-        self.routing = routing or MasterRouting(addresses)
-        self._attempt_timeout_s = attempt_timeout_s
-        self.security = security
-        self._metadata = call_metadata(security)
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, master_pb2_grpc.MasterStub] = {}
-        # One pipelined connection per master's frame RPC port (see SyncMasterClient).
+        routing = routing or MasterRouting(addresses)
+        super().__init__(routing, attempt_timeout_s, security, create_channel)
+        # One pipelined connection per master's frame RPC port (see _attempt).
         self._rpc_pool = ConnectionPool(
             size=1, connect_timeout_s=attempt_timeout_s, opener=self._open_rpc
         )
@@ -294,60 +442,6 @@ class MasterClient:
     @property
     def addresses(self) -> list[str]:
         return self.routing.addresses
-
-    async def _open_rpc(self, address: str, timeout_s: float) -> FrameConnection:
-        conn = await open_tcp_address(address, timeout_s, self.security.token)
-        if tracing.STATE.enabled:
-            conn.features = await _rpc_features_async(conn, timeout_s)
-        return conn
-
-    async def _attempt(self, address: str, method: str, request: Any, timeout_s: float) -> Any:
-        """One call to one master: its frame RPC port when it has one, else gRPC (as
-        :meth:`SyncMasterClient._attempt`)."""
-        routing = self.routing
-        if method in RPC_RESPONSES:
-            rpc = routing.rpc_of(address)
-            if rpc is None:  # learn the port (and keep the answer when it is what was asked)
-                loop = asyncio.get_running_loop()
-                started = loop.time()
-                try:
-                    members = await unary(
-                        self.stub(address).GetMembers,
-                        master_pb2.GetMembersRequest(),
-                        timeout_s=timeout_s,
-                        address=address,
-                        metadata=self._metadata,
-                    )
-                except KVPoolError as e:
-                    rpc = no_rpc_port(routing, address, e)
-                else:
-                    rpc = str(members.rpc_address)
-                    routing.learn_rpc(address, rpc)
-                    if method == "GetMembers":
-                        return members
-                timeout_s -= loop.time() - started
-            if rpc:
-                return await self._rpc_call(address, rpc, method, request, timeout_s)
-        return await unary(
-            getattr(self.stub(address), method),
-            request,
-            timeout_s=timeout_s,
-            address=address,
-            metadata=self._metadata,
-        )
-
-    async def _rpc_call(
-        self, address: str, rpc: str, method: str, request: Any, timeout_s: float
-    ) -> Any:
-        target = f"tcp://{rpc}"
-        call = rpc_request(method, request, timeout_s)
-        try:
-            conn = await self._rpc_pool.get(target, timeout_s=timeout_s)
-            await conn.exchange([call], timeout_s, trace=tracing.frame_trace())
-        except KVPoolError as e:
-            self._rpc_pool.discard(target)
-            raise rpc_failure(address, rpc, method, e, self.routing) from None
-        return rpc_answer(address, method, call, self.routing)
 
     @property
     def leader(self) -> str | None:
@@ -357,14 +451,26 @@ class MasterClient:
     def leader(self, address: str | None) -> None:
         self.routing.leader = address
 
-    def stub(self, address: str) -> master_pb2_grpc.MasterStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = create_channel(address, self.security)
-            self._channels[address] = channel
-            stub = master_pb2_grpc.MasterStub(channel)
-            self._stubs[address] = stub
-        return stub
+    async def _open_rpc(self, address: str, timeout_s: float) -> FrameConnection:
+        conn = await open_tcp_address(address, timeout_s, self.security.token)
+        if tracing.STATE.enabled:
+            conn.features = await _rpc_features_async(conn, timeout_s)
+        return conn
+
+    async def _perform(self, io: Io) -> Any:
+        if isinstance(io, Wait):
+            await asyncio.sleep(io.delay_s)
+        elif isinstance(io, CallGrpc):
+            return await self._grpc(io, unary)
+        else:
+            target = f"tcp://{io.rpc}"
+            try:
+                conn = await self._rpc_pool.get(target, timeout_s=io.timeout_s)
+                await conn.exchange([io.call], io.timeout_s, trace=tracing.frame_trace())
+            except KVPoolError:
+                self._rpc_pool.discard(target)
+                raise
+        return None
 
     async def call(
         self,
@@ -376,29 +482,16 @@ class MasterClient:
     ) -> Any:
         """Call ``Master.<method>`` until it succeeds, a non-retryable error is raised, or the
         deadline (``asyncio`` loop time) passes (DeadlineExceededError, with the last error);
-        the policy is :class:`CallPlan`'s."""
+        the policy is :class:`CallPlan`'s, each attempt :class:`MasterCall`'s."""
         loop = asyncio.get_running_loop()
-        plan = CallPlan(
-            self.routing,
-            method,
-            deadline=deadline,
-            attempt_timeout_s=self._attempt_timeout_s,
-            leader_only=leader_only,
-        )
-        step = plan.new_round(loop.time())
-        while True:
-            if isinstance(step, Ask):
-                try:
-                    response = await self._attempt(step.address, method, request, step.timeout_s)
-                except KVPoolError as e:
-                    step = plan.failed(e, loop.time())
-                    continue
-                plan.answered()
-                return response
-            if isinstance(step, GiveUp):
-                raise step.error
-            await asyncio.sleep(step.delay_s)
-            step = plan.new_round(loop.time())
+        call = MasterCall(self._plan(method, deadline, leader_only), request, loop.time)
+        result: Any = None
+        while (io := call.next(result)) is not None:
+            try:
+                result = await self._perform(io)
+            except KVPoolError as e:
+                result = e
+        return call.response
 
     async def close(self) -> None:
         channels, self._channels, self._stubs = self._channels, {}, {}
@@ -407,15 +500,9 @@ class MasterClient:
             await channel.close()
 
 
-class SyncMasterClient:
-    """As :class:`MasterClient`, in the calling thread (thread-safe). ``deadline`` is
-    ``time.monotonic()`` based.
-
-    The calls a master serves on its frame RPC port (``rpc_address`` in its GetMembers answer:
-    Lookup, CommitPuts, GetMembers, PrefixMatch, Remove) go there, over a blocking connection
-    per thread — the same protobuf messages and typed errors as over gRPC, without gRPC's
-    per-call cost; everything else, and every master without such a port, over sync gRPC. A
-    master's port is learned by one gRPC GetMembers before the first such call to it."""
+class SyncMasterClient(_MasterCaller[grpc.Channel]):
+    """As :class:`MasterClient`, in the calling thread (thread-safe; sync gRPC, and a blocking
+    connection per thread to each RPC port). ``deadline`` is ``time.monotonic()`` based."""
 
     def __init__(
         self,
@@ -424,136 +511,59 @@ class SyncMasterClient:
         attempt_timeout_s: float = 1.0,
         security: Security = NO_SECURITY,
     ) -> None:
-        self.routing = routing
-        self._attempt_timeout_s = attempt_timeout_s
-        self.security = security
-        self._metadata = call_metadata(security)
-        self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[str, master_pb2_grpc.MasterStub] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._local = threading.local()  # .conns: rpc address -> BlockingConnection
+        super().__init__(routing, attempt_timeout_s, security, create_sync_channel)
+        self._local = threading.local()  # .conns: rpc address -> this thread's connection
         self._rpc_conns: set[BlockingConnection] = set()
 
-    def _attempt(self, address: str, method: str, request: Any, timeout_s: float) -> Any:
-        """One call to one master: its frame RPC port when it has one, else gRPC."""
-        routing = self.routing
-        if method in RPC_RESPONSES:
-            rpc = routing.rpc_of(address)
-            if rpc is None:  # learn the port (and keep the answer when it is what was asked)
-                started = time.monotonic()
-                try:
-                    members = unary_sync(
-                        self.stub(address).GetMembers,
-                        master_pb2.GetMembersRequest(),
-                        timeout_s=timeout_s,
-                        address=address,
-                        metadata=self._metadata,
-                    )
-                except KVPoolError as e:
-                    rpc = no_rpc_port(routing, address, e)
-                else:
-                    rpc = str(members.rpc_address)
-                    routing.learn_rpc(address, rpc)
-                    if method == "GetMembers":
-                        return members
-                timeout_s -= time.monotonic() - started
-            if rpc:
-                return self._rpc_call(address, rpc, method, request, timeout_s)
-        return unary_sync(
-            getattr(self.stub(address), method),
-            request,
-            timeout_s=timeout_s,
-            address=address,
-            metadata=self._metadata,
-        )
-
-    def _rpc_call(self, address: str, rpc: str, method: str, request: Any, timeout_s: float) -> Any:
-        deadline = time.monotonic() + timeout_s
-        conns: dict[str, BlockingConnection] | None = getattr(self._local, "conns", None)
-        if conns is None:
-            conns = self._local.conns = {}
-        conn = conns.get(rpc)
-        if conn is None or conn.broken or conn.closed:
-            host, _, port = rpc.rpartition(":")
+    def _perform(self, io: Io) -> Any:
+        if isinstance(io, Wait):
+            time.sleep(io.delay_s)
+        elif isinstance(io, CallGrpc):
+            return self._grpc(io, unary_sync)
+        else:
+            deadline = time.monotonic() + io.timeout_s
+            conns: dict[str, BlockingConnection] = self._local.__dict__.setdefault("conns", {})
+            conn = conns.get(io.rpc)
+            if conn is None or conn.broken or conn.closed:
+                conn = conns[io.rpc] = self._open_rpc(io.rpc, io.timeout_s, deadline)
             try:
-                sock = connect_tcp_blocking(
-                    host.strip("[]"), int(port), address=rpc, timeout_s=timeout_s
-                )
-            except KVPoolError as e:
-                raise rpc_failure(address, rpc, method, e, self.routing) from None
-            try:
-                authenticate_blocking(sock, self.security.token, f"tcp://{rpc}", timeout_s)
-            except UnauthenticatedError:
-                sock.close()
+                conn.exchange([io.call], deadline, trace=tracing.frame_trace())
+            except KVPoolError:
+                conns.pop(io.rpc, None)
+                with self._lock:
+                    self._rpc_conns.discard(conn)
+                conn.close()
                 raise
-            except KVPoolError as e:
-                sock.close()
-                raise rpc_failure(address, rpc, method, e, self.routing) from None
-            conn = BlockingConnection(sock, f"tcp://{rpc}", timeout_s=timeout_s)
-            if tracing.STATE.enabled:
-                conn.features = _rpc_features(conn, deadline)
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    raise UnavailableError("this kvpool client is closed")
-                self._rpc_conns.add(conn)
-            conns[rpc] = conn
-        call = rpc_request(method, request, timeout_s)
+        return None
+
+    def _open_rpc(self, rpc: str, timeout_s: float, deadline: float) -> BlockingConnection:
+        host, _, port = rpc.rpartition(":")
+        sock = connect_tcp_blocking(host.strip("[]"), int(port), address=rpc, timeout_s=timeout_s)
         try:
-            conn.exchange([call], deadline, trace=tracing.frame_trace())
-        except KVPoolError as e:
-            conns.pop(rpc, None)
-            with self._lock:
-                self._rpc_conns.discard(conn)
-            conn.close()
-            raise rpc_failure(address, rpc, method, e, self.routing) from None
-        return rpc_answer(address, method, call, self.routing)
+            authenticate_blocking(sock, self.security.token, f"tcp://{rpc}", timeout_s)
+        except KVPoolError:
+            sock.close()
+            raise
+        conn = BlockingConnection(sock, f"tcp://{rpc}", timeout_s=timeout_s)
+        if tracing.STATE.enabled:
+            conn.features = _rpc_features(conn, deadline)
+        with self._lock:
+            if self._closed:
+                conn.close()
+                raise UnavailableError("this kvpool client is closed")
+            self._rpc_conns.add(conn)
+        return conn
 
-    def stub(self, address: str) -> master_pb2_grpc.MasterStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            with self._lock:
-                if self._closed:
-                    raise UnavailableError("this kvpool client is closed")
-                stub = self._stubs.get(address)
-                if stub is None:
-                    channel = create_sync_channel(address, self.security)
-                    self._channels[address] = channel
-                    stub = master_pb2_grpc.MasterStub(channel)
-                    self._stubs[address] = stub
-        return stub
-
-    def call(
-        self,
-        method: str,
-        request: Any,
-        *,
-        deadline: float,
-        leader_only: bool = False,
-    ) -> Any:
+    def call(self, method: str, request: Any, *, deadline: float, leader_only: bool = False) -> Any:
         """As :meth:`MasterClient.call`, in this thread (``deadline``: ``time.monotonic()``)."""
-        plan = CallPlan(
-            self.routing,
-            method,
-            deadline=deadline,
-            attempt_timeout_s=self._attempt_timeout_s,
-            leader_only=leader_only,
-        )
-        step = plan.new_round(time.monotonic())
-        while True:
-            if isinstance(step, Ask):
-                try:
-                    response = self._attempt(step.address, method, request, step.timeout_s)
-                except KVPoolError as e:
-                    step = plan.failed(e, time.monotonic())
-                    continue
-                plan.answered()
-                return response
-            if isinstance(step, GiveUp):
-                raise step.error
-            time.sleep(step.delay_s)
-            step = plan.new_round(time.monotonic())
+        call = MasterCall(self._plan(method, deadline, leader_only), request, time.monotonic)
+        result: Any = None
+        while (io := call.next(result)) is not None:
+            try:
+                result = self._perform(io)
+            except KVPoolError as e:
+                result = e
+        return call.response
 
     def close(self) -> None:
         with self._lock:
@@ -613,17 +623,6 @@ def no_rpc_port(routing: MasterRouting, address: str, error: KVPoolError) -> str
         raise error
     routing.learn_rpc(address, "")
     return ""
-
-
-def rpc_request(method: str, request: Any, timeout_s: float) -> Call:
-    """The frame of one call to a master's RPC port (the time the caller allows, in µs, in
-    the version field)."""
-    return Call(
-        Op.RPC,
-        method.encode(),
-        version=max(1, int(timeout_s * 1e6)),
-        payload=request.SerializeToString(),
-    )
 
 
 def rpc_failure(

@@ -1,25 +1,45 @@
-"""The retry policy of a call to the master group (kvpool/mastercall.py CallPlan), with no
-sockets: given how each attempt went, which master is asked next and for how long, when a
-redirect is followed, when the caller backs off, and which error it gets when it gives up."""
+"""A call to the master group (kvpool/mastercall.py), with no sockets. The retry policy
+(CallPlan): given how each attempt went, which master is asked next and for how long, when a
+redirect is followed, when the caller backs off, and which error it gets when it gives up. Each
+attempt (MasterCall): over a master's frame RPC port or gRPC, the port learned first, and how
+the answers read."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from kvpool import mastercall
 from kvpool.errors import (
     DeadlineExceededError,
+    InternalError,
     InvalidArgumentError,
     KVPoolError,
     NotCaughtUpError,
     NotLeaderError,
+    TransportError,
     UnauthenticatedError,
     UnavailableError,
 )
-from kvpool.mastercall import Ask, Backoff, CallPlan, GiveUp, MasterRouting, Step, Wait
+from kvpool.mastercall import (
+    Ask,
+    Backoff,
+    CallGrpc,
+    CallPlan,
+    CallRpcPort,
+    GiveUp,
+    Io,
+    MasterCall,
+    MasterRouting,
+    Step,
+    Wait,
+)
+from kvpool.proto.v1 import master_pb2
+from kvpool.proto.wire import Header, Op, Status
 
 A, B, C = "a:1", "b:1", "c:1"
 ATTEMPT_S = 1.0
@@ -243,3 +263,230 @@ def test_a_timed_out_master_is_held_for_the_hold_time_only(clock: Clock) -> None
     assert first.address not in routing.order()
     clock.now += mastercall.FAILED_HOLD_S
     assert first.address in routing.order()
+
+
+# --- one attempt: the frame RPC port or gRPC (MasterCall) -------------------------------------
+
+RPC_A, RPC_B = "a:2", "b:2"
+LOOKUP = master_pb2.LookupRequest(keys=["k"])
+FOUND = master_pb2.LookupResponse(revision=7)
+
+
+class Masters:
+    """Masters as a driver sees them: ``grpc``/``rpc`` map (address or RPC port, method) to a
+    response, an error, or (on a port) a ``(status, payload)`` answer frame; each call takes
+    ``took_s`` of the clock; every Io performed is kept in ``ios``."""
+
+    def __init__(self, clock: Clock, took_s: float = 0.1) -> None:
+        self.clock = clock
+        self.took_s = took_s
+        self.grpc: dict[tuple[str, str], Any] = {}
+        self.rpc: dict[tuple[str, str], Any] = {}
+        self.ios: list[Io] = []
+
+    def perform(self, io: Io) -> Any:
+        self.ios.append(io)
+        if isinstance(io, Wait):
+            self.clock.now += io.delay_s
+            return None
+        self.clock.now += self.took_s
+        if isinstance(io, CallGrpc):
+            answer = self.grpc[io.address, io.method]
+        else:
+            answer = self.rpc[io.rpc, bytes(io.call.key).decode()]
+            if isinstance(answer, tuple):  # a frame: (status, payload)
+                io.call.header = Header(op=Op.RPC, status=answer[0])
+                io.call.data = memoryview(answer[1])
+                return None
+        if isinstance(answer, KVPoolError):
+            raise answer
+        if isinstance(io, CallRpcPort):
+            io.call.header = Header(op=Op.RPC, status=Status.OK)
+            io.call.data = memoryview(answer.SerializeToString())
+            return None
+        return answer
+
+    def call(self, routing: MasterRouting, method: str = "Lookup", request: Any = LOOKUP) -> Any:
+        """Drive one call as MasterClient.call does; its response (or its error, raised)."""
+        plan = CallPlan(
+            routing,
+            method,
+            deadline=self.clock.now + 2.0,
+            attempt_timeout_s=ATTEMPT_S,
+            backoff=Backoff(rng=random.Random(7)),
+        )
+        call = MasterCall(plan, request, self.clock)
+        result: Any = None
+        while (io := call.next(result)) is not None:
+            try:
+                result = self.perform(io)
+            except KVPoolError as e:
+                result = e
+        return call.response
+
+
+def where(ios: list[Io]) -> list[str]:
+    """Where each call went: a master's gRPC address or its RPC port."""
+    return [
+        io.address if isinstance(io, CallGrpc) else io.rpc for io in ios if not isinstance(io, Wait)
+    ]
+
+
+def known_ports(clock: Clock) -> MasterRouting:
+    """Masters A and B, both RPC ports known, A the leader."""
+    routing = MasterRouting([A, B], clock=clock)
+    routing.learn_rpc(A, RPC_A)
+    routing.learn_rpc(B, RPC_B)
+    routing.leader = A
+    return routing
+
+
+def members(rpc: str) -> master_pb2.GetMembersResponse:
+    return master_pb2.GetMembersResponse(ring_version=3, rpc_address=rpc)
+
+
+def test_a_port_is_learned_first_and_the_call_goes_there_with_the_time_left(
+    clock: Clock,
+) -> None:
+    masters = Masters(clock, took_s=0.25)
+    masters.grpc[A, "GetMembers"] = members(RPC_A)
+    masters.rpc[RPC_A, "Lookup"] = FOUND
+    routing = MasterRouting([A], clock=clock)
+    assert masters.call(routing) == FOUND
+    learn, lookup = masters.ios
+    assert learn == CallGrpc(A, "GetMembers", master_pb2.GetMembersRequest(), ATTEMPT_S)
+    assert isinstance(lookup, CallRpcPort)
+    assert lookup.rpc == RPC_A
+    assert lookup.timeout_s == pytest.approx(ATTEMPT_S - 0.25)  # the learning took its part
+    assert lookup.call.op == Op.RPC
+    assert lookup.call.version == 750_000  # the time the master may take, in µs
+    assert master_pb2.LookupRequest.FromString(bytes(lookup.call.payload)) == LOOKUP
+    assert routing.rpc_of(A) == RPC_A
+    assert routing.leader == A  # a lookup answered there names the leader
+    # Known now: the next call goes straight to the port, with the whole attempt.
+    masters.ios.clear()
+    assert masters.call(routing) == FOUND
+    (again,) = masters.ios
+    assert isinstance(again, CallRpcPort)
+    assert again.timeout_s == ATTEMPT_S
+
+
+def test_a_getmembers_call_keeps_the_answer_that_taught_the_port(clock: Clock) -> None:
+    masters = Masters(clock)
+    masters.grpc[A, "GetMembers"] = members(RPC_A)
+    routing = MasterRouting([A], clock=clock)
+    assert masters.call(routing, "GetMembers", master_pb2.GetMembersRequest()) == members(RPC_A)
+    assert len(masters.ios) == 1
+    assert routing.rpc_of(A) == RPC_A
+
+
+@pytest.mark.parametrize(
+    "answer", [members(""), InternalError("unimplemented")], ids=["no port", "cannot say"]
+)
+def test_a_master_without_a_port_is_called_over_grpc(clock: Clock, answer: Any) -> None:
+    masters = Masters(clock, took_s=0.25)
+    masters.grpc[A, "GetMembers"] = answer
+    masters.grpc[A, "Lookup"] = FOUND
+    routing = MasterRouting([A], clock=clock)
+    assert masters.call(routing) == FOUND
+    lookup = masters.ios[1]
+    assert isinstance(lookup, CallGrpc)
+    assert (lookup.address, lookup.method, lookup.request) == (A, "Lookup", LOOKUP)
+    assert lookup.timeout_s == pytest.approx(ATTEMPT_S - 0.25)
+    assert routing.rpc_of(A) == ""  # and from now on, without asking again
+    masters.ios.clear()
+    masters.call(routing)
+    assert masters.ios == [CallGrpc(A, "Lookup", LOOKUP, ATTEMPT_S)]
+
+
+def test_a_call_the_port_does_not_serve_goes_over_grpc_without_learning(clock: Clock) -> None:
+    masters = Masters(clock)
+    request = master_pb2.PinRequest()
+    masters.grpc[A, "Pin"] = master_pb2.PinResponse()
+    routing = MasterRouting([A], clock=clock)
+    assert masters.call(routing, "Pin", request) == master_pb2.PinResponse()
+    assert masters.ios == [CallGrpc(A, "Pin", request, ATTEMPT_S)]
+    assert routing.rpc_of(A) is None
+
+
+def test_a_master_down_while_learning_is_left_for_the_next(clock: Clock) -> None:
+    masters = Masters(clock)
+    masters.grpc[A, "GetMembers"] = UnavailableError("a: connection refused")
+    masters.grpc[B, "GetMembers"] = members(RPC_B)
+    masters.rpc[RPC_B, "Lookup"] = FOUND
+    routing = MasterRouting([A, B], clock=clock)
+    routing.leader = A
+    assert masters.call(routing) == FOUND
+    assert where(masters.ios) == [A, B, RPC_B]
+    assert routing.rpc_of(A) is None  # nothing learned: asked again next time
+    assert routing.leader == B
+
+
+def test_a_port_that_drops_the_call_is_forgotten_and_the_next_master_asked(
+    clock: Clock,
+) -> None:
+    masters = Masters(clock)
+    masters.rpc[RPC_A, "Lookup"] = TransportError("a:2: connection reset")
+    masters.rpc[RPC_B, "Lookup"] = FOUND
+    routing = known_ports(clock)
+    assert masters.call(routing) == FOUND
+    assert routing.rpc_of(A) is None  # a restarted master listens on another port
+    assert routing.rpc_of(B) == RPC_B
+
+
+def test_every_port_dropping_the_call_gives_up_with_the_port_named(clock: Clock) -> None:
+    masters = Masters(clock)
+    masters.rpc[RPC_A, "Lookup"] = TransportError("a:2: connection reset")
+    masters.grpc[A, "GetMembers"] = members(RPC_A)
+    routing = MasterRouting([A], clock=clock)
+    routing.learn_rpc(A, RPC_A)
+    with pytest.raises(DeadlineExceededError, match="over its RPC port a:2: a:2: connection"):
+        masters.call(routing)
+    assert any(isinstance(io, Wait) for io in masters.ios)
+
+
+def test_a_port_call_that_timed_out_keeps_the_port(clock: Clock) -> None:
+    masters = Masters(clock)
+    masters.rpc[RPC_A, "Lookup"] = DeadlineExceededError("a:2: no answer")
+    masters.rpc[RPC_B, "Lookup"] = FOUND
+    routing = known_ports(clock)
+    assert masters.call(routing) == FOUND
+    assert routing.rpc_of(A) == RPC_A  # slow, not gone
+    assert A not in routing.order()  # held as a master that took the whole attempt
+
+
+def test_refused_credentials_on_the_port_give_up_at_once(clock: Clock) -> None:
+    masters = Masters(clock)
+    refused = UnauthenticatedError("wrong cluster token")
+    masters.rpc[RPC_A, "Lookup"] = refused
+    routing = MasterRouting([A, B], clock=clock)
+    routing.learn_rpc(A, RPC_A)
+    routing.leader = A
+    with pytest.raises(UnauthenticatedError) as raised:
+        masters.call(routing)
+    assert raised.value is refused
+    assert len(masters.ios) == 1
+    assert routing.rpc_of(A) == RPC_A
+
+
+def test_an_error_answered_on_the_port_is_the_typed_error(clock: Clock) -> None:
+    """A follower answers NOT_LEADER on its port too: the call follows to the leader."""
+    masters = Masters(clock)
+    doc = {"code": "NOT_LEADER", "message": "not me", "leader": B}
+    masters.rpc[RPC_A, "Lookup"] = (Status.RPC_ERROR, json.dumps(doc).encode())
+    masters.rpc[RPC_B, "Lookup"] = FOUND
+    routing = known_ports(clock)
+    assert masters.call(routing) == FOUND
+    assert routing.leader == B
+    assert routing.rpc_of(A) == RPC_A
+
+
+def test_a_port_that_does_not_know_the_call_is_not_used_again(clock: Clock) -> None:
+    masters = Masters(clock)
+    masters.rpc[RPC_A, "Lookup"] = (Status.BAD_REQUEST, b"unknown op")
+    masters.grpc[A, "Lookup"] = FOUND
+    routing = MasterRouting([A], clock=clock)
+    routing.learn_rpc(A, RPC_A)
+    assert masters.call(routing) == FOUND
+    assert routing.rpc_of(A) == ""
+    assert isinstance(masters.ios[-1], CallGrpc)
