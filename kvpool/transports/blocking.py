@@ -109,6 +109,18 @@ class BlockingConnection:
             raise DeadlineExceededError(f"{self.address}: out of time")
         self._set_timeout(remaining)
 
+    def _broken_by(self, error: OSError | None, doing: str) -> KVPoolError:
+        """The typed error for a ``send`` or ``receive`` that failed with ``error`` (None: the
+        node closed the stream); the connection is ``broken`` from now on. A kernel time-out
+        (``SO_RCVTIMEO``/``SO_SNDTIMEO``) is the call's deadline passing."""
+        self.broken = True
+        if error is None:
+            return TransportError(f"{self.address}: connection closed by the node")
+        if isinstance(error, BlockingIOError | TimeoutError):
+            late = "send timed out" if doing == "send" else "no answer in time"
+            return DeadlineExceededError(f"{self.address}: {late}")
+        return TransportError(f"{self.address}: {doing} failed: {error}")
+
     # --- sending --------------------------------------------------------------------------
 
     def send(
@@ -147,12 +159,8 @@ class BlockingConnection:
             total = sum(len(v) if not isinstance(v, memoryview) else v.nbytes for v in batch)
             try:
                 sent = sock.sendmsg(batch)
-            except (BlockingIOError, TimeoutError):
-                self.broken = True
-                raise DeadlineExceededError(f"{self.address}: send timed out") from None
             except OSError as e:
-                self.broken = True
-                raise TransportError(f"{self.address}: send failed: {e}") from None
+                raise self._broken_by(e, "send") from None
             if sent == total:
                 views = views[512:]
                 continue
@@ -354,15 +362,10 @@ class BlockingConnection:
             batch = [views[i][offset:] if offset else views[i], *views[i + 1 : i + 256]]
             try:
                 n = sock.recvmsg_into(batch)[0]
-            except (BlockingIOError, TimeoutError):
-                self.broken = True
-                raise DeadlineExceededError(f"{self.address}: no answer in time") from None
             except OSError as e:
-                self.broken = True
-                raise TransportError(f"{self.address}: receive failed: {e}") from None
+                raise self._broken_by(e, "receive") from None
             if n == 0:
-                self.broken = True
-                raise TransportError(f"{self.address}: connection closed by the node")
+                raise self._broken_by(None, "receive")
             while n:
                 rest = views[i].nbytes - offset
                 if n >= rest:
@@ -394,15 +397,10 @@ class BlockingConnection:
         while got < want:
             try:
                 n = sock.recv_into(view[got:] if got else view)
-            except (BlockingIOError, TimeoutError):
-                self.broken = True
-                raise DeadlineExceededError(f"{self.address}: no answer in time") from None
             except OSError as e:
-                self.broken = True
-                raise TransportError(f"{self.address}: receive failed: {e}") from None
+                raise self._broken_by(e, "receive") from None
             if n == 0:
-                self.broken = True
-                raise TransportError(f"{self.address}: connection closed by the node")
+                raise self._broken_by(None, "receive")
             got += n
             if got < want:
                 self._check(deadline)
