@@ -25,7 +25,7 @@ import itertools
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvpool.errors import (
     DeadlineExceededError,
@@ -450,15 +450,28 @@ def _format(addr: object) -> str:
     return str(addr)
 
 
+@contextlib.contextmanager
+def connecting(address: str, sock: socket.socket | None = None) -> Iterator[None]:
+    """Around opening a connection to ``address`` (blocking or awaited): an OSError becomes the
+    typed error — a time-out DeadlineExceededError, anything else TransportError — and on any
+    failure ``sock`` is closed."""
+    try:
+        yield
+    except BaseException as e:
+        if sock is not None:
+            sock.close()
+        if isinstance(e, TimeoutError):
+            raise DeadlineExceededError(f"{address}: connect timed out") from None
+        if isinstance(e, OSError):
+            raise TransportError(f"{address}: connect failed: {e}") from None
+        raise
+
+
 def connect_tcp_blocking(host: str, port: int, *, address: str, timeout_s: float) -> socket.socket:
     """A connected blocking TCP socket, tuned (typed errors on failure)."""
     from kvpool.transports.stream import tune_socket
 
-    try:
+    with connecting(address):
         sock = socket.create_connection((host, port), timeout=max(0.001, timeout_s))
-    except TimeoutError:
-        raise DeadlineExceededError(f"{address}: connect timed out") from None
-    except OSError as e:
-        raise TransportError(f"{address}: connect failed: {e}") from None
     tune_socket(sock)
     return sock

@@ -40,7 +40,7 @@ import numpy as np
 from kvpool.errors import DeadlineExceededError, TransportError
 from kvpool.proto.wire import HEADER_SIZE
 from kvpool.transports.auth import auth_frame, read_answer, read_answer_blocking
-from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.blocking import BlockingConnection, connecting
 from kvpool.transports.tcp import FrameConnection
 
 PREAMBLE = struct.Struct("<4sQ16s")
@@ -289,19 +289,10 @@ class ShmTransport:
         loop = asyncio.get_running_loop()
         sock = _unix_socket()
         sock.setblocking(False)
-        try:
+        with connecting(address, sock):
             async with asyncio.timeout(timeout_s):
                 await loop.sock_connect(sock, "\0" + name)
                 arena = await _take_offer(sock, token, address)
-        except TimeoutError:
-            sock.close()
-            raise DeadlineExceededError(f"{address}: connect timed out") from None
-        except OSError as e:
-            sock.close()
-            raise TransportError(f"{address}: connect failed: {e}") from None
-        except BaseException:
-            sock.close()
-            raise
         conn = ShmConnection(address, arena)
         conn.attach(sock)
         return conn
@@ -311,19 +302,10 @@ class ShmTransport:
     ) -> BlockingConnection:
         name = parse_shm_address(address)
         sock = _unix_socket()
-        try:
+        with connecting(address, sock):
             sock.settimeout(max(0.001, timeout_s))
             sock.connect("\0" + name)
             arena = _take_offer_blocking(sock, token, address, timeout_s)
-        except TimeoutError:
-            sock.close()
-            raise DeadlineExceededError(f"{address}: connect timed out") from None
-        except OSError as e:
-            sock.close()
-            raise TransportError(f"{address}: connect failed: {e}") from None
-        except BaseException:
-            sock.close()
-            raise
         return ShmBlockingConnection(sock, address, arena, timeout_s)
 
 

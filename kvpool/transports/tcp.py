@@ -35,7 +35,7 @@ from kvpool.proto.wire import (
     version_mismatch_message,
 )
 from kvpool.transports.auth import authenticate, authenticate_blocking
-from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
+from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking, connecting
 from kvpool.transports.calls import Call, parse_table
 from kvpool.transports.stream import FrameStream
 from kvpool.transports.stream import tune_socket as stream_tune_socket
@@ -375,7 +375,7 @@ def _call_header(call: Call, request_id: int, trace: bytes = b"") -> Header:
 async def connect_tcp(host: str, port: int, *, address: str, timeout_s: float) -> socket.socket:
     """A connected, non-blocking TCP socket (typed errors on failure)."""
     loop = asyncio.get_running_loop()
-    try:
+    with connecting(address):
         async with asyncio.timeout(timeout_s):
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             family, kind, proto, _, sockaddr = infos[0]
@@ -386,10 +386,6 @@ async def connect_tcp(host: str, port: int, *, address: str, timeout_s: float) -
             except BaseException:
                 sock.close()
                 raise
-    except TimeoutError:
-        raise DeadlineExceededError(f"{address}: connect timed out") from None
-    except OSError as e:
-        raise TransportError(f"{address}: connect failed: {e}") from None
     return sock
 
 

@@ -3,6 +3,7 @@ receive can fail, whichever connection (blocking or on the event loop) met it.""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.errors import DeadlineExceededError, KVPoolError, TransportError
-from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking, connecting
 from kvpool.transports.calls import Call
 
 
@@ -71,3 +72,59 @@ def test_a_silent_node_is_the_deadline_passing(
     with pytest.raises(DeadlineExceededError, match="no answer in time"):
         conn.receive([call], time.monotonic() + 0.05)
     assert conn.broken
+
+
+@pytest.mark.parametrize(
+    ("raised", "kind", "text"),
+    [
+        (TimeoutError(), DeadlineExceededError, "tcp://node:1: connect timed out"),
+        # a time-out of the token's proof inside the connect is the connect's time-out
+        (DeadlineExceededError("slow token"), DeadlineExceededError, "connect timed out"),
+        (ConnectionRefusedError(111, "refused"), TransportError, "connect failed: [Errno 111]"),
+    ],
+)
+def test_a_failed_connect_is_named_and_its_socket_closed(
+    raised: Exception, kind: type[KVPoolError], text: str
+) -> None:
+    sock = socket.socket()
+    with pytest.raises(kind) as failed, connecting("tcp://node:1", sock):
+        raise raised
+    assert text in str(failed.value)
+    assert failed.value.__suppress_context__
+    assert sock.fileno() == -1  # closed
+
+
+def test_a_typed_error_or_a_cancellation_goes_through_as_it_is() -> None:
+    for raised in (TransportError("not a kvpool shared-memory peer"), asyncio.CancelledError()):
+        sock = socket.socket()
+        with pytest.raises(type(raised)) as failed, connecting("shm://x", sock):
+            raise raised
+        assert failed.value is raised
+        assert sock.fileno() == -1  # closed
+
+
+def test_a_connect_that_succeeds_keeps_its_socket() -> None:
+    sock = socket.socket()
+    with connecting("tcp://node:1", sock):
+        pass
+    assert sock.fileno() != -1
+    sock.close()
+
+
+def test_an_awaited_connect_out_of_time_is_a_deadline() -> None:
+    async def connect() -> None:
+        with connecting("tcp://node:1"):
+            async with asyncio.timeout(0.01):
+                await asyncio.sleep(1)
+
+    with pytest.raises(DeadlineExceededError, match="connect timed out"):
+        asyncio.run(connect())
+
+
+def test_a_port_nobody_listens_on_is_a_transport_error() -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with pytest.raises(TransportError, match="connect failed"):
+        connect_tcp_blocking("127.0.0.1", port, address=f"tcp://127.0.0.1:{port}", timeout_s=1.0)
