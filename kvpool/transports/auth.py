@@ -81,6 +81,14 @@ def _parse(raw: bytes | bytearray, address: str) -> Header:
         raise TransportError(f"{address}: {e}") from None
 
 
+def _lost(address: str, error: OSError | None) -> TransportError:
+    """The error for a socket that failed with ``error`` (None: the peer closed it) while the
+    token was being proved."""
+    if error is None:
+        return TransportError(f"{address}: connection closed during authentication")
+    return TransportError(f"{address}: connection lost during authentication: {error}")
+
+
 # --- client, in the calling thread ------------------------------------------------------------
 
 
@@ -98,9 +106,9 @@ def _recv_exact_blocking(sock: socket.socket, size: int, deadline: float, addres
                 f"{address}: no answer to the cluster token in time"
             ) from None
         except OSError as e:
-            raise TransportError(f"{address}: connection lost during authentication: {e}") from None
+            raise _lost(address, e) from None
         if not chunk:
-            raise TransportError(f"{address}: connection closed during authentication")
+            raise _lost(address, None)
         out += chunk
     return bytes(out)
 
@@ -148,9 +156,9 @@ async def _recv_exact(sock: socket.socket, size: int, address: str) -> bytes:
         try:
             chunk = await loop.sock_recv(sock, size - len(out))
         except OSError as e:
-            raise TransportError(f"{address}: connection lost during authentication: {e}") from None
+            raise _lost(address, e) from None
         if not chunk:
-            raise TransportError(f"{address}: connection closed during authentication")
+            raise _lost(address, None)
         out += chunk
     return bytes(out)
 

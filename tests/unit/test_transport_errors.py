@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.errors import DeadlineExceededError, KVPoolError, TransportError
+from kvpool.proto.wire import HEADER_SIZE
+from kvpool.transports import auth
 from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking, connecting
 from kvpool.transports.calls import Call
 
@@ -128,3 +130,24 @@ def test_a_port_nobody_listens_on_is_a_transport_error() -> None:
     probe.close()
     with pytest.raises(TransportError, match="connect failed"):
         connect_tcp_blocking("127.0.0.1", port, address=f"tcp://127.0.0.1:{port}", timeout_s=1.0)
+
+
+def test_a_peer_gone_while_the_token_is_proved_reads_the_same_either_way() -> None:
+    async def on_the_loop(sock: socket.socket) -> None:
+        sock.setblocking(False)
+        await auth._recv_exact(sock, HEADER_SIZE, "tcp://node:1")
+
+    for read in (
+        lambda sock: auth._recv_exact_blocking(
+            sock, HEADER_SIZE, time.monotonic() + 1.0, "tcp://node:1"
+        ),
+        lambda sock: asyncio.run(on_the_loop(sock)),
+    ):
+        ours, theirs = socket.socketpair()
+        theirs.close()
+        with pytest.raises(TransportError, match="tcp://node:1: connection closed during auth"):
+            read(ours)
+        ours.close()
+    assert str(auth._lost("a", OSError(104, "reset"))) == (
+        "a: connection lost during authentication: [Errno 104] reset"
+    )
