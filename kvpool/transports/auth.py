@@ -40,6 +40,7 @@ from kvpool.proto.wire import (
     version_mismatch_message,
 )
 from kvpool.security import MAX_TOKEN_BYTES, tokens_equal
+from kvpool.transports.blocking import BlockingConnection
 
 REFUSED_MISSING = (
     "this kvpool node or master requires the cluster token on every connection; configure "
@@ -144,6 +145,19 @@ def authenticate_blocking(
     finally:
         with contextlib.suppress(OSError):
             sock.settimeout(previous)
+
+
+def blocking_connection(
+    sock: socket.socket, token: bytes, address: str, timeout_s: float
+) -> BlockingConnection:
+    """Frames over the fresh connected blocking socket ``sock``, once ``token`` is proved on it
+    (``sock`` is closed when that fails)."""
+    try:
+        authenticate_blocking(sock, token, address, timeout_s)
+    except BaseException:
+        sock.close()
+        raise
+    return BlockingConnection(sock, address, timeout_s=timeout_s)
 
 
 # --- client, on the event loop ----------------------------------------------------------------

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from kvpool.errors import TransportError
-from kvpool.transports.auth import authenticate, authenticate_blocking
+from kvpool.transports.auth import authenticate, blocking_connection
 from kvpool.transports.blocking import BlockingConnection
 from kvpool.transports.tcp import FrameConnection
 
@@ -73,10 +73,4 @@ class InprocTransport:
     def open_blocking(
         self, address: str, timeout_s: float, token: bytes = b""
     ) -> BlockingConnection:
-        sock = _connect(address)
-        try:
-            authenticate_blocking(sock, token, address, timeout_s)
-        except BaseException:
-            sock.close()
-            raise
-        return BlockingConnection(sock, address, timeout_s=timeout_s)
+        return blocking_connection(_connect(address), token, address, timeout_s)

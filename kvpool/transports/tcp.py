@@ -34,7 +34,7 @@ from kvpool.proto.wire import (
     Status,
     version_mismatch_message,
 )
-from kvpool.transports.auth import authenticate, authenticate_blocking
+from kvpool.transports.auth import authenticate, blocking_connection
 from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking, connecting
 from kvpool.transports.calls import Call, parse_table
 from kvpool.transports.stream import FrameStream
@@ -467,9 +467,4 @@ class TcpTransport:
     ) -> BlockingConnection:
         host, port = parse_tcp_address(address)
         sock = connect_tcp_blocking(host, port, address=address, timeout_s=timeout_s)
-        try:
-            authenticate_blocking(sock, token, address, timeout_s)
-        except BaseException:
-            sock.close()
-            raise
-        return BlockingConnection(sock, address, timeout_s=timeout_s)
+        return blocking_connection(sock, token, address, timeout_s)

@@ -151,3 +151,18 @@ def test_a_peer_gone_while_the_token_is_proved_reads_the_same_either_way() -> No
     assert str(auth._lost("a", OSError(104, "reset"))) == (
         "a: connection lost during authentication: [Errno 104] reset"
     )
+
+
+def test_a_blocking_connection_speaks_frames_once_the_token_is_proved() -> None:
+    ours, theirs = socket.socketpair()
+    conn = auth.blocking_connection(ours, b"", "inproc://x", 1.0)  # no token: nothing to prove
+    assert isinstance(conn, BlockingConnection)
+    assert conn.address == "inproc://x"
+    conn.close()
+    theirs.close()
+
+    ours, theirs = socket.socketpair()
+    theirs.close()  # the peer leaves before answering the token
+    with pytest.raises(TransportError, match="inproc://x"):
+        auth.blocking_connection(ours, b"secret", "inproc://x", 1.0)
+    assert ours.fileno() == -1  # closed
