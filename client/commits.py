@@ -245,20 +245,30 @@ Call = Callable[[master_pb2.CommitPutsRequest, float], Awaitable[master_pb2.Comm
 SyncCall = Callable[[master_pb2.CommitPutsRequest, float], master_pb2.CommitPutsResponse]
 
 
-class AsyncCommitter:
-    """Group commit on one event loop."""
+class _Committer:
+    """What both committers are around their sending: a :class:`CommitBatcher`, and its
+    counts."""
+
+    def __init__(self, max_entries: Callable[[], int]) -> None:
+        self._batcher = CommitBatcher(max_entries)
 
     @property
     def requests(self) -> int:
+        """CommitPuts requests sent."""
         return self._batcher.requests
 
     @property
     def jobs(self) -> int:
+        """Commits those requests carried."""
         return self._batcher.jobs
 
+
+class AsyncCommitter(_Committer):
+    """Group commit on one event loop."""
+
     def __init__(self, call: Call, max_entries: Callable[[], int]) -> None:
+        super().__init__(max_entries)
         self._call = call
-        self._batcher = CommitBatcher(max_entries)
         self._futures: dict[int, asyncio.Future[None]] = {}
         self._pump: asyncio.Task[None] | None = None
 
@@ -318,21 +328,13 @@ class AsyncCommitter:
                 future.set_result(None)
 
 
-class SyncCommitter:
+class SyncCommitter(_Committer):
     """Group commit across threads: the first thread to arrive sends; others wait and ride in
     the next request, sent by one of them."""
 
-    @property
-    def requests(self) -> int:
-        return self._batcher.requests
-
-    @property
-    def jobs(self) -> int:
-        return self._batcher.jobs
-
     def __init__(self, call: SyncCall, max_entries: Callable[[], int]) -> None:
+        super().__init__(max_entries)
         self._call = call
-        self._batcher = CommitBatcher(max_entries)
         self._lock = threading.Lock()
         self._busy = False
 
@@ -341,12 +343,7 @@ class SyncCommitter:
     ) -> CommitAnswer:
         job = CommitJob(ring_version, entries, deadline)
         if len(entries) >= self._batcher.alone():  # a full request of its own: no waiting
-            try:
-                response = self._call(CommitBatcher.request([job]), deadline)
-            except BaseException as e:
-                job.error = e
-            else:
-                CommitBatcher.split([job], response)
+            self._send([job])
             return _answer(job)
         with self._lock:
             self._batcher.queue.append(job)
@@ -379,17 +376,22 @@ class SyncCommitter:
         with self._lock:
             jobs = self._batcher.take()
         if jobs:
-            try:
-                response = self._call(CommitBatcher.request(jobs), max(j.deadline for j in jobs))
-            except BaseException as e:
-                for job in jobs:
-                    job.error = e
-            else:
-                CommitBatcher.split(jobs, response)
+            self._send(jobs)
         with self._lock:
             self._hand_over()
         for job in jobs:
             job.done.set()
+
+    def _send(self, jobs: list[CommitJob]) -> None:
+        """One request for ``jobs``, under the latest of their deadlines; each job gets its
+        share of the answer, or the error (every one of them: nothing is lost silently)."""
+        try:
+            response = self._call(CommitBatcher.request(jobs), max(j.deadline for j in jobs))
+        except BaseException as e:
+            for job in jobs:
+                job.error = e
+        else:
+            CommitBatcher.split(jobs, response)
 
     def _hand_over(self) -> None:
         """(Lock held.) The oldest waiting thread sends next; none waiting: idle."""
