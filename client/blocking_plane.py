@@ -19,7 +19,7 @@ from __future__ import annotations
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 from opentelemetry.trace import SpanKind
@@ -27,7 +27,15 @@ from opentelemetry.trace import SpanKind
 from kvpool import tracing
 from kvpool.client.blocks import next_round
 from kvpool.client.hedge import Hedge, HedgePolicy, round_bytes
-from kvpool.client.links import NodeOffer, hello_call, read_hello
+from kvpool.client.links import (
+    Dial,
+    NodeOffer,
+    advance,
+    conn_arena,
+    hello_call,
+    open_flow,
+    read_hello,
+)
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
     BlockRef,
@@ -45,7 +53,6 @@ from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
 from kvpool.proto.wire import Op
 from kvpool.transports import open_blocking
 from kvpool.transports.blocking import BlockingConnection
-from kvpool.transports.shm import Arena
 
 
 class BlockingDataPlane:
@@ -115,55 +122,21 @@ class BlockingDataPlane:
         conn.close()
 
     def _open(self, address: str, timeout_s: float) -> BlockingConnection:
-        """A connection to ``address``: the node's shared memory where it offers it and the
-        transport setting allows, else the address's own transport."""
-        links = self._links
-        if not address.startswith(("tcp://", "inproc://")):
-            return open_blocking(address, timeout_s, self._token)
-        offer = links.offer(address)
-        first: BlockingConnection | None = None
-        if offer is None:
-            first, offer = self._ask(address, timeout_s)
-        for _attempt in range(2):
-            try:
-                shm = links.shm_for(address, offer) if address.startswith("tcp://") else ""
-            except KVPoolError:
-                if first is not None:
-                    first.close()
-                raise
-            if not shm:
-                break
-            try:
-                conn = open_blocking(shm, timeout_s, self._token)
-            except KVPoolError as e:
-                try:
-                    fallback = links.shm_failed(address, offer, e, remembered=first is None)
-                except KVPoolError:
-                    if first is not None:
-                        first.close()
-                    raise
-                if fallback is None:
-                    first, offer = self._ask(address, timeout_s)
-                    continue
-                offer = fallback
-                break
-            conn.features = frozenset({"mget", "shm", *(["trace"] if offer.trace else [])})
-            if first is not None:
-                first.close()
-            return conn
-        if first is None:
-            first = open_blocking(address, timeout_s, self._token)
-        first.features = frozenset(
-            [*(["mget"] if offer.mget else []), *(["trace"] if offer.trace else [])]
-        )
-        return first
+        """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says."""
+        flow: Generator[Dial, Any, BlockingConnection] = open_flow(self._links, address)
+        step = advance(flow, None)
+        while isinstance(step, Dial):
+            step = advance(flow, self._dial(step, timeout_s))
+        return step
 
-    def _ask(self, address: str, timeout_s: float) -> tuple[BlockingConnection, NodeOffer]:
-        """A first connection to ``address`` and what the node offers on it (remembered)."""
-        conn = open_blocking(address, timeout_s, self._token)
-        offer = _hello(conn, timeout_s)
-        self._links.learn(address, offer)
-        return conn, offer
+    def _dial(
+        self, dial: Dial, timeout_s: float
+    ) -> BlockingConnection | tuple[BlockingConnection, NodeOffer] | KVPoolError:
+        try:
+            conn = open_blocking(dial.address, timeout_s, self._token)
+            return (conn, _hello(conn, timeout_s)) if dial.hello else conn
+        except KVPoolError as e:
+            return e
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -349,7 +322,7 @@ class BlockingDataPlane:
             else:
                 self._on_node_failed(member.member_id)
             return None
-        plan = NodeRead(address, group, mget="mget" in conn.features, arena=_arena(conn))
+        plan = NodeRead(address, group, mget="mget" in conn.features, arena=conn_arena(conn))
         try:
             conn.send(plan.calls, deadline, trace=trace)
         except KVPoolError as e:
@@ -414,7 +387,7 @@ class BlockingDataPlane:
                     it.error = error or UnavailableError(e.message)
                 self._on_node_failed(group[0][1].member_id)
                 continue
-            plan = NodeStage(address, group, _arena(conn))
+            plan = NodeStage(address, group, conn_arena(conn))
             try:
                 for calls in plan.chunks():
                     conn.send(calls, deadline)
@@ -480,11 +453,6 @@ def _serve(
             continue
         for fd, _mask in events:
             finish(fd)
-
-
-def _arena(conn: BlockingConnection) -> Arena | None:
-    arena = getattr(conn, "arena", None)
-    return arena if isinstance(arena, Arena) else None
 
 
 def _hello(conn: BlockingConnection, timeout_s: float) -> NodeOffer:

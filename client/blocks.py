@@ -21,11 +21,21 @@ times out while receiving closes its connection, and so does a read that is canc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
+from typing import Any
 
 from kvpool import tracing
 from kvpool.client.hedge import Hedge, HedgePolicy, round_bytes
-from kvpool.client.links import Links, NodeOffer, hello_call, read_hello
+from kvpool.client.links import (
+    Dial,
+    Links,
+    NodeOffer,
+    advance,
+    conn_arena,
+    hello_call,
+    open_flow,
+    read_hello,
+)
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
     BlockRef,
@@ -46,7 +56,6 @@ from kvpool.errors import (
 )
 from kvpool.proto.wire import Op
 from kvpool.transports import open_connection
-from kvpool.transports.shm import Arena
 from kvpool.transports.tcp import ConnectionPool, FrameConnection, Response
 
 __all__ = [
@@ -100,55 +109,21 @@ class DataPlane:
     # --- connections ----------------------------------------------------------------------
 
     async def _open(self, address: str, timeout_s: float) -> FrameConnection:
-        """A connection to ``address``: the node's shared memory where it offers it and the
-        transport setting allows, else the address's own transport."""
-        links = self._links
-        if not address.startswith(("tcp://", "inproc://")):
-            return await open_connection(address, timeout_s, self._token)
-        offer = links.offer(address)
-        first: FrameConnection | None = None
-        if offer is None:
-            first, offer = await self._ask(address, timeout_s)
-        for _attempt in range(2):
-            try:
-                shm = links.shm_for(address, offer) if address.startswith("tcp://") else ""
-            except KVPoolError:
-                if first is not None:
-                    first.close()
-                raise
-            if not shm:
-                break
-            try:
-                conn = await open_connection(shm, timeout_s, self._token)
-            except KVPoolError as e:
-                try:
-                    fallback = links.shm_failed(address, offer, e, remembered=first is None)
-                except KVPoolError:
-                    if first is not None:
-                        first.close()
-                    raise
-                if fallback is None:
-                    first, offer = await self._ask(address, timeout_s)
-                    continue
-                offer = fallback
-                break
-            conn.features = frozenset({"mget", "shm", *(["trace"] if offer.trace else [])})
-            if first is not None:
-                first.close()
-            return conn
-        if first is None:
-            first = await open_connection(address, timeout_s, self._token)
-        first.features = frozenset(
-            [*(["mget"] if offer.mget else []), *(["trace"] if offer.trace else [])]
-        )
-        return first
+        """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says."""
+        flow: Generator[Dial, Any, FrameConnection] = open_flow(self._links, address)
+        step = advance(flow, None)
+        while isinstance(step, Dial):
+            step = advance(flow, await self._dial(step, timeout_s))
+        return step
 
-    async def _ask(self, address: str, timeout_s: float) -> tuple[FrameConnection, NodeOffer]:
-        """A first connection to ``address`` and what the node offers on it (remembered)."""
-        conn = await open_connection(address, timeout_s, self._token)
-        offer = await _hello(conn, timeout_s)
-        self._links.learn(address, offer)
-        return conn, offer
+    async def _dial(
+        self, dial: Dial, timeout_s: float
+    ) -> FrameConnection | tuple[FrameConnection, NodeOffer] | KVPoolError:
+        try:
+            conn = await open_connection(dial.address, timeout_s, self._token)
+            return (conn, await _hello(conn, timeout_s)) if dial.hello else conn
+        except KVPoolError as e:
+            return e
 
     async def _connect(
         self, address: str, member: MemberInfo, timeout_s: float
@@ -411,12 +386,6 @@ def next_round(
         else:
             group[0].append(it)
     return groups
-
-
-def conn_arena(conn: object) -> Arena | None:
-    """The mapped arena of a shared-memory connection (None for any other)."""
-    arena = getattr(conn, "arena", None)
-    return arena if isinstance(arena, Arena) else None
 
 
 async def _hello(conn: FrameConnection, timeout_s: float) -> NodeOffer:

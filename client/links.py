@@ -9,19 +9,26 @@ a node is there to be obeyed: a slow or cut link must stay slow or cut) — and 
 or nothing: a read or put that cannot use it fails) or ``tcp``.
 
 Pure: the shells (event loop, blocking) open connections and feed answers in. What each address
-offered is remembered per client (thread-safe), so later connections skip the HELLO.
+offered is remembered per client (thread-safe), so later connections skip the HELLO. How one
+connection is made — HELLO or the offer remembered, shared memory or TCP, falling back or asking
+again when the shared memory cannot be reached — is :func:`open_flow`, written once: it says
+which connection to open next (:class:`Dial`) and takes what opening it gave, and each shell
+carries the dials out with its own I/O (:func:`advance` steps it).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
-from kvpool.errors import ConfigError, DeadlineExceededError, TransportError
+from kvpool.errors import ConfigError, DeadlineExceededError, KVPoolError, TransportError
 from kvpool.proto.wire import Op, Status
 from kvpool.transports import host_id, schemes
 from kvpool.transports.calls import Call
+from kvpool.transports.shm import Arena
 
 TRANSPORTS = ("auto", "tcp", "shm")
 
@@ -148,3 +155,97 @@ class Links:
                 f"{address}: transport='shm' but shared memory is not possible: {offer.why_not_shm}"
             )
         return ""
+
+
+# --- opening a connection -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dial:
+    """Open a connection to ``address`` with its own transport. ``hello``: ask what the node
+    offers on it too (:func:`hello_call`, :func:`read_hello`), and answer with both."""
+
+    address: str
+    hello: bool = False
+
+
+class Link(Protocol):
+    """What the flow does with a connection it was given: close it, or name its features."""
+
+    features: frozenset[str]
+
+    def close(self) -> None: ...
+
+
+C = TypeVar("C")
+
+
+def open_flow(links: Links, address: str) -> Generator[Dial, Any, Any]:
+    """How a connection to the data address ``address`` is made: the node's shared memory where
+    it offers it and the transport setting allows, else the address's own transport.
+
+    Yields each connection to open; a :class:`Dial` is answered with the connection (a ``hello``
+    one with the connection and the node's :class:`NodeOffer`), or with the KVPoolError opening
+    it raised — raised here, where the flow decides: a shared memory that cannot be reached is
+    given up for TCP or asked about again (:meth:`Links.shm_failed`); any other failure ends the
+    flow. Returns the connection to use, its ``features`` set; a connection it does not return
+    it closes (the answers' ``close`` and ``features``, :class:`Link`, are all it touches)."""
+    if not address.startswith(("tcp://", "inproc://")):
+        return (yield Dial(address))
+    offer = links.offer(address)
+    first: Link | None = None
+    if offer is None:
+        first, offer = yield Dial(address, hello=True)
+        links.learn(address, offer)
+    for _attempt in range(2):
+        try:
+            shm = links.shm_for(address, offer) if address.startswith("tcp://") else ""
+        except KVPoolError:
+            if first is not None:
+                first.close()
+            raise
+        if not shm:
+            break
+        try:
+            conn: Link = yield Dial(shm)
+        except KVPoolError as e:
+            try:
+                fallback = links.shm_failed(address, offer, e, remembered=first is None)
+            except KVPoolError:
+                if first is not None:
+                    first.close()
+                raise
+            if fallback is None:  # remembered from before the node restarted, maybe: ask again
+                first, offer = yield Dial(address, hello=True)
+                links.learn(address, offer)
+                continue
+            offer = fallback
+            break
+        conn.features = frozenset({"mget", "shm", *(["trace"] if offer.trace else [])})
+        if first is not None:
+            first.close()
+        return conn
+    if first is None:
+        first = yield Dial(address)
+    first.features = frozenset(
+        [*(["mget"] if offer.mget else []), *(["trace"] if offer.trace else [])]
+    )
+    return first
+
+
+def advance(flow: Generator[Dial, Any, C], answer: object) -> Dial | C:
+    """Step ``flow`` with ``answer`` (a KVPoolError is raised in it, at the dial that asked):
+    its next :class:`Dial`, or the connection it returns. Start it with ``None``."""
+    try:
+        if isinstance(answer, KVPoolError):
+            return flow.throw(answer)
+        return flow.send(answer)
+    except StopIteration as done:
+        result: C = done.value
+        return result
+
+
+def conn_arena(conn: object) -> Arena | None:
+    """The mapped arena of a shared-memory connection (None for any other)."""
+    arena = getattr(conn, "arena", None)
+    return arena if isinstance(arena, Arena) else None
