@@ -25,8 +25,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
-from kvpool.client.blocks import next_round
-from kvpool.client.hedge import Hedge, HedgePolicy, round_bytes
+from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
 from kvpool.client.links import (
     Dial,
     NodeOffer,
@@ -45,7 +44,16 @@ from kvpool.client.plans import (
     ReadItem,
     ref_calls,
     refs_by_node,
-    transport_failure,
+)
+from kvpool.client.rounds import (
+    next_round,
+    out_of_time,
+    put_groups,
+    read_queue,
+    rounds_left,
+    still_unread,
+    unreached_puts,
+    unreached_reads,
 )
 from kvpool.client.spans import read_attributes
 from kvpool.client.state import ClientState
@@ -148,21 +156,13 @@ class BlockingDataPlane:
         on_retry: Callable[[int], None] | None = None,
     ) -> None:
         """Read every item from its replicas, in rounds (as the event-loop data plane)."""
-        queue = [it for it in items if not it.ok and it.replicas]
-        for it in items:
-            if not it.replicas:
-                it.fail(
-                    "node_down",
-                    UnavailableError(f"block {it.key!r}: the index names no live replica"),
-                )
+        queue = read_queue(items)
         while queue:
             now = time.monotonic()
             if now >= deadline:
-                for it in queue:
-                    it.fail("timeout", DeadlineExceededError(f"get {it.key!r}: out of time"))
+                out_of_time(queue)
                 return
-            rounds_left = max(len(it.replicas) - it.next for it in queue)
-            round_deadline = now + (deadline - now) / rounds_left
+            round_deadline = now + (deadline - now) / rounds_left(queue)
             sent: list[_Sent] = []
             by_node = next_round(queue, members)
             hedging = self._hedge.worth_it(queue)
@@ -199,9 +199,7 @@ class BlockingDataPlane:
             else:
                 for entry in sent:
                     self._finish_entry(entry, round_deadline)
-            queue = [it for it in queue if not it.ok and it.next < len(it.replicas)]
-            if queue and on_retry is not None:
-                on_retry(len(queue))
+            queue = still_unread(queue, on_retry)
 
     def _finish_entry(self, entry: _Sent, deadline: float) -> None:
         conn, plan, node, span = entry
@@ -258,8 +256,7 @@ class BlockingDataPlane:
             for e in slow:
                 self._on_node_slow(e[2].member_id)
             now = time.monotonic()
-            rounds_left = max(len(c.replicas) - c.next for c in hedge.clones) + 1
-            hedge_deadline = now + (deadline - now) / rounds_left
+            hedge_deadline = now + (deadline - now) / (rounds_left(hedge.clones) + 1)
             for address, (clones, member) in groups.items():
                 started = self._send_reads(address, clones, member, hedge_deadline)
                 if started is None:
@@ -292,14 +289,8 @@ class BlockingDataPlane:
         self._on_hedge(0, hedge.settle())
         firsts = {id(e[1]) for e in slow}
         for _conn, plan, _node, _span in abandoned:
-            if id(plan) not in firsts:
-                continue
-            for it in plan.items:
-                if not it.ok:
-                    it.fail(
-                        "timeout",
-                        DeadlineExceededError(f"{plan.address}: {it.key!r}: no answer (hedged)"),
-                    )
+            if id(plan) in firsts:
+                fail_unanswered(plan.items, plan.address)
 
     def _send_reads(
         self,
@@ -314,9 +305,7 @@ class BlockingDataPlane:
         try:
             conn = self.connection(address, deadline if connect_by is None else connect_by)
         except KVPoolError as e:
-            reason, error = transport_failure(e)
-            for it in group:
-                it.fail(reason, error)
+            unreached_reads(group, e)
             if isinstance(e, DeadlineExceededError) and connect_by is not None:
                 self._on_node_slow(member.member_id)
             else:
@@ -369,22 +358,12 @@ class BlockingDataPlane:
 
     def stage(self, items: list[PutItem], deadline: float) -> None:
         """PUT every item to each of its targets (all nodes at once)."""
-        if time.monotonic() >= deadline:
-            for it in items:
-                it.error = DeadlineExceededError(f"put {it.key!r}: out of time before sending")
-            return
-        groups: dict[str, list[tuple[PutItem, MemberInfo]]] = {}
-        for it in items:
-            for member in it.targets:
-                groups.setdefault(member.data_address, []).append((it, member))
         sent: list[tuple[BlockingConnection, NodeStage]] = []
-        for address, group in groups.items():
+        for address, group in put_groups(items, deadline - time.monotonic()).items():
             try:
                 conn = self.connection(address, deadline)
             except KVPoolError as e:
-                error = e if isinstance(e, DeadlineExceededError) else None
-                for it, _ in group:
-                    it.error = error or UnavailableError(e.message)
+                unreached_puts(group, e)
                 self._on_node_failed(group[0][1].member_id)
                 continue
             plan = NodeStage(address, group, conn_arena(conn))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 from kvpool import tracing
-from kvpool.client.hedge import Hedge, HedgePolicy, round_bytes
+from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
 from kvpool.client.links import (
     Dial,
     Links,
@@ -47,7 +47,16 @@ from kvpool.client.plans import (
     node_error,
     ref_calls,
     refs_by_node,
-    transport_failure,
+)
+from kvpool.client.rounds import (
+    next_round,
+    out_of_time,
+    put_groups,
+    read_queue,
+    rounds_left,
+    still_unread,
+    unreached_puts,
+    unreached_reads,
 )
 from kvpool.errors import (
     DeadlineExceededError,
@@ -146,21 +155,13 @@ class DataPlane:
         """Read every item from its replicas, in rounds, until read, out of replicas, or out of
         time. Sets ``item.ok`` or records why each replica failed."""
         loop = asyncio.get_running_loop()
-        queue = [it for it in items if not it.ok and it.replicas]
-        for it in items:
-            if not it.replicas:
-                it.fail(
-                    "node_down",
-                    UnavailableError(f"block {it.key!r}: the index names no live replica"),
-                )
+        queue = read_queue(items)
         while queue:
             remaining = deadline - loop.time()
             if remaining <= 0:
-                for it in queue:
-                    it.fail("timeout", DeadlineExceededError(f"get {it.key!r}: out of time"))
+                out_of_time(queue)
                 return
-            rounds_left = max(len(it.replicas) - it.next for it in queue)
-            timeout_s = remaining / rounds_left
+            timeout_s = remaining / rounds_left(queue)
             groups = next_round(queue, members)
             if len(groups) and self._hedge.worth_it(queue):
                 await self._hedged_round(groups, members, deadline, timeout_s)
@@ -168,9 +169,7 @@ class DataPlane:
                 await asyncio.gather(
                     *(self._read_group(a, g, m, timeout_s) for a, (g, m) in groups.items())
                 )
-            queue = [it for it in queue if not it.ok and it.next < len(it.replicas)]
-            if queue and on_retry is not None:
-                on_retry(len(queue))
+            queue = still_unread(queue, on_retry)
 
     async def _hedged_round(
         self,
@@ -195,8 +194,7 @@ class DataPlane:
             return
         first_of = {id(it): task for task in slow for it in first[task][0]}
         clones = hedge.clones
-        rounds_left = max(len(c.replicas) - c.next for c in clones)
-        hedge_timeout_s = max(0.0, deadline - loop.time()) / rounds_left
+        hedge_timeout_s = max(0.0, deadline - loop.time()) / rounds_left(clones)
         second: dict[int, asyncio.Task[None]] = {}
         for a, (g, m) in next_round(clones, members).items():
             task = asyncio.ensure_future(self._read_group(a, g, m, hedge_timeout_s))
@@ -237,14 +235,7 @@ class DataPlane:
         won = hedge.settle()
         self._on_hedge(0, won)
         for task in late:
-            for it in first[task][0]:
-                if not it.ok:
-                    it.fail(
-                        "timeout",
-                        DeadlineExceededError(
-                            f"{first[task][1].data_address}: {it.key!r}: no answer (hedged)"
-                        ),
-                    )
+            fail_unanswered(first[task][0], first[task][1].data_address)
 
     async def _read_group(
         self, address: str, items: list[ReadItem], member: MemberInfo, timeout_s: float
@@ -253,9 +244,7 @@ class DataPlane:
         deadline = loop.time() + timeout_s
         conn = await self._connect(address, member, timeout_s)
         if isinstance(conn, KVPoolError):
-            reason, error = transport_failure(conn)
-            for it in items:
-                it.fail(reason, error)
+            unreached_reads(items, conn)
             return
         plan = NodeRead(address, items, mget="mget" in conn.features, arena=conn_arena(conn))
         try:
@@ -282,16 +271,7 @@ class DataPlane:
     async def stage(self, items: list[PutItem], deadline: float) -> None:
         """PUT every item to each of its targets at once; ``item.acked`` lists the members
         that staged it, ``item.error`` the last failure."""
-        loop = asyncio.get_running_loop()
-        timeout_s = deadline - loop.time()
-        if timeout_s <= 0:
-            for it in items:
-                it.error = DeadlineExceededError(f"put {it.key!r}: out of time before sending")
-            return
-        groups: dict[str, list[tuple[PutItem, MemberInfo]]] = {}
-        for it in items:
-            for member in it.targets:
-                groups.setdefault(member.data_address, []).append((it, member))
+        groups = put_groups(items, deadline - asyncio.get_running_loop().time())
         await asyncio.gather(
             *(self._stage_group(address, g, deadline) for address, g in groups.items())
         )
@@ -302,9 +282,7 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         conn = await self._connect(address, group[0][1], deadline - loop.time())
         if isinstance(conn, KVPoolError):
-            error = conn if isinstance(conn, DeadlineExceededError) else None
-            for it, _ in group:
-                it.error = error or UnavailableError(conn.message)
+            unreached_puts(group, conn)
             return
         plan = NodeStage(address, group, conn_arena(conn))
         try:
@@ -362,30 +340,6 @@ class DataPlane:
                 return
 
         await asyncio.gather(*(group(a, g) for a, g in groups.items()))
-
-
-def next_round(
-    queue: list[ReadItem], members: Callable[[int], MemberInfo | None]
-) -> dict[str, tuple[list[ReadItem], MemberInfo]]:
-    """The next replica of every queued item, grouped by node address (items whose next
-    member is unknown fail as node_down)."""
-    groups: dict[str, tuple[list[ReadItem], MemberInfo]] = {}
-    for it in queue:
-        member_id = it.replicas[it.next]
-        it.next += 1
-        member = members(member_id)
-        if member is None:
-            it.fail(
-                "node_down",
-                UnavailableError(f"block {it.key!r}: member {member_id} is not live"),
-            )
-            continue
-        group = groups.get(member.data_address)
-        if group is None:
-            groups[member.data_address] = ([it], member)
-        else:
-            group[0].append(it)
-    return groups
 
 
 async def _hello(conn: FrameConnection, timeout_s: float) -> NodeOffer:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvpool.client.plans import ReadItem
+from kvpool.errors import DeadlineExceededError
 from kvpool.transports.shm import copy_bytes
 
 HEDGE_BYTES_PER_S = 1e9
@@ -109,3 +110,11 @@ class Hedge:
                     it.fail(reason, error)
             it.next = max(it.next, clone.next)
         return won
+
+
+def fail_unanswered(items: Iterable[ReadItem], address: str) -> None:
+    """A slow node's first reads of ``items`` were given up on (the hedge's reads are settled):
+    each key still unread fails as a timeout there."""
+    for it in items:
+        if not it.ok:
+            it.fail("timeout", DeadlineExceededError(f"{address}: {it.key!r}: no answer (hedged)"))

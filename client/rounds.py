@@ -1,0 +1,117 @@
+"""What both data planes decide around their I/O, once — no I/O.
+
+The event-loop data plane (:mod:`kvpool.client.blocks`) and the synchronous client's
+(:mod:`kvpool.client.blocking_plane`) read in rounds: a round sends every key still unread to the
+node of its next replica (:func:`next_round`), with the time left shared out over the rounds the
+keys may yet take (:func:`rounds_left`); after it, the keys still unread that have a replica left
+go again (:func:`still_unread`). They put every block to each of its targets at once
+(:func:`put_groups`). What a key counts as when it cannot be sent — no replica, no time, a node
+that could not be reached — is decided here too; the planes open, send, wait and judge (with
+:mod:`kvpool.client.plans`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvpool.client.placement import MemberInfo
+from kvpool.client.plans import PutItem, ReadItem, transport_failure
+from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
+
+ReadGroups = dict[str, tuple[list[ReadItem], MemberInfo]]
+"""A round's reads by node address: the node's keys and its member."""
+PutGroups = dict[str, list[tuple[PutItem, MemberInfo]]]
+"""A put's sends by node address: each block and the target member it goes to there."""
+
+
+# --- reads ----------------------------------------------------------------------------------------
+
+
+def read_queue(items: list[ReadItem]) -> list[ReadItem]:
+    """The items to read: those not read yet that have a replica. An item whose index entry
+    names no live replica fails as node_down."""
+    queue = [it for it in items if not it.ok and it.replicas]
+    if len(queue) < len(items):
+        for it in items:
+            if not it.replicas:
+                it.fail(
+                    "node_down",
+                    UnavailableError(f"block {it.key!r}: the index names no live replica"),
+                )
+    return queue
+
+
+def out_of_time(queue: list[ReadItem]) -> None:
+    """The call's deadline passed with ``queue`` still unread: each fails as a timeout."""
+    for it in queue:
+        it.fail("timeout", DeadlineExceededError(f"get {it.key!r}: out of time"))
+
+
+def rounds_left(items: list[ReadItem]) -> int:
+    """The most replicas any of ``items`` has still to try: the rounds the read may yet take
+    (each round gets its share of the time left)."""
+    return max(len(it.replicas) - it.next for it in items)
+
+
+def next_round(queue: list[ReadItem], members: Callable[[int], MemberInfo | None]) -> ReadGroups:
+    """The next replica of every queued item, grouped by node address (items whose next
+    member is unknown fail as node_down)."""
+    groups: ReadGroups = {}
+    for it in queue:
+        member_id = it.replicas[it.next]
+        it.next += 1
+        member = members(member_id)
+        if member is None:
+            it.fail(
+                "node_down",
+                UnavailableError(f"block {it.key!r}: member {member_id} is not live"),
+            )
+            continue
+        group = groups.get(member.data_address)
+        if group is None:
+            groups[member.data_address] = ([it], member)
+        else:
+            group[0].append(it)
+    return groups
+
+
+def still_unread(queue: list[ReadItem], on_retry: Callable[[int], None] | None) -> list[ReadItem]:
+    """After a round: the items of ``queue`` still unread that have a replica left, for the
+    next round (``on_retry`` hears how many, when there are any)."""
+    queue = [it for it in queue if not it.ok and it.next < len(it.replicas)]
+    if queue and on_retry is not None:
+        on_retry(len(queue))
+    return queue
+
+
+def unreached_reads(items: list[ReadItem], error: KVPoolError) -> None:
+    """No connection to the node of ``items`` (``error``): each records it, as a timeout or
+    node_down."""
+    reason, failure = transport_failure(error)
+    for it in items:
+        it.fail(reason, failure)
+
+
+# --- puts -----------------------------------------------------------------------------------------
+
+
+def put_groups(items: list[PutItem], time_left_s: float) -> PutGroups:
+    """Every item's targets grouped by node address; none when no time is left (each item
+    then fails as out of time before sending)."""
+    if time_left_s <= 0:
+        for it in items:
+            it.error = DeadlineExceededError(f"put {it.key!r}: out of time before sending")
+        return {}
+    groups: PutGroups = {}
+    for it in items:
+        for member in it.targets:
+            groups.setdefault(member.data_address, []).append((it, member))
+    return groups
+
+
+def unreached_puts(group: list[tuple[PutItem, MemberInfo]], error: KVPoolError) -> None:
+    """No connection to the node of ``group`` (``error``): each block records it there — the
+    deadline's error as it is, any other as UnavailableError."""
+    late = error if isinstance(error, DeadlineExceededError) else None
+    for it, _ in group:
+        it.error = late or UnavailableError(error.message)
