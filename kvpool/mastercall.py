@@ -348,7 +348,7 @@ def _attempt(plan: CallPlan, ask: Ask, request: Any, clock: Callable[[], float])
         except KVPoolError as e:
             rpc = no_rpc_port(routing, address, e)
         else:
-            rpc = str(members.rpc_address)
+            rpc = rpc_port_address(str(members.rpc_address))
             routing.learn_rpc(address, rpc)
             if method == "GetMembers":
                 return members
@@ -605,6 +605,15 @@ def _hello_features(call: Call) -> frozenset[str]:
         return frozenset(str(f) for f in json.loads(bytes(call.data)).get("features", ()))
     except (ValueError, TypeError, AttributeError):
         return frozenset()
+
+
+def rpc_port_address(text: str) -> str:
+    """A master's advertised ``host:port`` frame RPC address, or "" (no port: call it over
+    gRPC) when the text is not one — a master's answer is checked like any peer's."""
+    host, _, port = text.rpartition(":")
+    if not host or len(text) > 300 or not port.isdigit() or not 0 < int(port) < 65536:
+        return ""
+    return text
 
 
 def no_rpc_port(routing: MasterRouting, address: str, error: KVPoolError) -> str:

@@ -381,7 +381,15 @@ def test_a_getmembers_call_keeps_the_answer_that_taught_the_port(clock: Clock) -
 
 
 @pytest.mark.parametrize(
-    "answer", [members(""), InternalError("unimplemented")], ids=["no port", "cannot say"]
+    "answer",
+    [
+        members(""),
+        InternalError("unimplemented"),
+        members("127.0.0.1:notaport"),
+        members("127.0.0.1:99999"),
+        members("noport"),
+    ],
+    ids=["no port", "cannot say", "a port that is not a number", "out of range", "no colon"],
 )
 def test_a_master_without_a_port_is_called_over_grpc(clock: Clock, answer: Any) -> None:
     masters = Masters(clock, took_s=0.25)
