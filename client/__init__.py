@@ -1,12 +1,19 @@
 """The kvpool client SDK (``kvpool.client``); engines use ``from kvpool import Client``.
 
-* :mod:`~kvpool.client.sync` — :class:`Client`, the synchronous API, over a private loop thread
-* :mod:`~kvpool.client.core` — :class:`ClientCore`, the one async implementation
-* :mod:`~kvpool.client.blocks` — data-plane frames to store nodes (reads, stage, publish)
+* :mod:`~kvpool.client.sync` — :class:`Client`, the synchronous API, in the caller's thread
+* :mod:`~kvpool.client.aio` — :class:`AsyncClient`, the same API on an event loop
+* :mod:`~kvpool.client.state` — :class:`ClientState`: every operation written once, as data
+  (a ReadCall, a Query, a put flow) with its failure policy; the two drivers below carry it out
+* :mod:`~kvpool.client.fastpath` — the blocking driver; :mod:`~kvpool.client.core` — the
+  event-loop driver
+* :mod:`~kvpool.client.ops` and :mod:`~kvpool.client.plans` — the read and put flows and the
+  pure decisions under them (which replica, what goes again, what a frame means)
+* :mod:`~kvpool.client.blocking_plane`, :mod:`~kvpool.client.blocks` — the data planes (frames
+  to store nodes: reads, stage, publish), blocking and awaited
 * :mod:`~kvpool.client.placement` — cached membership and the consistent-hash ring
 * :mod:`~kvpool.client.values` — key, value and buffer checks (no copies)
 * :mod:`~kvpool.client.stats` — hit/miss/put counters
 
 Calls to the master group (leader discovery, redirects, retries) are the runtime's
-:mod:`kvpool.mastercall`, shared with the store node.
+:mod:`kvpool.mastercall`, shared with the store node. ``docs/client.md`` walks through it.
 """

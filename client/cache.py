@@ -11,8 +11,8 @@ client's own commits update entries it holds; a remove leaves a tombstone at its
 that a lookup answered before the remove cannot resurrect the key. Entries live ``ttl_s`` at
 most, which bounds how long a write by another client on another node can go unseen.
 
-Pure bookkeeping under a lock (engine threads and the client's loop thread share it); the
-clock is injected.
+Pure bookkeeping under a lock (a synchronous client's engine threads share it); the clock is
+injected.
 """
 
 from __future__ import annotations

@@ -304,10 +304,10 @@ class ClientCore(ClientState):
     async def _run(self, call: ReadCall) -> Any:
         """Carry out a :class:`ReadCall`: its answer from the items read (None: all failed)."""
         if not call.pairs:
-            return call.finish(None)
+            return self.answer(call, None)
         with self.reading(call) as read:
             read.value = await self._within_deadline("get", partial(self._read, call))
-        return call.finish(read.value)
+        return self.answer(call, read.value)
 
     async def _read(self, call: ReadCall, deadline: float) -> list[ReadItem | None]:
         """The event-loop driver of :func:`~kvpool.client.ops.read_flow`."""

@@ -290,10 +290,10 @@ class SyncPath(ClientState):
     def _run(self, call: ReadCall) -> Any:
         """Carry out a :class:`ReadCall`: its answer from the items read (None: all failed)."""
         if not call.pairs:
-            return call.finish(None)
+            return self.answer(call, None)
         with self.reading(call) as read:
             read.value = self._within_deadline("get", partial(self._read, call))
-        return call.finish(read.value)
+        return self.answer(call, read.value)
 
     def _read(self, call: ReadCall, deadline: float) -> list[ReadItem | None]:
         """The blocking driver of :func:`~kvpool.client.ops.read_flow`."""

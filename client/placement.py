@@ -1,8 +1,7 @@
 """Where a client puts blocks: a cached membership and its consistent-hash ring.
 
 Pure and deterministic (no sockets, no clock: the caller passes ``now_s``); a lock makes it
-safe to share between the client's loop thread and the engine threads of the synchronous fast
-path. The async core asks
+safe to share between the engine threads of a synchronous client. Each driver asks
 :meth:`Placement.needs_refresh`, fetches ``GetMembers`` when told to, and feeds the answer back
 with :meth:`Placement.update`. Signals that the cache is out of date:
 

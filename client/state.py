@@ -27,7 +27,6 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from opentelemetry.trace import SpanKind
@@ -154,15 +153,18 @@ class RevisionFloor:
 
 
 class ReadCall(NamedTuple):
-    """One read operation: read ``pairs`` (key, key bytes) into where ``sink_for`` says, then
-    ``finish(items)`` is the caller's answer (``items`` None: the whole read failed)."""
+    """One read operation: read ``pairs`` (key, key bytes) into where ``sink_for`` says; the
+    caller's answer is :meth:`ClientState.answer` of the items read — ``value(index, item)``
+    for each hit, None for a miss, one answer for a ``single``-key call (get, get_into), a list
+    otherwise."""
 
     op: str
     pairs: list[tuple[str, bytes]]
     sink_for: SinkFactory
     strict: bool
     limit: int
-    finish: Callable[[list[ReadItem | None] | None], Any]
+    value: Callable[[int, ReadItem], Any]
+    single: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +195,7 @@ class Attempt:
 
         with state.reading(call) as read:
             read.value = <carry the call out>       # blocking or awaited
-        return call.finish(read.value)
+        return state.answer(call, read.value)
 
     A failure of the cache (a KVPoolError) leaves ``value`` at the call's neutral answer —
     counted (``on_failure``) and recorded on the call's span — unless the call is strict; caller
@@ -379,26 +381,23 @@ class ClientState:
 
     def get_call(self, key: str, strict: bool | None, max_tier: str | None) -> ReadCall:
         pair = (key, validate_key(key))
-        strict_ = self._strict(strict)
-        finish = partial(self._finish_one, key, strict_, _result)
-        return ReadCall("get", [pair], fresh_bytes, strict_, self._tier_limit(max_tier), finish)
+        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        return ReadCall("get", [pair], fresh_bytes, strict_, limit, _result, True)
 
     def get_into_call(
         self, key: str, buffer: WritableBuffer, strict: bool | None, max_tier: str | None
     ) -> ReadCall:
         pair = (key, validate_key(key))
         sink = as_sink(buffer)
-        strict_ = self._strict(strict)
-        finish = partial(self._finish_one, key, strict_, _size)
-        return ReadCall("get_into", [pair], into(sink), strict_, self._tier_limit(max_tier), finish)
+        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        return ReadCall("get_into", [pair], into(sink), strict_, limit, _size, True)
 
     def batch_get_call(
         self, keys: Sequence[str], strict: bool | None, max_tier: str | None
     ) -> ReadCall:
         pairs = validate_keys(keys)
-        finish = partial(self._finish_batch, pairs, _result)
         strict_, limit = self._strict(strict), self._tier_limit(max_tier)
-        return ReadCall("batch_get", pairs, fresh_bytes, strict_, limit, finish)
+        return ReadCall("batch_get", pairs, fresh_bytes, strict_, limit, _result)
 
     def batch_get_into_call(
         self,
@@ -409,9 +408,8 @@ class ClientState:
     ) -> ReadCall:
         pairs = validate_keys(keys)
         sinks = batch_sinks(pairs, buffers)
-        finish = partial(self._finish_batch, pairs, _size)
         strict_, limit = self._strict(strict), self._tier_limit(max_tier)
-        return ReadCall("batch_get_into", pairs, into_each(sinks), strict_, limit, finish)
+        return ReadCall("batch_get_into", pairs, into_each(sinks), strict_, limit, _size)
 
     def batch_get_alloc_call(
         self,
@@ -431,32 +429,26 @@ class ClientState:
             made[index] = buffer
             return sink[:size], True
 
-        finish = partial(self._finish_batch, pairs, lambda i, _item: made.get(i))
         strict_, limit = self._strict(strict), self._tier_limit(max_tier)
-        return ReadCall("batch_get_alloc", pairs, sink_for, strict_, limit, finish)
+        return ReadCall(
+            "batch_get_alloc", pairs, sink_for, strict_, limit, lambda i, _item: made.get(i)
+        )
 
-    def _finish_one(
-        self,
-        key: str,
-        strict: bool,
-        value: Callable[[int, ReadItem], Any],
-        items: list[ReadItem | None] | None,
-    ) -> Any:
-        if items is None or not self.settle(items[0], key, strict):
-            return None
-        item = items[0]
-        assert item is not None
-        return value(0, item)
-
-    def _finish_batch(
-        self,
-        pairs: list[tuple[str, bytes]],
-        value: Callable[[int, ReadItem], Any],
-        items: list[ReadItem | None] | None,
-    ) -> list[Any]:
+    def answer(self, call: ReadCall, items: list[ReadItem | None] | None) -> Any:
+        """The caller's answer to ``call`` from the items read (None: the read failed as a
+        whole): each outcome counted, a strict single-key miss raised as its typed error."""
+        if call.single:
+            if items is None:
+                return None
+            item = items[0]
+            if not self.settle(item, call.pairs[0][0], call.strict):
+                return None
+            assert item is not None
+            return call.value(0, item)
         if items is None:
-            return [None] * len(pairs)
-        hits = self.settle_batch(items, pairs)
+            return [None] * len(call.pairs)
+        hits = self.settle_batch(items, call.pairs)
+        value = call.value
         return [
             value(i, item) if hit and item is not None else None
             for i, (item, hit) in enumerate(zip(items, hits, strict=True))
@@ -464,7 +456,7 @@ class ClientState:
 
     def reading(self, call: ReadCall) -> Attempt:
         """The failure policy of a read (see :class:`Attempt`): a read that failed as a whole
-        is counted as a miss of every key, and its answer is ``finish(None)``."""
+        is counted as a miss of every key, and its answer is ``answer(call, None)``."""
         n = len(call.pairs)
 
         def failed(error: KVPoolError, span: Any) -> None:

@@ -1,7 +1,8 @@
 """Counters a client keeps about itself: hits, misses by reason, puts, fallbacks.
 
-Updated on the client's event-loop thread, read from any engine thread: every update and
-snapshot holds a lock (cheap next to a network round trip).
+Updated by whichever thread carries a call out (the engine's threads for the synchronous
+client, the event loop for the async one) and read from any: every update and snapshot holds a
+lock (cheap next to a network round trip).
 """
 
 from __future__ import annotations
