@@ -19,7 +19,17 @@ from typing import Any, TypeVar
 from kvpool.client import state as state_module
 from kvpool.client.blocks import DataPlane, PutItem, ReadItem
 from kvpool.client.commits import AsyncCommitter, CommitAnswer, PutReceipt, put_entries
-from kvpool.client.ops import DELETE_WAIT_S, Commit, EnsureMembers, Lookup, Publish, Stage
+from kvpool.client.ops import (
+    DELETE_WAIT_S,
+    Commit,
+    EnsureMembers,
+    Lookup,
+    Publish,
+    PutStep,
+    Read,
+    Stage,
+    drive_async,
+)
 from kvpool.client.plans import BlockLocation
 from kvpool.client.state import ClientState, Query, ReadCall, Removed
 from kvpool.client.values import BytesLike, PutItems, WritableBuffer
@@ -311,28 +321,23 @@ class ClientCore(ClientState):
 
     async def _read(self, call: ReadCall, deadline: float) -> list[ReadItem | None]:
         """The event-loop driver of :func:`~kvpool.client.ops.read_flow`."""
-        clock = asyncio.get_running_loop().time
-        flow = self.read_flow(call.pairs, call.sink_for, deadline, call.limit, clock)
-        member = self.member
-        answer: master_pb2.LookupResponse | None = None
-        while True:
-            try:
-                step = flow.send(answer)
-            except StopIteration as done:
-                items: list[ReadItem | None] = done.value
-                return items
+        member, on_retry = self.member, self._stats.replica_retries
+
+        async def perform(step: Lookup | Read) -> master_pb2.LookupResponse | None:
             if isinstance(step, Lookup):
                 request = self.lookup_request(step.keys)
-                answer = await self._masters.call("Lookup", request, deadline=deadline)
-                self.lookup_answered(step.keys, answer)
-            else:
-                await self._data.read(
-                    step.items,
-                    partial(member, live=step.live),
-                    deadline,
-                    on_retry=self._stats.replica_retries,
+                answer: master_pb2.LookupResponse = await self._masters.call(
+                    "Lookup", request, deadline=deadline
                 )
-                answer = None
+                self.lookup_answered(step.keys, answer)
+                return answer
+            live = partial(member, live=step.live)
+            await self._data.read(step.items, live, deadline, on_retry=on_retry)
+            return None
+
+        clock = asyncio.get_running_loop().time
+        flow = self.read_flow(call.pairs, call.sink_for, deadline, call.limit, clock)
+        return await drive_async(flow, perform)
 
     async def _put_prepared(
         self, items: list[PutItem], strict: bool, *, single: bool
@@ -351,24 +356,22 @@ class ClientCore(ClientState):
     ) -> None:
         """The event-loop driver of :func:`~kvpool.client.ops.put_flow` (a commit's chunks go
         at once)."""
-        flow = self.put_flow(items, receipts, deadline, asyncio.get_running_loop().time)
-        answer: list[CommitAnswer | KVPoolError] | None = None
-        while True:
-            try:
-                step = flow.send(answer)
-            except StopIteration:
-                return
-            answer = None
+
+        async def perform(step: PutStep) -> list[CommitAnswer | KVPoolError] | None:
             if isinstance(step, EnsureMembers):
                 await self._ensure_members(deadline)
             elif isinstance(step, Stage):
                 await self._data.stage(step.items, step.deadline)
             elif isinstance(step, Commit):
-                answer = await self._commit_chunks(step.chunks, step.ring_version, deadline)
+                return await self._commit_chunks(step.chunks, step.ring_version, deadline)
             elif isinstance(step, Publish):
                 await self._data.publish(step.refs, deadline, wait=step.wait)
             else:
                 await self._data.delete(step.refs, step.deadline)
+            return None
+
+        flow = self.put_flow(items, receipts, deadline, asyncio.get_running_loop().time)
+        await drive_async(flow, perform)
 
     async def _commit_chunks(
         self, chunks: list[list[PutItem]], ring_version: int, deadline: float

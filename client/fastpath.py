@@ -30,7 +30,17 @@ from kvpool import tracing
 from kvpool.client import state as state_module
 from kvpool.client.blocking_plane import BlockingDataPlane
 from kvpool.client.commits import CommitAnswer, PutReceipt, SyncCommitter, put_entries
-from kvpool.client.ops import DELETE_WAIT_S, Commit, EnsureMembers, Lookup, Publish, Stage
+from kvpool.client.ops import (
+    DELETE_WAIT_S,
+    Commit,
+    EnsureMembers,
+    Lookup,
+    Publish,
+    PutStep,
+    Read,
+    Stage,
+    drive,
+)
 from kvpool.client.plans import BlockLocation, PutItem, ReadItem
 from kvpool.client.state import ClientState, Query, ReadCall, Removed
 from kvpool.client.values import BytesLike, PutItems, WritableBuffer
@@ -297,24 +307,20 @@ class SyncPath(ClientState):
 
     def _read(self, call: ReadCall, deadline: float) -> list[ReadItem | None]:
         """The blocking driver of :func:`~kvpool.client.ops.read_flow`."""
-        flow = self.read_flow(call.pairs, call.sink_for, deadline, call.limit, time.monotonic)
-        member = self.member
-        on_retry = self._stats.replica_retries
-        answer: master_pb2.LookupResponse | None = None
-        while True:
-            try:
-                step = flow.send(answer)
-            except StopIteration as done:
-                items: list[ReadItem | None] = done.value
-                return items
+        member, on_retry = self.member, self._stats.replica_retries
+
+        def perform(step: Lookup | Read) -> master_pb2.LookupResponse | None:
             if isinstance(step, Lookup):
-                answer = self._call_master("Lookup", self.lookup_request(step.keys), deadline)
+                request = self.lookup_request(step.keys)
+                answer: master_pb2.LookupResponse = self._call_master("Lookup", request, deadline)
                 self.lookup_answered(step.keys, answer)
-            else:
-                self._data.read(
-                    step.items, partial(member, live=step.live), deadline, on_retry=on_retry
-                )
-                answer = None
+                return answer
+            live = partial(member, live=step.live)
+            self._data.read(step.items, live, deadline, on_retry=on_retry)
+            return None
+
+        flow = self.read_flow(call.pairs, call.sink_for, deadline, call.limit, time.monotonic)
+        return drive(flow, perform)
 
     def _put_prepared(
         self, items: list[PutItem], strict: bool, *, single: bool
@@ -331,24 +337,21 @@ class SyncPath(ClientState):
         self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
     ) -> None:
         """The blocking driver of :func:`~kvpool.client.ops.put_flow`."""
-        flow = self.put_flow(items, receipts, deadline, time.monotonic)
-        answer: list[CommitAnswer | KVPoolError] | None = None
-        while True:
-            try:
-                step = flow.send(answer)
-            except StopIteration:
-                return
-            answer = None
+
+        def perform(step: PutStep) -> list[CommitAnswer | KVPoolError] | None:
             if isinstance(step, EnsureMembers):
                 self._ensure_members(deadline)
             elif isinstance(step, Stage):
                 self._data.stage(step.items, step.deadline)
             elif isinstance(step, Commit):
-                answer = self._commit_chunks(step.chunks, step.ring_version, deadline)
+                return self._commit_chunks(step.chunks, step.ring_version, deadline)
             elif isinstance(step, Publish):
                 self._data.send_refs(Op.PUBLISH, step.refs, deadline, wait=step.wait)
             else:
                 self._data.send_refs(Op.DELETE, step.refs, step.deadline)
+            return None
+
+        drive(self.put_flow(items, receipts, deadline, time.monotonic), perform)
 
     def _commit_chunks(
         self, chunks: list[list[PutItem]], ring_version: int, deadline: float

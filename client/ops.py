@@ -26,14 +26,17 @@ placed on a stale ring is placed again on the refreshed ring, up to :data:`MAX_P
 attempts; when every chunk's commit failed the put fails with the first chunk's error.
 
 The clock is passed in (the driver's: ``time.monotonic`` or the event loop's ``time``), so a
-test drives a read or a put step by step with no socket, no thread and no event loop.
+test drives a read or a put step by step with no socket, no thread and no event loop. A driver
+hands a flow to :func:`drive` (blocking) or :func:`drive_async` (awaited) with the function that
+performs one step.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kvpool.client.cache import LookupCache
 from kvpool.client.commits import AfterCommit, CommitAnswer, PutReceipt
@@ -53,14 +56,44 @@ __all__ = [
     "Lookup",
     "Publish",
     "PutFlow",
+    "PutStep",
     "Read",
     "ReadFlow",
     "SinkFactory",
     "Stage",
+    "drive",
+    "drive_async",
     "put_flow",
     "read_flow",
     "read_items",
 ]
+
+S = TypeVar("S")
+R = TypeVar("R")
+
+
+def drive(flow: Generator[S, Any, R], perform: Callable[[S], Any]) -> R:
+    """Carry a flow out in this thread: each step it yields is ``perform``-ed and what that
+    answers is sent back; the flow's return value is the answer."""
+    answer = None
+    while True:
+        try:
+            step = flow.send(answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        answer = perform(step)
+
+
+async def drive_async(flow: Generator[S, Any, R], perform: Callable[[S], Awaitable[Any]]) -> R:
+    """:func:`drive` on an event loop: each step's ``perform`` is awaited."""
+    answer = None
+    while True:
+        try:
+            step = flow.send(answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        answer = await perform(step)
+
 
 MAX_PUT_ATTEMPTS = 3
 """Whole-put attempts when the index answers stale_ring (each on a refreshed ring)."""

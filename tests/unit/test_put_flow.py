@@ -16,7 +16,9 @@ from kvpool.client.ops import (
     Delete,
     EnsureMembers,
     Publish,
+    PutStep,
     Stage,
+    drive,
     put_flow,
 )
 from kvpool.client.placement import MemberInfo, Placement
@@ -79,21 +81,19 @@ class World:
             max_commit_entries=max_commit_entries,
             clock=lambda: self.now,
         )
-        answer: list[CommitAnswer | KVPoolError] | None = None
-        while True:
-            try:
-                step = flow.send(answer)
-            except StopIteration:
-                return items
-            self.steps.append(step)
-            answer = None
-            if isinstance(step, Stage):
-                self.write_ids.append([it.write_id for it in step.items])
-                for it in step.items:
-                    if it.key not in self.unacked:
-                        it.acked = [m.member_id for m in it.targets]
-            elif isinstance(step, Commit):
-                answer = self.commit(step)
+        drive(flow, self.perform)
+        return items
+
+    def perform(self, step: PutStep) -> list[CommitAnswer | KVPoolError] | None:
+        self.steps.append(step)
+        if isinstance(step, Stage):
+            self.write_ids.append([it.write_id for it in step.items])
+            for it in step.items:
+                if it.key not in self.unacked:
+                    it.acked = [m.member_id for m in it.targets]
+        elif isinstance(step, Commit):
+            return self.commit(step)
+        return None
 
     def commit(self, step: Commit) -> list[CommitAnswer | KVPoolError]:
         told = self.commits.pop(0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvpool.client.cache import LookupCache
-from kvpool.client.ops import Lookup, Read, ReadFlow, read_flow
+from kvpool.client.ops import Lookup, Read, ReadFlow, drive, read_flow
 from kvpool.client.placement import Placement
 from kvpool.client.plans import ReadItem
 from kvpool.errors import BlockMissError
@@ -65,23 +65,17 @@ class World:
         )
 
     def run(self, keys: list[str], *, limit: int = 0) -> list[ReadItem | None]:
-        flow = self.flow(keys, limit=limit)
-        answer: master_pb2.LookupResponse | None = None
-        while True:
-            try:
-                step = flow.send(answer)
-            except StopIteration as done:
-                items: list[ReadItem | None] = done.value
-                self.check(keys, items)
-                return items
-            if isinstance(step, Lookup):
-                self.steps.append(("lookup", list(step.keys)))
-                answer = self.lookup(step.keys)
-            else:
-                assert isinstance(step, Read)
-                self.steps.append(("read", [it.key for it in step.items]))
-                self.read(step.items)
-                answer = None
+        items = drive(self.flow(keys, limit=limit), self.perform)
+        self.check(keys, items)
+        return items
+
+    def perform(self, step: Lookup | Read) -> master_pb2.LookupResponse | None:
+        if isinstance(step, Lookup):
+            self.steps.append(("lookup", list(step.keys)))
+            return self.lookup(step.keys)
+        self.steps.append(("read", [it.key for it in step.items]))
+        self.read(step.items)
+        return None
 
     def lookup(self, keys: list[str]) -> master_pb2.LookupResponse:
         entries = [self.index.get(k) or common_pb2.BlockEntry(key=k, found=False) for k in keys]
