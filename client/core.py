@@ -273,15 +273,16 @@ class ClientCore(ClientState):
 
     # --- carrying out ---------------------------------------------------------------------
 
-    async def _within_deadline(self, op: str, fn: Callable[[float], Awaitable[T]]) -> T:
-        """Run ``fn(deadline)`` under the call's deadline; every failure comes out typed."""
+    async def _within_deadline(self, op: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``fn(*args, deadline)`` under the call's deadline; every failure comes out
+        typed."""
         if self._closed:
             raise UnavailableError("this kvpool client is closed")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_s
         try:
             async with asyncio.timeout_at(deadline + DEADLINE_SLACK_S):
-                return await fn(deadline)
+                return await fn(*args, deadline)
         except KVPoolError:
             raise
         except Exception as e:
@@ -316,7 +317,7 @@ class ClientCore(ClientState):
         if not call.pairs:
             return self.answer(call, None)
         with self.reading(call) as read:
-            read.value = await self._within_deadline("get", partial(self._read, call))
+            read.value = await self._within_deadline("get", self._read, call)
         return self.answer(call, read.value)
 
     async def _read(self, call: ReadCall, deadline: float) -> list[ReadItem | None]:

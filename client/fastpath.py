@@ -248,13 +248,13 @@ class SyncPath(ClientState):
 
     # --- carrying out ---------------------------------------------------------------------
 
-    def _within_deadline(self, op: str, fn: Callable[[float], T]) -> T:
-        """``fn(deadline)`` with the call's deadline; every failure comes out typed."""
+    def _within_deadline(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args, deadline)`` with the call's deadline; every failure comes out typed."""
         if self._closed:
             raise UnavailableError("this kvpool client is closed")
         deadline = time.monotonic() + self.config.timeout_s
         try:
-            return fn(deadline)
+            return fn(*args, deadline)
         except KVPoolError:
             raise
         except Exception as e:
@@ -302,7 +302,7 @@ class SyncPath(ClientState):
         if not call.pairs:
             return self.answer(call, None)
         with self.reading(call) as read:
-            read.value = self._within_deadline("get", partial(self._read, call))
+            read.value = self._within_deadline("get", self._read, call)
         return self.answer(call, read.value)
 
     def _read(self, call: ReadCall, deadline: float) -> list[ReadItem | None]:

@@ -30,6 +30,8 @@ PutGroups = dict[str, list[tuple[PutItem, MemberInfo]]]
 def read_queue(items: list[ReadItem]) -> list[ReadItem]:
     """The items to read: those not read yet that have a replica. An item whose index entry
     names no live replica fails as node_down."""
+    if len(items) == 1 and items[0].replicas and not items[0].ok:
+        return items  # a one-key get: no list to build
     queue = [it for it in items if not it.ok and it.replicas]
     if len(queue) < len(items):
         for it in items:
@@ -50,6 +52,8 @@ def out_of_time(queue: list[ReadItem]) -> None:
 def rounds_left(items: list[ReadItem]) -> int:
     """The most replicas any of ``items`` has still to try: the rounds the read may yet take
     (each round gets its share of the time left)."""
+    if len(items) == 1:  # a one-key get: no generator
+        return len(items[0].replicas) - items[0].next
     return max(len(it.replicas) - it.next for it in items)
 
 
@@ -78,6 +82,8 @@ def next_round(queue: list[ReadItem], members: Callable[[int], MemberInfo | None
 def still_unread(queue: list[ReadItem], on_retry: Callable[[int], None] | None) -> list[ReadItem]:
     """After a round: the items of ``queue`` still unread that have a replica left, for the
     next round (``on_retry`` hears how many, when there are any)."""
+    if len(queue) == 1 and queue[0].ok:
+        return []  # a one-key get that was read: no list to build
     queue = [it for it in queue if not it.ok and it.next < len(it.replicas)]
     if queue and on_retry is not None:
         on_retry(len(queue))

@@ -320,6 +320,7 @@ class ClientState:
         self._stats = ClientStats()
         self.metrics = ClientMetrics(self._stats)
         self._closed = False
+        self._default_limit = tier_limit(config.max_tier)
 
     # --- state ----------------------------------------------------------------------------
 
@@ -353,7 +354,7 @@ class ClientState:
     # --- failure policy -------------------------------------------------------------------
 
     def _tier_limit(self, max_tier: str | None) -> int:
-        return tier_limit(self.config.max_tier if max_tier is None else max_tier)
+        return self._default_limit if max_tier is None else tier_limit(max_tier)
 
     def _strict(self, strict: bool | None) -> bool:
         """The call's strictness; also refuses calls on a closed client, in every mode (using a
@@ -381,7 +382,8 @@ class ClientState:
 
     def get_call(self, key: str, strict: bool | None, max_tier: str | None) -> ReadCall:
         pair = (key, validate_key(key))
-        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        strict_ = self._strict(strict)
+        limit = self._default_limit if max_tier is None else tier_limit(max_tier)
         return ReadCall("get", [pair], fresh_bytes, strict_, limit, _result, True)
 
     def get_into_call(
@@ -389,7 +391,8 @@ class ClientState:
     ) -> ReadCall:
         pair = (key, validate_key(key))
         sink = as_sink(buffer)
-        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        strict_ = self._strict(strict)
+        limit = self._default_limit if max_tier is None else tier_limit(max_tier)
         return ReadCall("get_into", [pair], into(sink), strict_, limit, _size, True)
 
     def batch_get_call(
@@ -441,10 +444,11 @@ class ClientState:
             if items is None:
                 return None
             item = items[0]
-            if not self.settle(item, call.pairs[0][0], call.strict):
-                return None
-            assert item is not None
-            return call.value(0, item)
+            if item is not None and item.ok:  # a hit (the common case: settle() inlined)
+                self._stats.hit()
+                return call.value(0, item)
+            self.settle(item, call.pairs[0][0], call.strict)
+            return None
         if items is None:
             return [None] * len(call.pairs)
         hits = self.settle_batch(items, call.pairs)
