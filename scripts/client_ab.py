@@ -1,0 +1,219 @@
+"""Before/after speed of the client: two revisions' clients, one cluster, interleaved rounds.
+
+    python scripts/client_ab.py --before 3c73a6a              # that revision vs the work tree
+    python scripts/client_ab.py --before v1 --after v2 --rounds 16 --calls 600
+
+Each revision is checked out (``git worktree``, under a temporary folder, removed at the end)
+and mirrored as an installed package tree (``.ci/linktree.py``); each round runs every
+revision's client in a fresh process (``PYTHONPATH`` = that tree), the order alternating round
+by round, against one local cluster of the work tree (3 masters, 2 nodes) — over tcp, then over
+shared memory. Per cell a process reports the p50 and the p10 of its calls; the table gives the
+median over rounds of each, and after/before. Only the clients differ: the servers are the same
+processes for both.
+
+The cells: a 4 KiB ``get`` with its entry cached and never cached (a fresh client with
+``lookup_cache_size=0``), a 1 MiB ``get_into``, ``batch_get`` and ``batch_get_into`` of
+32 x 64 KiB, a 4 KiB ``put``, ``exists``, and the AsyncClient's cached 4 KiB ``get`` and ``put``.
+A revision whose client lacks ``kvpool.Client`` / ``AsyncClient`` cannot be measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSPORTS = ("tcp", "shm")
+GIT = shutil.which("git") or "/usr/bin/git"
+
+
+def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, float]:
+    """One revision's cells (runs in the child process, under that revision's tree)."""
+    from kvpool import AsyncClient, Client
+
+    out: dict[str, float] = {}
+
+    def cell(name: str, samples: list[float]) -> None:
+        samples.sort()
+        out[name] = samples[len(samples) // 2] * 1e6
+        out[name + " [p10]"] = samples[len(samples) // 10] * 1e6
+
+    def timed(name: str, fn: Any, reps: int) -> None:
+        samples = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t)
+        cell(name, samples)
+
+    small, mid, big = b"s" * 4096, b"m" * 65536, os.urandom(1 << 20)
+    pre = f"ab-{tag}-{transport}-{time.time_ns()}"
+    kv = Client(masters, transport=transport)
+    try:
+        assert kv.put(f"{pre}-s", small)
+        assert kv.put(f"{pre}-b", big)
+        keys32 = [f"{pre}-m{i}" for i in range(32)]
+        assert all(kv.batch_put([(k, mid) for k in keys32]))
+        for _ in range(20):
+            kv.get(f"{pre}-s")
+        timed("get 4 KiB, entry cached", lambda: kv.get(f"{pre}-s"), n)
+        fresh = [f"{pre}-u{i}" for i in range(max(30, n // 3))]
+        assert all(kv.batch_put([(k, small) for k in fresh]))
+        uncached = Client(masters, transport=transport, lookup_cache_size=0)
+        try:
+            it = iter(fresh)
+            timed("get 4 KiB, never cached", lambda: uncached.get(next(it)), len(fresh))
+        finally:
+            uncached.close()
+        buf = bytearray(1 << 20)
+        timed("get_into 1 MiB", lambda: kv.get_into(f"{pre}-b", buf), max(20, n // 5))
+        timed("batch_get 32 x 64 KiB", lambda: kv.batch_get(keys32), max(20, n // 10))
+        bufs = [bytearray(65536) for _ in range(32)]
+        timed(
+            "batch_get_into 32 x 64 KiB", lambda: kv.batch_get_into(keys32, bufs), max(20, n // 10)
+        )
+        count = iter(range(1 << 62))
+        timed("put 4 KiB", lambda: kv.put(f"{pre}-p{next(count)}", small), max(30, n // 3))
+        timed("exists", lambda: kv.exists(f"{pre}-s"), n)
+    finally:
+        kv.close()
+
+    async def async_cells() -> None:
+        async with AsyncClient(masters, transport=transport) as ak:
+            for _ in range(10):
+                await ak.get(f"{pre}-s")
+            samples = []
+            for _ in range(n):
+                t = time.perf_counter()
+                await ak.get(f"{pre}-s")
+                samples.append(time.perf_counter() - t)
+            cell("AsyncClient get 4 KiB, cached", samples)
+            samples = []
+            for i in range(max(30, n // 3)):
+                t = time.perf_counter()
+                await ak.put(f"{pre}-ap{i}", small)
+                samples.append(time.perf_counter() - t)
+            cell("AsyncClient put 4 KiB", samples)
+
+    asyncio.run(async_cells())
+    return out
+
+
+def _tree(rev: str | None, work: Path, name: str) -> Path:
+    """The package tree of ``rev`` (None: the work tree as it is)."""
+    source = ROOT
+    if rev is not None:
+        source = work / f"src-{name}"
+        subprocess.run(
+            [GIT, "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(source), rev],
+            check=True,
+        )
+    tree = work / f"tree-{name}"
+    subprocess.run(
+        [sys.executable, str(source / ".ci" / "linktree.py"), str(tree)],  # rev's own mapping
+        check=True,
+        cwd=work,
+        stdout=subprocess.DEVNULL,
+    )
+    return tree
+
+
+def _one(env: dict[str, str], cwd: Path, worker: list[str]) -> dict[str, float] | None:
+    """One revision's cells in a fresh process (None: it failed; its error is printed)."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--before", "-", "--worker", *worker]
+    done = subprocess.run(
+        argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=600, check=False
+    )
+    if done.returncode:
+        sys.stderr.write(done.stderr[-4000:])
+        return None
+    cells: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
+    parser.add_argument("--before", required=True, help="the revision measured as 'before'")
+    parser.add_argument("--after", help="the revision measured as 'after' [the work tree]")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds [10]")
+    parser.add_argument("--calls", type=int, default=600, help="calls per cell and round [600]")
+    parser.add_argument("--json", type=Path, help="also write every round's numbers here")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        masters, transport, n, tag = args.worker
+        print(json.dumps(_worker(masters.split(","), transport, int(n), tag)))
+        return 0
+    if args.rounds < 1 or args.calls < 10:
+        parser.error("--rounds must be at least 1 and --calls at least 10")
+
+    from kvpool.launcher.cluster import LocalCluster
+
+    raw: dict[str, dict[str, dict[str, list[float]]]] = {t: {} for t in TRANSPORTS}
+    with tempfile.TemporaryDirectory(prefix="kvpool-ab-") as tmp:
+        work = Path(tmp)
+        trees: dict[str, Path] = {}
+        try:
+            trees = {
+                "before": _tree(args.before, work, "before"),
+                "after": _tree(args.after, work, "after"),
+            }
+            cluster = LocalCluster(work / "cluster", masters=3, nodes=2, cpu_cache_size="1GiB")
+            try:
+                cluster.start()
+                cluster.wait_for_leader()
+                masters = ",".join(cluster.client_master_addresses)
+                for r in range(args.rounds):
+                    for transport in TRANSPORTS:
+                        order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
+                        for who in order:
+                            env = dict(os.environ, **cluster.client_env)
+                            env.update(PYTHONPATH=str(trees[who]), PYTHONSAFEPATH="1")
+                            cells = _one(env, work, [masters, transport, str(args.calls), who])
+                            if cells is None:
+                                print(f"the {who} client failed (round {r + 1}, {transport})")
+                                return 1
+                            for name, value in cells.items():
+                                by = raw[transport].setdefault(name, {})
+                                by.setdefault(who, []).append(value)
+                    print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+            finally:
+                for name in list(cluster.processes):
+                    cluster.terminate(name)
+        finally:
+            for name in ("before", "after"):
+                source = work / f"src-{name}"
+                if source.exists():
+                    subprocess.run(
+                        [GIT, "-C", str(ROOT), "worktree", "remove", "--force", str(source)],
+                        check=False,
+                    )
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1))
+    after = args.after or "work tree"
+    print(f"before: {args.before}, after: {after}; {args.rounds} rounds x {args.calls} calls")
+    print("| transport | cell | before µs | after µs | after/before |")
+    print("|---|---|---|---|---|")
+    for transport, cells in raw.items():
+        for name, by in cells.items():
+            b, a = statistics.median(by["before"]), statistics.median(by["after"])
+            print(f"| {transport} | {name} | {b:.0f} | {a:.0f} | {a / b:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
