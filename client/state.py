@@ -152,11 +152,13 @@ class RevisionFloor:
 # --- what the drivers carry out -------------------------------------------------------------------
 
 
-class ReadCall(NamedTuple):
+@dataclass(slots=True)
+class ReadCall:
     """One read operation: read ``pairs`` (key, key bytes) into where ``sink_for`` says; the
     caller's answer is :meth:`ClientState.answer` of the items read — ``value(index, item)``
     for each hit, None for a miss, one answer for a ``single``-key call (get, get_into), a list
-    otherwise."""
+    otherwise. (Slotted, not a NamedTuple or frozen: one is built for every get, and this is the
+    cheapest of the three to build.)"""
 
     op: str
     pairs: list[tuple[str, bytes]]
@@ -209,7 +211,7 @@ class Attempt:
         neutral: Any,
         strict: bool,
         on_failure: Callable[[KVPoolError, Any], None] | None = None,
-        span: tuple[str, int] | None = None,
+        span: tuple[str, int] | None = None,  # (op, keys): a span kvpool.<op>, when tracing
         on_success: Callable[[Any, Any], None] | None = None,
     ) -> None:
         self.value = neutral
@@ -219,9 +221,9 @@ class Attempt:
         self._span: Any = None
         self._token: object = None
         if span is not None and tracing.STATE.enabled:
-            name, keys = span
+            op, keys = span
             self._span, self._token = tracing.enter_span(
-                name, kind=SpanKind.CLIENT, attributes={"kvpool.keys": keys}
+                f"kvpool.{op}", kind=SpanKind.CLIENT, attributes={"kvpool.keys": keys}
             )
 
     def __enter__(self) -> Attempt:
@@ -468,7 +470,7 @@ class ClientState:
             if span is not None and span.is_recording():
                 span.set_attributes(read_attributes(None, miss_reason(error)))
 
-        return Attempt(None, call.strict, failed, (f"kvpool.{call.op}", n), _read_done)
+        return Attempt(None, call.strict, failed, (call.op, n), _read_done)
 
     def settle(self, item: ReadItem | None, key: str, strict: bool) -> bool:
         """Count a read's outcome; True for a hit. Strict misses raise the typed error."""

@@ -13,7 +13,10 @@ processes for both.
 
 The cells: a 4 KiB ``get`` with its entry cached and never cached (a fresh client with
 ``lookup_cache_size=0``), a 1 MiB ``get_into``, ``batch_get`` and ``batch_get_into`` of
-32 x 64 KiB, a 4 KiB ``put``, ``exists``, and the AsyncClient's cached 4 KiB ``get`` and ``put``.
+32 x 64 KiB, a 4 KiB ``put``, ``exists``, the AsyncClient's cached 4 KiB ``get`` and ``put``,
+and (once per round, listed under tcp) the client's own Python per get with the network faked
+away — the data plane, and for a never-cached get the master call too — the best of 5 runs, the
+one cell that does not move with the machine's load.
 A revision whose client lacks ``kvpool.Client`` / ``AsyncClient`` cannot be measured.
 """
 
@@ -106,6 +109,59 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
             cell("AsyncClient put 4 KiB", samples)
 
     asyncio.run(async_cells())
+    if transport == "tcp":  # no transport involved: measured once per round
+        out.update(_python_only())
+    return out
+
+
+def _python_only() -> dict[str, float]:
+    """The client's own Python per get, without the network: the data plane faked (a read
+    fills the item in place), and for a never-cached get the master call faked too (a canned
+    Lookup answer); the best of 5 x 20,000 calls, in µs. Reaches into the client's internals
+    (``_data``, ``_masters``; ``_path``/``_core`` in older revisions): none where they differ."""
+    from kvpool import Client
+    from kvpool.proto.v1 import common_pb2, master_pb2
+
+    entry = common_pb2.BlockEntry(
+        key="k", found=True, version=1, write_id=7, size_bytes=4, replicas=[1]
+    )
+    member = common_pb2.Member(member_id=1, node_id="n1", data_address="tcp://127.0.0.1:9")
+    wire = master_pb2.LookupResponse(entries=[entry], members=[member], revision=3)
+    answer = wire.SerializeToString()
+
+    class Masters:
+        def call(self, method: str, request: Any, *, deadline: float, **_: Any) -> Any:
+            request.SerializeToString()
+            return master_pb2.LookupResponse.FromString(answer)
+
+        def close(self) -> None:
+            pass
+
+    def read(items: list[Any], members: Any, deadline: float, on_retry: Any = None) -> None:
+        for it in items:
+            members(it.replicas[0])
+            it.ok, it.value = True, b"data"
+
+    out: dict[str, float] = {}
+    for name, cache_size in (("cached", 4096), ("never cached", 0)):
+        kv = Client(["127.0.0.1:1"], transport="tcp", timeout_s=2.0, lookup_cache_size=cache_size)
+        try:
+            inner = getattr(kv, "_path", kv)
+            inner._data.read = read
+            inner._masters = Masters()
+            if kv.get("k") != b"data":
+                continue
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(20_000):
+                    kv.get("k")
+                best = min(best, (time.perf_counter() - t) / 20_000)
+            out[f"Python only: get, {name}"] = best * 1e6
+        except AttributeError:
+            continue
+        finally:
+            kv.close()
     return out
 
 
@@ -211,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     for transport, cells in raw.items():
         for name, by in cells.items():
             b, a = statistics.median(by["before"]), statistics.median(by["after"])
-            print(f"| {transport} | {name} | {b:.0f} | {a:.0f} | {a / b:.2f} |")
+            digits = 1 if b < 100 else 0
+            print(f"| {transport} | {name} | {b:.{digits}f} | {a:.{digits}f} | {a / b:.2f} |")
     return 0
 
 
