@@ -384,8 +384,7 @@ class ClientState:
 
     def get_call(self, key: str, strict: bool | None, max_tier: str | None) -> ReadCall:
         pair = (key, validate_key(key))
-        strict_ = self._strict(strict)
-        limit = self._default_limit if max_tier is None else tier_limit(max_tier)
+        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
         return ReadCall("get", [pair], fresh_bytes, strict_, limit, _result, True)
 
     def get_into_call(
@@ -393,8 +392,7 @@ class ClientState:
     ) -> ReadCall:
         pair = (key, validate_key(key))
         sink = as_sink(buffer)
-        strict_ = self._strict(strict)
-        limit = self._default_limit if max_tier is None else tier_limit(max_tier)
+        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
         return ReadCall("get_into", [pair], into(sink), strict_, limit, _size, True)
 
     def batch_get_call(

@@ -118,7 +118,7 @@ def _python_only() -> dict[str, float]:
     """The client's own Python per get, without the network: the data plane faked (a read
     fills the item in place), and for a never-cached get the master call faked too (a canned
     Lookup answer); the best of 5 x 20,000 calls, in µs. Reaches into the client's internals
-    (``_data``, ``_masters``; ``_path``/``_core`` in older revisions): none where they differ."""
+    (``_data``, ``_masters``; under ``_path`` in older revisions): none where they differ."""
     from kvpool import Client
     from kvpool.proto.v1 import common_pb2, master_pb2
 
