@@ -229,6 +229,12 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
         "the connection before anything is buffered; before it: 64 KiB)",
         "size",
     )
+    raft_compress_level: int = opt(
+        0,
+        "zlib level (0-9) of Raft peer messages: 0 sends them stored (least CPU on the leader, "
+        "which encodes each append once per follower); 1-9 trade leader CPU for fewer bytes "
+        "on a slow link; peers decode any level",
+    )
     raft_message_timeout_s: float = opt(
         5.0,
         "a Raft peer connection must finish its handshake, and each message must arrive whole, "
@@ -352,6 +358,8 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
             errors.append("raft_compaction_min_entries: must be at least 2 (PySyncObj)")
         if self.raft_max_message_bytes < 1 << 20:
             errors.append("raft_max_message_bytes: must be at least 1 MiB (entries go in 1 MiB)")
+        if not 0 <= self.raft_compress_level <= 9:
+            errors.append("raft_compress_level: must be 0 to 9 (a zlib level)")
         if self.raft_message_timeout_s <= 0:
             errors.append("raft_message_timeout_s: must be positive")
         if self.raft_compaction_min_time_s <= 0:

@@ -302,7 +302,11 @@ class Replicator:
         )
         peers = [p for p in self.cfg.raft_peers if p != self.cfg.raft_listen]
         syncobj: SyncObj
-        guard = GuardLimits(self.cfg.raft_max_message_bytes, self.cfg.raft_message_timeout_s)
+        guard = GuardLimits(
+            self.cfg.raft_max_message_bytes,
+            self.cfg.raft_message_timeout_s,
+            compress_level=self.cfg.raft_compress_level,
+        )
         transport = guarded_transport(guard, self.guard_stats)  # the Raft port's guard
         if self.cfg.raft_read_lease:
             _check_lease_internals(None)

@@ -326,8 +326,11 @@ def _commit_request(
     )
 
 
-def sync_commit_latency(commits: int = 1000, entries_per_commit: int = 1) -> dict[str, Any]:
-    """Sequential CommitPuts (client → leader → Raft quorum → reply) in a 3-master group."""
+def sync_commit_latency(
+    commits: int = 1000, entries_per_commit: int = 1, settings: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Sequential CommitPuts (client → leader → Raft quorum → reply) in a 3-master group
+    (``settings``: the masters' config, over the defaults)."""
 
     async def run(
         group: LocalMasterGroup, client: MasterClient, node: master_pb2.RegisterNodeResponse
@@ -352,14 +355,18 @@ def sync_commit_latency(commits: int = 1000, entries_per_commit: int = 1) -> dic
             **_percentiles(latencies),
         }
 
-    result: dict[str, Any] = asyncio.run(_with_group(run))
+    result: dict[str, Any] = asyncio.run(_with_group(run, settings))
     return result
 
 
 def group_commit_throughput(
-    concurrency: int = 64, entries_per_request: int = 16, duration_s: float = 5.0
+    concurrency: int = 64,
+    entries_per_request: int = 16,
+    duration_s: float = 5.0,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``concurrency`` callers each committing ``entries_per_request`` entries in a loop."""
+    """``concurrency`` callers each committing ``entries_per_request`` entries in a loop
+    (``settings``: the masters' config, over the defaults)."""
 
     async def run(
         group: LocalMasterGroup, client: MasterClient, node: master_pb2.RegisterNodeResponse
@@ -404,7 +411,7 @@ def group_commit_throughput(
             "latency": _percentiles(latencies),
         }
 
-    result: dict[str, Any] = asyncio.run(_with_group(run))
+    result: dict[str, Any] = asyncio.run(_with_group(run, settings))
     return result
 
 

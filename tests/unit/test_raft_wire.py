@@ -1,0 +1,55 @@
+"""What our Raft connections send is what a plain PySyncObj peer reads, at any zlib level."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from pysyncobj.encryptor import getEncryptor
+from pysyncobj.poller import createPoller
+from pysyncobj.tcp_connection import TcpConnection
+
+from kvpool.config import MasterConfig, load_config
+from kvpool.errors import ConfigError
+from kvpool.raft_master.raft_guard import GuardLimits, encode_message
+
+APPEND = {
+    "type": "append_entries",
+    "term": 3,
+    "commit_index": 1000,
+    "entries": [(b"\x00" + b"llama3-8b/tp0/block-%06d" % i * 4, 1001 + i, 3) for i in range(50)],
+    "prevLogIdx": 1000,
+    "prevLogTerm": 3,
+}
+
+
+def read_as_pysyncobj(data: bytes, encryptor: object) -> object:
+    """PySyncObj 0.3.17's own parsing of one received message (its TcpConnection)."""
+    conn = TcpConnection(createPoller("select"))
+    conn.encryptor = encryptor
+    conn._TcpConnection__readBuffer = struct.pack("i", len(data)) + data
+    return conn._TcpConnection__processParseMessage()
+
+
+@pytest.mark.parametrize("level", [0, 1, 3, 9])
+def test_every_level_is_read_by_a_plain_pysyncobj_peer(level: int) -> None:
+    encryptor = getEncryptor("secret")
+    assert read_as_pysyncobj(encode_message(APPEND, encryptor, level), encryptor) == APPEND
+
+
+def test_level_0_stores_and_higher_levels_deflate() -> None:
+    stored = encode_message(APPEND, None, 0)
+    deflated = encode_message(APPEND, None, 3)
+    assert len(deflated) < len(stored) * 0.7  # these entries repeat themselves
+    assert read_as_pysyncobj(stored, None) == APPEND
+
+
+def test_the_default_is_stored_and_a_bad_level_is_refused_naming_the_setting() -> None:
+    assert GuardLimits().compress_level == 0
+    assert MasterConfig().raft_compress_level == 0
+    with pytest.raises(ConfigError, match="raft_compress_level: must be 0 to 9"):
+        load_config(
+            MasterConfig,
+            env={"KVPOOL_RAFT_SECRET": "s3cret"},
+            overrides={"in_memory": True, "raft_compress_level": 10},
+        )
