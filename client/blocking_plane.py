@@ -311,7 +311,13 @@ class BlockingDataPlane:
             else:
                 self._on_node_failed(member.member_id)
             return None
-        plan = NodeRead(address, group, mget="mget" in conn.features, arena=conn_arena(conn))
+        plan = NodeRead(
+            address,
+            group,
+            mget="mget" in conn.features,
+            arena=conn_arena(conn),
+            direct="direct" in conn.features,
+        )
         try:
             conn.send(plan.calls, deadline, trace=trace)
         except KVPoolError as e:

@@ -246,7 +246,13 @@ class DataPlane:
         if isinstance(conn, KVPoolError):
             unreached_reads(items, conn)
             return
-        plan = NodeRead(address, items, mget="mget" in conn.features, arena=conn_arena(conn))
+        plan = NodeRead(
+            address,
+            items,
+            mget="mget" in conn.features,
+            arena=conn_arena(conn),
+            direct="direct" in conn.features,
+        )
         try:
             await conn.exchange(plan.calls, deadline - loop.time(), trace=tracing.frame_trace())
         except KVPoolError as e:

@@ -26,7 +26,7 @@ from kvpool.client.ops import (
     Lookup,
     Publish,
     PutStep,
-    Read,
+    ReadStep,
     Stage,
     drive_async,
 )
@@ -324,7 +324,7 @@ class ClientCore(ClientState):
         """The event-loop driver of :func:`~kvpool.client.ops.read_flow`."""
         member, on_retry = self.member, self._stats.replica_retries
 
-        async def perform(step: Lookup | Read) -> master_pb2.LookupResponse | None:
+        async def perform(step: ReadStep) -> master_pb2.LookupResponse | None:
             if isinstance(step, Lookup):
                 request = self.lookup_request(step.keys)
                 answer: master_pb2.LookupResponse = await self._masters.call(
@@ -332,12 +332,15 @@ class ClientCore(ClientState):
                 )
                 self.lookup_answered(step.keys, answer)
                 return answer
+            if isinstance(step, EnsureMembers):
+                await self._ensure_members(deadline, patient=False)
+                return None
             live = partial(member, live=step.live)
             await self._data.read(step.items, live, deadline, on_retry=on_retry)
             return None
 
         clock = asyncio.get_running_loop().time
-        flow = self.read_flow(call.pairs, call.sink_for, deadline, call.limit, clock)
+        flow = self.read_flow(call, deadline, clock)
         return await drive_async(flow, perform)
 
     async def _put_prepared(
@@ -400,12 +403,23 @@ class ClientCore(ClientState):
         )
         return response
 
-    async def _ensure_members(self, deadline: float) -> None:
-        """Refresh the membership when the placement asks for it (one refresh at a time)."""
+    async def _ensure_members(self, deadline: float, *, patient: bool = True) -> None:
+        """Refresh the membership when the placement asks for it (one refresh at a time);
+        not ``patient`` (a read's): one ask, and a failure is no error."""
         if not self._placement.needs_refresh():
             return
+        loop = asyncio.get_running_loop()
+        if not patient:
+            self._placement.refresh_tried(loop.time())
+            try:
+                answer: master_pb2.GetMembersResponse = await self._masters.call(
+                    "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
+                )
+            except KVPoolError:
+                return
+            self.members_answered(answer, loop.time())
+            return
         async with self._members_lock:
-            loop = asyncio.get_running_loop()
             for attempt in range(state_module.EMPTY_RING_ASKS):
                 if not self._placement.needs_refresh():
                     return

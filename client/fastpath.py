@@ -37,7 +37,7 @@ from kvpool.client.ops import (
     Lookup,
     Publish,
     PutStep,
-    Read,
+    ReadStep,
     Stage,
     drive,
 )
@@ -309,17 +309,20 @@ class SyncPath(ClientState):
         """The blocking driver of :func:`~kvpool.client.ops.read_flow`."""
         member, on_retry = self.member, self._stats.replica_retries
 
-        def perform(step: Lookup | Read) -> master_pb2.LookupResponse | None:
+        def perform(step: ReadStep) -> master_pb2.LookupResponse | None:
             if isinstance(step, Lookup):
                 request = self.lookup_request(step.keys)
                 answer: master_pb2.LookupResponse = self._call_master("Lookup", request, deadline)
                 self.lookup_answered(step.keys, answer)
                 return answer
+            if isinstance(step, EnsureMembers):
+                self._ensure_members(deadline, patient=False)
+                return None
             live = partial(member, live=step.live)
             self._data.read(step.items, live, deadline, on_retry=on_retry)
             return None
 
-        flow = self.read_flow(call.pairs, call.sink_for, deadline, call.limit, time.monotonic)
+        flow = self.read_flow(call, deadline, time.monotonic)
         return drive(flow, perform)
 
     def _put_prepared(
@@ -377,9 +380,21 @@ class SyncPath(ClientState):
         )
         return response
 
-    def _ensure_members(self, deadline: float) -> None:
+    def _ensure_members(self, deadline: float, *, patient: bool = True) -> None:
+        """Refresh the membership when the placement asks for it (one refresh at a time);
+        not ``patient`` (a read's): one ask, and a failure is no error."""
         placement = self._placement
         if not placement.needs_refresh():
+            return
+        if not patient:
+            placement.refresh_tried(time.monotonic())
+            try:
+                answer: master_pb2.GetMembersResponse = self._masters.call(
+                    "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
+                )
+            except KVPoolError:
+                return
+            self.members_answered(answer, time.monotonic())
             return
         with self._members_lock:
             for attempt in range(state_module.EMPTY_RING_ASKS):

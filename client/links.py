@@ -18,6 +18,7 @@ carries the dials out with its own I/O (:func:`advance` steps it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Generator
@@ -45,6 +46,7 @@ class NodeOffer:
 
     mget: bool = False
     trace: bool = False  # frames may carry a trace context (wire.EXT_TRACED)
+    direct: bool = False  # reads a key by its content: write id 0 (BlockStore.resolve)
     shm_address: str = ""  # shared memory this client may use ("": none)
     why_not_shm: str = "the node offers no shared memory"
 
@@ -67,25 +69,29 @@ def read_hello(call: Call, local: str, peer: str) -> NodeOffer:
         features = set(info.get("features", ()))
     except (ValueError, TypeError, AttributeError):
         return NO_OFFER
-    mget = "mget" in features
-    trace = "trace" in features
+    offer = NodeOffer(
+        mget="mget" in features, trace="trace" in features, direct="direct" in features
+    )
     shm = str(info.get("shm", "")) if "shm" in features else ""
     if not shm:
-        return NodeOffer(mget=mget, trace=trace)
+        return offer
     if "shm" not in schemes():
-        return NodeOffer(
-            mget=mget, trace=trace, why_not_shm="this platform cannot map shared memory"
-        )
+        return dataclasses.replace(offer, why_not_shm="this platform cannot map shared memory")
     if info.get("host") != host_id():
-        return NodeOffer(mget=mget, trace=trace, why_not_shm="the node runs on another host")
+        return dataclasses.replace(offer, why_not_shm="the node runs on another host")
     if info.get("peer") != local or info.get("local") != peer:
-        return NodeOffer(
-            mget=mget,
-            trace=trace,
+        return dataclasses.replace(
+            offer,
             why_not_shm=f"the connection is not direct (we see {local} -> {peer}; the node "
             f"sees {info.get('peer')} -> {info.get('local')}: a proxy or NAT between)",
         )
-    return NodeOffer(mget=mget, trace=trace, shm_address=shm, why_not_shm="")
+    return dataclasses.replace(offer, shm_address=shm, why_not_shm="")
+
+
+def offered_features(offer: NodeOffer, *extra: str) -> frozenset[str]:
+    """The features a connection to a node with ``offer`` has (plus ``extra``)."""
+    named = (("mget", offer.mget), ("trace", offer.trace), ("direct", offer.direct))
+    return frozenset([*extra, *(name for name, has in named if has)])
 
 
 class Links:
@@ -221,15 +227,13 @@ def open_flow(links: Links, address: str) -> Generator[Dial, Any, Any]:
                 continue
             offer = fallback
             break
-        conn.features = frozenset({"mget", "shm", *(["trace"] if offer.trace else [])})
+        conn.features = offered_features(offer, "mget", "shm")
         if first is not None:
             first.close()
         return conn
     if first is None:
         first = yield Dial(address)
-    first.features = frozenset(
-        [*(["mget"] if offer.mget else []), *(["trace"] if offer.trace else [])]
-    )
+    first.features = offered_features(offer)
     return first
 
 

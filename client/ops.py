@@ -9,11 +9,14 @@ client's fast path (:mod:`kvpool.client.fastpath`) with blocking calls in the ca
 and :class:`~kvpool.client.core.ClientCore` on the event loop, awaiting them. Everything the
 read decides is here, once:
 
-* keys the lookup cache holds are read through their cached entries, the others are looked up
-  first, in one Lookup;
+* keys the lookup cache holds are read through their cached entries; keys that name their
+  content (``direct``: see :func:`direct_entry`) are read straight from the node the ring places
+  them on, with no Lookup (the membership asked for first when the ring is missing or stale,
+  :class:`EnsureMembers`); the others are looked up first, in one Lookup;
 * a key the index lacks is None, and is not read;
-* an item read through a cached entry that missed may be stale: while time is left before the
-  deadline, those keys leave the cache and are looked up once more and read once more;
+* an item read through a cached entry or straight from its node that missed may be stale, or
+  placed elsewhere: while time is left before the deadline, those keys leave the cache and are
+  looked up once more and read once more;
 * the cached entry of an item that still failed is dropped (only if it names the write id
   that failed).
 
@@ -49,6 +52,7 @@ from kvpool.proto.wire import TierLevel
 __all__ = [
     "COMMIT_SHARE",
     "DELETE_WAIT_S",
+    "DIRECT_SIZE",
     "MAX_PUT_ATTEMPTS",
     "Commit",
     "Delete",
@@ -61,6 +65,7 @@ __all__ = [
     "ReadFlow",
     "SinkFactory",
     "Stage",
+    "direct_entry",
     "drive",
     "drive_async",
     "put_flow",
@@ -108,6 +113,15 @@ and whether that is the caller's buffer."""
 
 
 @dataclass(slots=True)
+class EnsureMembers:
+    """Have a membership to place on (ask the masters when the placement needs a refresh);
+    answer with nothing. ``patient``: a put asks again while the answer names no node (a
+    read asks once, and a failure is no error: it reads through the index instead)."""
+
+    patient: bool = True
+
+
+@dataclass(slots=True)
 class Lookup:
     """Ask the index for the entries of ``keys``; answer with the ``LookupResponse``."""
 
@@ -125,7 +139,7 @@ class Read:
     live: dict[int, MemberInfo]
 
 
-ReadStep = Lookup | Read
+ReadStep = EnsureMembers | Lookup | Read
 ReadFlow = Generator[ReadStep, master_pb2.LookupResponse | None, list[ReadItem | None]]
 
 
@@ -138,13 +152,27 @@ def read_flow(
     limit: int,
     deadline: float,
     clock: Callable[[], float],
+    direct: Callable[[str], bool] | None = None,
 ) -> ReadFlow:
     """Read ``pairs`` (key, key bytes): one ReadItem per key the index holds, None for the
-    others (see the module doc)."""
+    others (see the module doc). ``direct``: which keys name their content (None: none)."""
     entries: list[common_pb2.BlockEntry | None] = [cache.get(k) for k, _ in pairs]
     from_cache = [e is not None for e in entries]
     live: dict[int, MemberInfo] = {}
     todo = [i for i, e in enumerate(entries) if e is None]
+    if todo and direct is not None and any(direct(pairs[i][0]) for i in todo):
+        if placement.refresh_due(clock()):
+            yield EnsureMembers(patient=False)
+        if placement.has_ring and not placement.ring_is_empty():
+            rest = []
+            for i in todo:
+                key, key_bytes = pairs[i]
+                if direct(key):
+                    entries[i] = direct_entry(placement, key, key_bytes)
+                    from_cache[i] = True  # a guess, as a cached entry is: a miss looks it up
+                else:
+                    rest.append(i)
+            todo = rest
     if todo:
         response = yield Lookup([pairs[i][0] for i in todo])
         assert response is not None
@@ -184,6 +212,21 @@ def read_flow(
     return items
 
 
+DIRECT_SIZE = -1
+"""The size a sink is asked for when a direct read does not know it yet: the caller's whole
+buffer, or fresh bytes of the size the node answers."""
+
+
+def direct_entry(placement: Placement, key: str, key_bytes: bytes) -> common_pb2.BlockEntry:
+    """A stand-in index entry for a key that names its content: write id 0 (the node answers
+    with the key's committed block, whichever write it is), on the ring's primary for the key,
+    size and checksum unknown (taken from the node's answer, the bytes checked against that
+    checksum). Safe only for such keys: every committed write of one holds the same bytes, so
+    any committed block of it is the right value (``docs/operations.md``, "Direct reads")."""
+    primary = placement.place(key_bytes, 1)
+    return common_pb2.BlockEntry(key=key, found=True, replicas=[primary[0].member_id])
+
+
 def members_of(response: master_pb2.LookupResponse) -> dict[int, MemberInfo]:
     """The members a Lookup answered with, by member id."""
     return {m.member_id: MemberInfo.from_proto(m) for m in response.members}
@@ -215,7 +258,11 @@ def read_items(
             append(None)
             continue
         index = indexes[n_item] if indexes is not None else n_item
-        sink, caller_buffer = sink_for(index, key, entry.size_bytes)
+        if entry.write_id:
+            sink, caller_buffer = sink_for(index, key, entry.size_bytes)
+        else:  # a direct read: the caller's whole buffer is the size expected (else any)
+            sink, caller_buffer = sink_for(index, key, DIRECT_SIZE)
+            entry.size_bytes = sink.nbytes if sink is not None else 0
         held = entry.replicas
         n = len(held)
         replicas = [held[0]] if n == 1 else read_order(held, now_s, randrange(max(1, n)))
@@ -244,12 +291,6 @@ def read_items(
 
 
 # --- puts -------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class EnsureMembers:
-    """Have a membership to place on (ask the masters when the placement needs a refresh);
-    answer with nothing."""
 
 
 @dataclass(slots=True)

@@ -102,6 +102,16 @@ class Placement:
         ring = self._ring
         return ring is None or self._stale or not len(ring)
 
+    def refresh_due(self, now_s: float) -> bool:
+        """:meth:`needs_refresh`, and no refresh was asked for in the last
+        ``min_refresh_interval_s``: how often a read that could go straight to a node asks
+        for the membership (it reads through the index meanwhile)."""
+        return self.needs_refresh() and now_s - self._last_refresh_s >= self._min_refresh_interval_s
+
+    def refresh_tried(self, now_s: float) -> None:
+        """A membership refresh was asked for at ``now_s`` (answered or not)."""
+        self._last_refresh_s = max(self._last_refresh_s, now_s)
+
     def ring_is_empty(self) -> bool:
         """A ring is loaded and names no node that takes puts (none registered yet as the
         answering master knew, or all draining)."""

@@ -280,7 +280,10 @@ def judge(
     message: str = "",
 ) -> None:
     """Judge one node's answer for ``it`` — ``answer`` is (status, flags, write id, size,
-    checksum), as an MGET record — : a hit sets ``it.ok``, anything else records why."""
+    checksum), as an MGET record — : a hit sets ``it.ok``, anything else records why. An entry
+    of write id 0 is a direct read (:func:`kvpool.client.ops.direct_entry`): the node names the
+    write, its size (the caller's buffer's, when one was given) and the checksum the bytes
+    must hash to; a hit fills the entry in with them."""
     status, flags, write_id, size, checksum = answer[:5]
     entry = it.entry
     if status == Status.MISS:
@@ -289,6 +292,9 @@ def judge(
         return
     if status != Status.OK:
         it.fail("node_error", node_error(address, "GET", status, message))
+        return
+    if not entry.write_id:
+        _judge_direct(it, address, answer, data)
         return
     if write_id not in (0, entry.write_id):
         it.fail(
@@ -330,6 +336,44 @@ def judge(
     it.tier = flags
 
 
+def _judge_direct(
+    it: ReadItem, address: str, answer: tuple[int, ...], data: memoryview | None
+) -> None:
+    """:func:`judge` of an OK answer to a direct read."""
+    _status, flags, write_id, size, checksum = answer[:5]
+    entry = it.entry
+    if not write_id or (entry.size_bytes and size != entry.size_bytes):
+        it.fail(
+            "version_mismatch",
+            BlockMissError(
+                f"{address}: {it.key!r}: read by content, the node answered write id "
+                f"{write_id:#x} of {size} bytes (expected {entry.size_bytes or 'any size'})",
+                reason="version_mismatch",
+            ),
+        )
+        return
+    if data is None and size == 0:
+        data = memoryview(b"")
+    if data is None or data.nbytes != size:
+        it.fail("node_down", UnavailableError(f"{address}: {it.key!r}: payload not received"))
+        return
+    if block_checksum(data) != checksum:
+        it.fail(
+            "checksum_mismatch",
+            ChecksumMismatchError(
+                f"{address}: {it.key!r}: the bytes received do not hash to {checksum:#x}"
+            ),
+        )
+        return
+    if it.sink is None:
+        it.value = bytes(data)
+    elif data is not it.sink:
+        copy_bytes(it.sink, data)
+    entry.write_id, entry.size_bytes, entry.checksum = write_id, size, checksum
+    it.ok = True
+    it.tier = flags
+
+
 # --- reads from one node ------------------------------------------------------------------------
 
 
@@ -337,8 +381,24 @@ class NodeRead:
     """The reads of a group of keys from one node: the frames to send, then the judging."""
 
     def __init__(
-        self, address: str, items: list[ReadItem], *, mget: bool, arena: Arena | None
+        self,
+        address: str,
+        items: list[ReadItem],
+        *,
+        mget: bool,
+        arena: Arena | None,
+        direct: bool = True,
     ) -> None:
+        """``direct``: the node reads a key by its content (write id 0; HELLO's ``direct``);
+        a direct read of a node that does not fails here, unsent (it is looked up then)."""
+        if not direct and any(not it.entry.write_id for it in items):
+            for it in items:
+                if not it.entry.write_id:
+                    it.fail(
+                        "node_error",
+                        UnavailableError(f"{address}: this node reads no key by its content"),
+                    )
+            items = [it for it in items if it.entry.write_id]
         self.address = address
         self.items = items
         self.arena = arena

@@ -109,6 +109,7 @@ class ClientConstructor:
         tls_cert_file: str = DEFAULTS.tls_cert_file,
         tls_key_file: str = DEFAULTS.tls_key_file,
         tls_server_name: str = DEFAULTS.tls_server_name,
+        direct_reads: str = DEFAULTS.direct_reads,
     ) -> None:
         """``transport``: ``auto`` (a node on this host through its shared memory, others
         over TCP), ``tcp`` or ``shm`` (shared memory only; a node it cannot reach that way
@@ -123,7 +124,12 @@ class ClientConstructor:
         ``metrics_port``: serve this client's Prometheus /metrics on ``metrics_host``
         (127.0.0.1; 0: any free port, see :attr:`metrics_address`; -1: off; an AsyncClient
         serves it from ``async with`` or ``start_metrics()``). ``max_tier`` (gpu, cpu, ssd):
-        the slowest tier a get accepts when it does not say (empty: any). Every default is
+        the slowest tier a get accepts when it does not say (empty: any). ``direct_reads``: a
+        key the lookup cache lacks that names its content is read straight from the node the
+        ring places it on, without a Lookup first (a miss there looks it up): ``scheme``
+        (keys of :mod:`kvpool.keys`, the default), ``all`` (every key this client reads —
+        say so only when a key never holds two different values: after a remove or an
+        overwrite a node may still serve the earlier value), ``off``. Every default is
         :class:`~kvpool.config.ClientConfig`'s."""
         settings = {name: value for name, value in locals().items() if name in SETTING_NAMES}
         self._start(make_config(masters, **settings), strict=strict)

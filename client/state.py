@@ -45,7 +45,7 @@ from kvpool.client.commits import (
 )
 from kvpool.client.hedge import HedgePolicy
 from kvpool.client.links import Links
-from kvpool.client.ops import PutFlow, ReadFlow, SinkFactory, put_flow, read_flow
+from kvpool.client.ops import DIRECT_SIZE, PutFlow, ReadFlow, SinkFactory, put_flow, read_flow
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.plans import BlockLocation
 from kvpool.client.spans import read_attributes
@@ -76,6 +76,7 @@ from kvpool.errors import (
 )
 from kvpool.logs import get_logger
 from kvpool.mastercall import MasterRouting
+from kvpool.proto.keys import is_scheme_key
 from kvpool.proto.v1 import master_pb2
 
 __all__ = ["ClientState", "PutReceipt", "Query", "ReadCall", "RevisionFloor", "tier_limit"]
@@ -111,6 +112,18 @@ miss, ``slow_tier``, without reading it)."""
 
 PIN_OK = master_pb2.PIN_STATUS_OK
 PIN_QUOTA = master_pb2.PIN_STATUS_QUOTA_EXCEEDED
+
+
+def _every_key(_key: str) -> bool:
+    return True
+
+
+DIRECT_KEYS: dict[str, Callable[[str], bool] | None] = {
+    "scheme": is_scheme_key,
+    "all": _every_key,
+    "off": None,
+}
+"""``direct_reads``: which keys name their content (read with no Lookup first)."""
 
 
 def tier_limit(max_tier: str) -> int:
@@ -167,6 +180,7 @@ class ReadCall:
     limit: int
     value: Callable[[int, ReadItem], Any]
     single: bool = False
+    direct: bool = True  # its sinks take a size not known yet (ops.DIRECT_SIZE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +269,8 @@ def into(sink: memoryview) -> SinkFactory:
     """Into the caller's buffer (get_into): BufferTooSmallError when the block does not fit."""
 
     def caller(_index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+        if size == DIRECT_SIZE:
+            return sink, True
         check_fits(sink, size, key)
         return sink[:size], True
 
@@ -276,6 +292,8 @@ def into_each(sinks: list[memoryview]) -> SinkFactory:
 
     def caller(index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
         sink = sinks[index]
+        if size == DIRECT_SIZE:
+            return sink, True
         check_fits(sink, size, key)
         return sink[:size], True
 
@@ -323,6 +341,7 @@ class ClientState:
         self.metrics = ClientMetrics(self._stats)
         self._closed = False
         self._default_limit = tier_limit(config.max_tier)
+        self._direct = DIRECT_KEYS[config.direct_reads]
 
     # --- state ----------------------------------------------------------------------------
 
@@ -434,7 +453,13 @@ class ClientState:
 
         strict_, limit = self._strict(strict), self._tier_limit(max_tier)
         return ReadCall(
-            "batch_get_alloc", pairs, sink_for, strict_, limit, lambda i, _item: made.get(i)
+            "batch_get_alloc",
+            pairs,
+            sink_for,
+            strict_,
+            limit,
+            lambda i, _item: made.get(i),
+            direct=False,  # its buffers are made for a known size
         )
 
     def answer(self, call: ReadCall, items: list[ReadItem | None] | None) -> Any:
@@ -526,24 +551,19 @@ class ClientState:
             live.get(member_id) or self.cache.member(member_id) or self._placement.member(member_id)
         )
 
-    def read_flow(
-        self,
-        pairs: list[tuple[str, bytes]],
-        sink_for: SinkFactory,
-        deadline: float,
-        limit: int,
-        clock: Callable[[], float],
-    ) -> ReadFlow:
-        """:func:`~kvpool.client.ops.read_flow` over this client's cache and placement, for
-        either driver (``clock``: the driver's)."""
+    def read_flow(self, call: ReadCall, deadline: float, clock: Callable[[], float]) -> ReadFlow:
+        """:func:`~kvpool.client.ops.read_flow` of ``call`` over this client's cache and
+        placement, for either driver (``clock``: the driver's); the keys that name their
+        content are read without a Lookup when the call allows it (``direct_reads``)."""
         return read_flow(
             self.cache,
             self._placement,
-            pairs,
-            sink_for,
-            limit=limit,
+            call.pairs,
+            call.sink_for,
+            limit=call.limit,
             deadline=deadline,
             clock=clock,
+            direct=self._direct if call.direct else None,
         )
 
     # --- index questions ------------------------------------------------------------------

@@ -552,6 +552,10 @@ class NodeConfig(ServerSecurityConfig, LogConfig, IngressConfig):
         return errors
 
 
+DIRECT_READS = ("scheme", "all", "off")
+"""The values of ``ClientConfig.direct_reads``."""
+
+
 @dataclass(frozen=True)
 class ClientConfig(SecurityConfig):
     """A client embedded in an engine."""
@@ -586,9 +590,19 @@ class ClientConfig(SecurityConfig):
         -1, "Prometheus /metrics of this client: -1 = off (default), 0 = any free port, or a port"
     )
     metrics_host: str = opt("127.0.0.1", "host the client's /metrics binds (with metrics_port)")
+    direct_reads: str = opt(
+        "scheme",
+        "keys read from the node the ring places them on without asking the index first, for "
+        "keys that name their content: scheme (kvpool's kv1/ keys), all (every key this client "
+        "reads: one key never holds two different values), or off",
+    )
 
     def validate(self) -> list[str]:
         errors = _validate_masters(self.masters)
+        if self.direct_reads not in DIRECT_READS:
+            errors.append(
+                f"direct_reads: expected {', '.join(DIRECT_READS)}, got {self.direct_reads!r}"
+            )
         if not -1 <= self.metrics_port <= 65535:
             errors.append("metrics_port: must be -1 (off), 0 (any free port) or a port number")
         errors += self._security_problems()

@@ -198,6 +198,21 @@ def chain_hashes(
     return out
 
 
+KEY_LENGTH = len(KEY_PREFIX) + 2 + 4 * HASH_BYTES
+"""Characters in every key of this scheme: ``kv1/`` + 32 hex + ``/`` + 32 hex (69)."""
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_scheme_key(key: str) -> bool:
+    """Whether ``key`` has the form of this scheme's keys (:func:`key_for`): such a key names
+    its content — one key, one value, in every process that builds it — which is what lets a
+    client read it from the node the ring places it on without asking the index."""
+    if len(key) != KEY_LENGTH or not key.startswith(KEY_PREFIX + "/"):
+        return False
+    mid = len(KEY_PREFIX) + 1 + 2 * HASH_BYTES
+    return key[mid] == "/" and _HEX.issuperset(key[len(KEY_PREFIX) + 1 : mid] + key[mid + 1 :])
+
+
 def key_for(namespace: KeyNamespace, hash_: bytes) -> str:
     """The key of the block whose hash is ``hash_``."""
     if len(hash_) != HASH_BYTES:

@@ -318,7 +318,10 @@ class BlockStore:
     def get(self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY) -> ReadResult:
         """The staged or committed block with exactly this write id, its copy leased (release
         it when the bytes have left), or a miss with its reason. Never another write's bytes. A copy
-        only on tiers slower than ``max_level`` is a MISS SLOW_TIER."""
+        only on tiers slower than ``max_level`` is a MISS SLOW_TIER. Write id 0 names the key's
+        committed block, whichever write it is (a *direct read*: see :meth:`resolve`)."""
+        if not write_id:
+            write_id = self.resolve(key)
         block = self._blocks.get((key, write_id))
         if block is not None and self._readable(block):
             copy, promote = self.tiers.lease_for_read(block, max_level)
@@ -346,6 +349,8 @@ class BlockStore:
         block's CPU copy, leased — ``(OK, CPU, copy)`` —; ``(DEFERRED, 0, None)``
         when its fastest acceptable copy is on another tier (to be read with a single GET);
         else the miss :meth:`get` gives. One table lookup for the common case."""
+        if not write_id:
+            write_id = self.resolve(key)
         block = self._blocks.get((key, write_id))
         if block is not None and self._readable(block):
             cpu = block.copies.get(TierLevel.CPU)
@@ -366,6 +371,16 @@ class BlockStore:
             self.finish_read(result, ReadOutcome.ABANDONED)
             return Status.DEFERRED, 0, None
         return result.status, result.reason, None
+
+    def resolve(self, key: str) -> int:
+        """The write id of ``key``'s committed block here, or 0 when it has none. A direct read
+        (write id 0: a client that reads a key naming its content without asking the index)
+        is served only a committed block — one the index confirmed to this node
+        (:mod:`~kvpool.store_node.publish_check`) — never a staged one, whose commit is
+        unproven. A key naming its content means the same bytes in every committed write, so
+        whichever write is held is the right value; the reader checks the bytes against the
+        checksum recorded at PUT, which the writer's commit gave the index too."""
+        return self._committed.get(key, 0)
 
     def take_read_counts(self, limit: int) -> list[tuple[str, int]]:
         """The ``limit`` keys read most since the last call, with their reads; resets."""

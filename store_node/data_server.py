@@ -324,12 +324,13 @@ class DataConnection:
             found = self._store.delete(name, header.write_id)
             self._answer(header, Status.OK if found else Status.MISS)
             return
-        if header.write_id == 0:
-            self._answer(header, Status.BAD_REQUEST, "write id 0 names no block")
-            return
         if op == Op.PUBLISH:
+            if header.write_id == 0:
+                self._answer(header, Status.BAD_REQUEST, "write id 0 names no block")
+                return
             self._publish(header, name)
             return
+        # A GET of write id 0 reads the key's committed block (BlockStore.resolve).
         if header.flags not in _TIER_LIMITS:
             self._answer(header, Status.BAD_REQUEST, f"unknown tier limit {header.flags}")
             return
@@ -470,7 +471,7 @@ class DataConnection:
         get_in_memory, view = store.get_in_memory, store.tier.view
         for rec in records:
             name = _decode_key(rec.key)
-            if name is None or rec.write_id == 0:
+            if name is None:
                 pack(table, pos, Status.BAD_REQUEST, 0, rec.write_id, 0, 0)
             else:
                 status, flags, copy = get_in_memory(name, rec.write_id, limit)
@@ -513,7 +514,7 @@ class DataConnection:
         stream = self.stream
         shm = self._server.shm_address
         info: dict[str, Any] = {
-            "features": ["mget", "trace", *(["shm"] if shm else [])],
+            "features": ["mget", "trace", "direct", *(["shm"] if shm else [])],
             "host": host_id(),
             "pid": os.getpid(),
             "local": stream.sockname if stream is not None else "",

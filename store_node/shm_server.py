@@ -180,7 +180,7 @@ class ShmConnection(DataConnection):
         store, now = self._store, self._server.clock()
         for rec in records:
             name = _decode_key(rec.key)
-            if name is None or rec.write_id == 0:
+            if name is None:  # write id 0: the key's committed block (BlockStore.resolve)
                 SHM_RECORD.pack_into(table, pos, Status.BAD_REQUEST, 0, rec.write_id, 0, 0, 0, 0)
             else:
                 status, flags, copy = store.get_in_memory(name, rec.write_id, limit)

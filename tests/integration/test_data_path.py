@@ -3,6 +3,7 @@ and over a same-host node's shared memory."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Iterator
@@ -11,9 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvpool import Client
+from kvpool import AsyncClient, Client
 from kvpool.errors import NotLeaderError
 from kvpool.grpcutil import PROTOCOL_METADATA
+from kvpool.keys import KeyNamespace, block_keys
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.proto.wire import Op, Status
@@ -126,3 +128,82 @@ def test_the_client_over_tcp_and_shared_memory(cluster: LocalCluster, transport:
         assert all(isinstance(c, ShmBlockingConnection) == (transport == "shm") for c in conns)
     with Client(cluster.master_addresses, timeout_s=5.0, transport="tcp") as other:
         assert other.batch_get(list(blocks)) == list(blocks.values())  # the same blocks
+
+
+def scheme_blocks(tag: str) -> dict[str, bytes]:
+    """Blocks under kvpool's own key scheme (keys that name their content), of every size."""
+    ns = KeyNamespace(
+        model=f"direct-{tag}-{os.getpid()}", dtype="bf16", kv_layout="t", block_size=2
+    )
+    keys = block_keys(ns, list(range(8)))
+    return dict(zip(keys, (os.urandom(n) for n in (1, 4096, 70_000, 2 * MIB)), strict=True))
+
+
+def count_lookups(kv: Client | AsyncClient) -> list[list[str]]:
+    """Every Lookup the client asks from now on, by its keys."""
+    asked: list[list[str]] = []
+    request = kv.lookup_request
+
+    def spy(names: list[str]) -> master_pb2.LookupRequest:
+        asked.append(list(names))
+        return request(names)
+
+    kv.lookup_request = spy  # type: ignore[method-assign]
+    return asked
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])
+def test_a_block_put_by_one_client_is_read_by_another_with_no_lookup(
+    cluster: LocalCluster, transport: str
+) -> None:
+    blocks = scheme_blocks(transport)
+    keys = list(blocks)
+    with Client(cluster.master_addresses, timeout_s=5.0) as writer:
+        assert writer.batch_put(blocks) == [True] * len(blocks)
+    with Client(cluster.master_addresses, timeout_s=5.0, transport=transport) as kv:
+        asked = count_lookups(kv)
+        for key, value in blocks.items():
+            assert kv.get(key) == value
+            buf = bytearray(len(value))
+            assert kv.get_into(key, buf) == len(value)
+            assert buf == value
+        assert kv.batch_get(keys) == list(blocks.values())
+        bufs = [bytearray(len(v)) for v in blocks.values()]
+        assert kv.batch_get_into(keys, bufs) == [len(v) for v in blocks.values()]
+        assert bufs == list(blocks.values())
+        assert asked == [], "every block was read from its node, the index never asked"
+        # A buffer larger than the block: the node's answer does not fit the guess, so the
+        # key is looked up and read as the index has it.
+        big = bytearray(5000)
+        assert kv.get_into(keys[1], big) == 4096
+        assert big[:4096] == blocks[keys[1]]
+        assert asked == [[keys[1]]]
+        # A key of the scheme that nobody put: a miss after one Lookup.
+        nobody = block_keys(
+            KeyNamespace(model="nobody", dtype="bf16", kv_layout="t", block_size=2), [1, 2]
+        )[0]
+        assert kv.get(nobody) is None
+        assert asked[-1] == [nobody]
+        # Removed: the node dropped it, so the read by content misses and the index says gone.
+        assert kv.remove(keys[0])
+        assert kv.get(keys[0]) is None
+    with Client(cluster.master_addresses, timeout_s=5.0, direct_reads="off") as off:
+        asked = count_lookups(off)
+        assert off.get(keys[2]) == blocks[keys[2]]
+        assert asked == [[keys[2]]], "direct_reads='off' asks the index first"
+
+
+def test_the_async_client_reads_by_content_too(cluster: LocalCluster) -> None:
+    blocks = scheme_blocks("async")
+    with Client(cluster.master_addresses, timeout_s=5.0) as writer:
+        assert writer.batch_put(blocks) == [True] * len(blocks)
+
+    async def read() -> list[list[str]]:
+        async with AsyncClient(cluster.master_addresses, timeout_s=5.0) as kv:
+            asked = count_lookups(kv)
+            for key, value in blocks.items():
+                assert await kv.get(key) == value
+            assert await kv.batch_get(list(blocks)) == list(blocks.values())
+            return asked
+
+    assert asyncio.run(read()) == []

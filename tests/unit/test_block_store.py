@@ -99,6 +99,25 @@ def test_round_trip_returns_exact_bytes_with_version_and_checksum(store: BlockSt
     assert store.stats().hits == 1
 
 
+def test_write_id_0_reads_the_committed_block_of_the_key(store: BlockStore) -> None:
+    assert stage(store, "k", 7) == Status.OK
+    assert store.resolve("k") == 0
+    assert read(store, "k", 0) == MissReason.WRONG_VERSION, "staged: not served by content"
+    assert store.publish("k", 7, 3).status == Status.OK
+    assert store.resolve("k") == 7
+    assert read(store, "k", 0) == data_for("k", 7, 4 * KIB)
+    assert commit(store, "k", 8, version=4) == Status.OK  # a newer write replaces it
+    assert read(store, "k", 0) == data_for("k", 8, 4 * KIB)
+    assert read(store, "absent", 0) == MissReason.ABSENT
+    status, _level, copy = store.get_in_memory("k", 0)
+    assert status == Status.OK
+    assert copy is not None
+    assert copy.block.write_id == 8
+    store.release(copy)
+    assert store.delete("k", 8)
+    assert read(store, "k", 0) == MissReason.ABSENT
+
+
 def test_read_counts_name_the_most_read_keys_then_start_over(store: BlockStore) -> None:
     for key, reads in (("a", 1), ("b", 3), ("c", 2), ("d", 2)):
         assert commit(store, key, 1, version=1) == Status.OK

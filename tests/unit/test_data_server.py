@@ -162,6 +162,25 @@ def test_publish_ordering_over_the_wire() -> None:
     run(scenario())
 
 
+def test_write_id_0_reads_the_keys_committed_block_never_a_staged_one() -> None:
+    async def scenario() -> None:
+        async with node() as (_, port), connect(port) as conn:
+            assert (await put(conn, "k", 5, b"value")).status == Status.OK
+            staged, _ = await get(conn, "k", 0, 5)
+            assert staged.status == Status.MISS, "a staged block's commit is unproven"
+            assert (await publish(conn, "k", 5, 9)).status == Status.OK
+            response, got = await get(conn, "k", 0, 5)
+            assert (response.status, got) == (Status.OK, b"value")
+            h = response.header
+            assert (h.write_id, h.version, h.checksum) == (5, 9, block_checksum(b"value"))
+            absent, _ = await get(conn, "other", 0, 5)
+            assert (absent.status, absent.header.flags) == (Status.MISS, MissReason.ABSENT)
+            # PUBLISH still names one write: 0 is refused.
+            assert (await publish(conn, "k", 0, 10)).status == Status.BAD_REQUEST
+
+    run(scenario())
+
+
 def test_delete_frees_and_then_misses() -> None:
     async def scenario() -> None:
         async with node() as (server, port), connect(port) as conn:

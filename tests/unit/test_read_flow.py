@@ -4,19 +4,21 @@ the index and each Read from a set standing for what the nodes hold."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
 from kvpool.client.cache import LookupCache
-from kvpool.client.ops import Lookup, Read, ReadFlow, drive, read_flow
-from kvpool.client.placement import Placement
+from kvpool.client.ops import EnsureMembers, Lookup, Read, ReadFlow, ReadStep, drive, read_flow
+from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.plans import ReadItem
 from kvpool.errors import BlockMissError
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import TierLevel
 
 DEADLINE = 10.0
+NODE = MemberInfo(member_id=1, node_id="n1", data_address="tcp://n1:1", capacity_bytes=1 << 30)
 
 
 def entry(
@@ -44,6 +46,10 @@ class World:
     steps: list[tuple[str, list[str]]] = field(default_factory=list)
     sinks: list[tuple[int, str]] = field(default_factory=list)
     cache: LookupCache = field(default_factory=lambda: LookupCache(64, 60.0, clock=lambda: 0.0))
+    placement: Placement = field(default_factory=Placement)
+    direct: Callable[[str], bool] | None = None  # keys read by content (direct_reads)
+    committed: dict[str, int] = field(default_factory=dict)  # what a read by content finds
+    members: list[MemberInfo] = field(default_factory=list)  # what GetMembers answers
 
     def cached(self, *entries: common_pb2.BlockEntry) -> None:
         self.cache.store_many([e.key for e in entries], list(entries), revision=1)
@@ -56,12 +62,13 @@ class World:
         pairs = [(k, k.encode()) for k in keys]
         return read_flow(
             self.cache,
-            Placement(),
+            self.placement,
             pairs,
             self.sink_for,
             limit=limit,
             deadline=DEADLINE,
             clock=lambda: self.now,
+            direct=self.direct,
         )
 
     def run(self, keys: list[str], *, limit: int = 0) -> list[ReadItem | None]:
@@ -69,10 +76,18 @@ class World:
         self.check(keys, items)
         return items
 
-    def perform(self, step: Lookup | Read) -> master_pb2.LookupResponse | None:
+    def perform(self, step: ReadStep) -> master_pb2.LookupResponse | None:
         if isinstance(step, Lookup):
             self.steps.append(("lookup", list(step.keys)))
             return self.lookup(step.keys)
+        if isinstance(step, EnsureMembers):
+            assert not step.patient, "a read asks for the membership once"
+            self.steps.append(("members", []))
+            if self.members:
+                self.placement.update(self.members, 1, self.now)
+            else:
+                self.placement.refresh_tried(self.now)  # no master answered
+            return None
         self.steps.append(("read", [it.key for it in step.items]))
         self.read(step.items)
         return None
@@ -88,7 +103,15 @@ class World:
     def read(self, items: list[ReadItem]) -> None:
         for it in items:
             assert it.replicas, "a Read names only items with a replica to read"
-            if (it.key, it.entry.write_id) in self.held:
+            if not it.entry.write_id:  # read by content: the node's committed write, if any
+                assert it.replicas == [NODE.member_id], "read from the ring's primary"
+                if it.key in self.committed:
+                    it.entry.write_id = self.committed[it.key]
+                    it.ok = True
+                    it.value = b"data"
+                else:
+                    it.fail("absent", BlockMissError("not held", reason="absent"))
+            elif (it.key, it.entry.write_id) in self.held:
                 it.ok = True
                 it.value = b"data"
             else:
@@ -248,3 +271,96 @@ def test_no_keys_no_steps() -> None:
     w = World()
     assert w.run([]) == []
     assert w.steps == []
+
+
+# --- reads by content (direct_reads): no Lookup first ---------------------------------------------
+
+
+def by_content(key: str) -> bool:
+    return key.startswith("kv1/")
+
+
+def direct_world(**kwargs: object) -> World:
+    w = World(direct=by_content, members=[NODE], **kwargs)  # type: ignore[arg-type]
+    w.placement.update([NODE], 1, 0.0)
+    return w
+
+
+def test_a_key_naming_its_content_is_read_from_its_node_with_no_lookup() -> None:
+    w = direct_world(committed={"kv1/a": 7})
+    items = w.run(["kv1/a"])
+    assert w.steps == [("read", ["kv1/a"])]
+    it = items[0]
+    assert it is not None
+    assert it.ok
+    assert it.entry.write_id == 7, "the hit names the write the node served"
+    assert w.sinks == [(0, "kv1/a")]
+
+
+def test_a_read_by_content_that_misses_is_looked_up_and_read_through_the_index() -> None:
+    w = direct_world(index={"kv1/a": entry("kv1/a", 3)}, held={("kv1/a", 3)})
+    items = w.run(["kv1/a"])
+    assert w.steps == [("read", ["kv1/a"]), ("lookup", ["kv1/a"]), ("read", ["kv1/a"])]
+    it = items[0]
+    assert it is not None
+    assert it.ok
+    assert it.entry.write_id == 3
+
+
+def test_a_read_by_content_of_a_key_nowhere_is_none_after_one_lookup() -> None:
+    w = direct_world()
+    assert w.run(["kv1/a"]) == [None]
+    assert w.steps == [("read", ["kv1/a"]), ("lookup", ["kv1/a"])]
+
+
+def test_only_the_keys_not_naming_their_content_are_looked_up_first() -> None:
+    w = direct_world(
+        index={"b": entry("b", 1)}, held={("b", 1)}, committed={"kv1/a": 2, "kv1/c": 4}
+    )
+    items = w.run(["kv1/a", "b", "kv1/c"])
+    assert w.steps == [("lookup", ["b"]), ("read", ["kv1/a", "b", "kv1/c"])]
+    assert [it is not None and it.ok for it in items] == [True, True, True]
+
+
+def test_a_cached_entry_wins_over_a_read_by_content() -> None:
+    w = direct_world(held={("kv1/a", 5)}, committed={"kv1/a": 9})
+    w.cached(entry("kv1/a", 5))
+    items = w.run(["kv1/a"])
+    assert w.steps == [("read", ["kv1/a"])]
+    assert items[0] is not None
+    assert items[0].entry.write_id == 5
+
+
+def test_with_no_ring_yet_the_membership_is_asked_for_once_then_read_by_content() -> None:
+    w = World(direct=by_content, members=[NODE], committed={"kv1/a": 7})
+    items = w.run(["kv1/a"])
+    assert w.steps == [("members", []), ("read", ["kv1/a"])]
+    assert items[0] is not None
+    assert items[0].ok
+    w.steps.clear()
+    w.run(["kv1/a"])
+    assert w.steps == [("read", ["kv1/a"])], "the ring is kept"
+
+
+def test_when_no_membership_can_be_had_the_read_goes_through_the_index() -> None:
+    w = World(direct=by_content, index={"kv1/a": entry("kv1/a", 1)}, held={("kv1/a", 1)})
+    items = w.run(["kv1/a"])
+    assert w.steps == [("members", []), ("lookup", ["kv1/a"]), ("read", ["kv1/a"])]
+    assert items[0] is not None
+    assert items[0].ok
+    w.steps.clear()
+    w.run(["kv1/a"])
+    assert w.steps == [("lookup", ["kv1/a"]), ("read", ["kv1/a"])], "no second ask at once"
+    w.now = 1.0
+    w.steps.clear()
+    w.run(["kv1/a"])
+    assert w.steps[0] == ("members", []), "asked again after min_refresh_interval_s"
+
+
+def test_direct_reads_off_looks_every_key_up() -> None:
+    w = direct_world(committed={"kv1/a": 7})
+    w.direct = None
+    w.index["kv1/a"] = entry("kv1/a", 7)
+    w.held.add(("kv1/a", 7))
+    w.run(["kv1/a"])
+    assert w.steps == [("lookup", ["kv1/a"]), ("read", ["kv1/a"])]
