@@ -373,14 +373,24 @@ class BlockStore:
         return result.status, result.reason, None
 
     def resolve(self, key: str) -> int:
-        """The write id of ``key``'s committed block here, or 0 when it has none. A direct read
-        (write id 0: a client that reads a key naming its content without asking the index)
-        is served only a committed block — one the index confirmed to this node
-        (:mod:`~kvpool.store_node.publish_check`) — never a staged one, whose commit is
-        unproven. A key naming its content means the same bytes in every committed write, so
-        whichever write is held is the right value; the reader checks the bytes against the
-        checksum recorded at PUT, which the writer's commit gave the index too."""
-        return self._committed.get(key, 0)
+        """The write id a direct read of ``key`` gets (write id 0: a client that reads a key
+        naming its content without asking the index), or 0 for none: the key's committed
+        block — one the index confirmed to this node (:mod:`~kvpool.store_node.publish_check`)
+        —, else a staged one whose PUBLISH has come (its writer's commit was acknowledged: a
+        client publishes only what the index committed) while the node is still asking the
+        index, within the staged read window (:meth:`_readable`). Never a staged block with no
+        PUBLISH: its commit is unknown. A key naming its content means the same bytes in every
+        committed write, so whichever write is held is the right value; the reader checks the
+        bytes against the checksum recorded at PUT, which the writer's commit gave the index
+        too."""
+        committed = self._committed.get(key, 0)
+        if committed:
+            return committed
+        for write_id in self._by_key.get(key, ()):
+            block = self._blocks[(key, write_id)]
+            if block.state is BlockState.STAGED and block.claimed_version and self._readable(block):
+                return write_id
+        return 0
 
     def take_read_counts(self, limit: int) -> list[tuple[str, int]]:
         """The ``limit`` keys read most since the last call, with their reads; resets."""

@@ -41,6 +41,7 @@ from kvpool_bench.worker import (
     POISON,
     _new_get,
     _new_put,
+    bench_keys,
     slots,
     stamped,
     verify,
@@ -104,7 +105,7 @@ def hand_off(worker: Worker, msg: dict[str, Any]) -> dict[str, Any]:
     worker.barrier.wait(BARRIER_TIMEOUT_S)
     hand["pipe_one_way_us"] = _pipe_one_way_us(link, role, uid)
     for p in range(int(msg["passes"])):
-        keys = [f"kvpb/{msg['run']}/{uid}/{writer}/{p}/{j}" for j in range(n)]
+        keys = bench_keys(msg["run"], uid, writer, p, n)
         if role == "read":
             worker.dst[: n * size].fill(POISON)
         worker.barrier.wait(BARRIER_TIMEOUT_S)
@@ -146,7 +147,7 @@ def hand_off(worker: Worker, msg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _flow_keys(msg: dict[str, Any], writer: int, unit: int, count: int) -> list[str]:
-    return [f"kvpb/{msg['run']}/{msg['uid']}/{writer}/{unit}/{j}" for j in range(count)]
+    return bench_keys(msg["run"], msg["uid"], writer, unit, count)
 
 
 def engine(worker: Worker, msg: dict[str, Any]) -> dict[str, Any]:

@@ -43,6 +43,7 @@ least in its stamp.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import multiprocessing
 import os
 import struct
@@ -331,9 +332,30 @@ class Worker:
             self.sink.close()
 
 
+def bench_keys(run: object, uid: object, writer: int, unit: int, count: int) -> list[str]:
+    """The keys worker ``writer`` puts in pass (or unit) ``unit`` of cell ``uid`` of run
+    ``run``, in the form of kvpool's key scheme (``kv1/<32 hex>/<32 hex>``, what engines send
+    through kvpool's keys module: the cell's hash and the writer, then the unit and the slot,
+    in hex) — every
+    key is put once, with one value, so each names its content as an engine's do, and kvpool
+    reads them as it reads an engine's."""
+    cell = hashlib.blake2b(f"kvpb/{run}/{uid}".encode(), digest_size=12).hexdigest()
+    return [f"kv1/{cell}{writer:08x}/{unit:016x}{j:016x}" for j in range(count)]
+
+
+def key_slot(key: str) -> int:
+    """The slot (``j``) of a key of :func:`bench_keys`."""
+    return int(key[-16:], 16)
+
+
+def key_writer(key: str) -> int:
+    """The writer of a key of :func:`bench_keys`."""
+    return int(key[28:36], 16)
+
+
 def _keys(msg: dict[str, Any], writer: int, pass_no: int, count: int) -> list[str]:
     """The keys worker ``writer`` puts in pass ``pass_no`` of the cell ``msg``."""
-    return [f"kvpb/{msg['run']}/{msg['uid']}/{writer}/{pass_no}/{j}" for j in range(count)]
+    return bench_keys(msg["run"], msg["uid"], writer, pass_no, count)
 
 
 def worker_main(

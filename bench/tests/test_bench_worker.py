@@ -18,7 +18,7 @@ from kvpool_bench import pair_cells
 from kvpool_bench.drivers import Array, PassResult, Result, SyncDriver
 from kvpool_bench.pair_cells import PINGS
 from kvpool_bench.peers import first_read_parts, pair_parts
-from kvpool_bench.worker import POISON, Worker
+from kvpool_bench.worker import POISON, Worker, key_slot, key_writer
 
 SIZE = 4096
 
@@ -64,21 +64,21 @@ class DictStore(SyncDriver):
 class FlipsAByte(DictStore):
     def get_one(self, key: str, dst: Array, res: PassResult) -> Result:
         got = self.read(key, dst)
-        if got is not None and key.endswith("/3"):
+        if got is not None and key_slot(key) == 3:
             dst[100] ^= 0xFF
         return got
 
 
 class LosesAKey(DictStore):
     def put_one(self, key: str, src: Array, res: PassResult) -> bool:
-        return key.endswith("/5") or super().put_one(key, src, res)
+        return key_slot(key) == 5 or super().put_one(key, src, res)
 
 
 class ServesSlotZero(DictStore):
     """Every key reads the block of slot 0 of the same pass (a misplaced read)."""
 
     def get_one(self, key: str, dst: Array, res: PassResult) -> Result:
-        return self.read(key.rsplit("/", 1)[0] + "/0", dst)
+        return self.read(key[:-16] + f"{0:016x}", dst)
 
 
 class WritesHalf(DictStore):
@@ -222,7 +222,7 @@ def test_a_first_read_is_the_other_workers_and_verified_in_full() -> None:
     assert get["wrong"] == get["misses"] == 0
     assert len(get["durations_us"]) == 16  # one call per key
     assert len(reads) == len(set(reads)) == 16  # each block read exactly once ...
-    assert all(k.split("/")[3] == "0" for k in reads)  # ... and all of them worker 0's
+    assert all(key_writer(k) == 0 for k in reads)  # ... and all of them worker 0's
     assert not driver.data  # the writer removed its keys after the reads
 
 
@@ -322,7 +322,7 @@ def test_each_hand_off_is_read_by_the_other_worker_before_the_next_put() -> None
     keys = [e.split()[1] for e in events[::2]]
     assert events == [f"{op} {k}" for k in keys for op in ("put", "get")]
     assert len(set(keys)) == 16
-    assert all(k.split("/")[3] == "0" for k in keys)  # worker 0's keys
+    assert all(key_writer(k) == 0 for k in keys)  # worker 0's keys
     get, hand = reader["get"], reader["handoff"]
     assert get["bytes_verified"] == get["bytes_read"] == 16 * SIZE
     assert get["wrong"] == get["misses"] == hand["unacknowledged"] == 0

@@ -36,8 +36,11 @@ class BackendSettings:
     client: dict[str, Any] = field(default_factory=dict)
 
     def make_client(self) -> Client:
+        """The backend's client. SGLang's page keys name their content (a chained hash of the
+        page's tokens, under the model and layout), so they are read straight from their
+        node (``direct_reads="all"``) unless the extra config says otherwise."""
         try:
-            return Client(list(self.masters), **self.client)
+            return Client(list(self.masters), **{"direct_reads": "all", **self.client})
         except ConfigError as e:
             raise ConfigError(f"{WHERE}: {e}") from None
 

@@ -99,10 +99,16 @@ def test_round_trip_returns_exact_bytes_with_version_and_checksum(store: BlockSt
     assert store.stats().hits == 1
 
 
-def test_write_id_0_reads_the_committed_block_of_the_key(store: BlockStore) -> None:
+def test_write_id_0_reads_the_committed_block_of_the_key(
+    store: BlockStore, clock: FakeClock
+) -> None:
     assert stage(store, "k", 7) == Status.OK
     assert store.resolve("k") == 0
     assert read(store, "k", 0) == MissReason.WRONG_VERSION, "staged: not served by content"
+    store.retire_older("k", 7, 3)  # its PUBLISH came: the index is being asked
+    assert read(store, "k", 0) == data_for("k", 7, 4 * KIB)
+    clock.now += 2.0  # past the staged read window: unconfirmed, not served
+    assert read(store, "k", 0) == MissReason.WRONG_VERSION
     assert store.publish("k", 7, 3).status == Status.OK
     assert store.resolve("k") == 7
     assert read(store, "k", 0) == data_for("k", 7, 4 * KIB)
