@@ -356,8 +356,11 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
                 errors.append(f"{name}: must be at least 1")
         if self.raft_compaction_min_entries == 1:
             errors.append("raft_compaction_min_entries: must be at least 2 (PySyncObj)")
-        if self.raft_max_message_bytes < 1 << 20:
-            errors.append("raft_max_message_bytes: must be at least 1 MiB (entries go in 1 MiB)")
+        if self.raft_max_message_bytes < MIN_RAFT_MESSAGE_BYTES:
+            errors.append(
+                "raft_max_message_bytes: must be at least 4 MiB (an append carries up to 1 MiB "
+                "of entries plus one more entry, and encryption's base64 adds a third)"
+            )
         if not 0 <= self.raft_compress_level <= 9:
             errors.append("raft_compress_level: must be 0 to 9 (a zlib level)")
         if self.raft_message_timeout_s <= 0:
@@ -551,6 +554,9 @@ class NodeConfig(ServerSecurityConfig, LogConfig, IngressConfig):
             errors.append("lease_timeout_s: must be positive")
         return errors
 
+
+MIN_RAFT_MESSAGE_BYTES = 4 << 20
+"""Smallest ``raft_max_message_bytes``: a legitimate append must always fit."""
 
 DIRECT_READS = ("scheme", "all", "off")
 """The values of ``ClientConfig.direct_reads``."""

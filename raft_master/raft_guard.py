@@ -28,7 +28,7 @@ talk to us) and replaces its connection handling:
    (``raft_max_message_bytes``, 64 MiB: PySyncObj sends entries and snapshots in 1 MiB pieces
    here). A negative or larger length closes the connection before anything is buffered. The
    buffer of an accepted length is allocated once and received into (``recv_into``): no copy
-   per read.
+   per read. A message inflating past the limit (a deflate bomb) is refused as it inflates.
 3. **Deadlines.** The handshake must be done within ``message_timeout_s`` of the connect, and
    every message must arrive whole within ``message_timeout_s`` of its first byte
    (``raft_message_timeout_s``, 5 s); a connection that misses either is closed. Checked on
@@ -75,11 +75,12 @@ READS_PER_EVENT = 64
 @dataclass(frozen=True)
 class GuardLimits:
     max_message_bytes: int = 64 << 20
+    """Longest message after the handshake, as sent and once inflated."""
     message_timeout_s: float = 5.0
-    compress_level: int = 0
-    """zlib level of what we send (``raft_compress_level``); any level decodes the same."""
     pre_auth_max_bytes: int = PRE_AUTH_MAX_BYTES
     max_unauthenticated: int = MAX_UNAUTHENTICATED
+    compress_level: int = 0
+    """zlib level of what we send (``raft_compress_level``); any level decodes the same."""
 
 
 def encode_message(message: Any, encryptor: Any, compress_level: int) -> bytes:
@@ -95,7 +96,7 @@ def encode_message(message: Any, encryptor: Any, compress_level: int) -> bytes:
     data = zlib.compress(pysyncobj_pickle.dumps(message), compress_level)
     if encryptor:
         data = encryptor.encrypt_at_time(data, int(pysyncobj_clock()))
-    return bytes(data)
+    return data
 
 
 class GuardStats:
@@ -379,7 +380,9 @@ class GuardedConnection:
                 self._on_message(message)
 
     def _decode(self, data: bytes) -> tuple[Any, bool]:
-        """PySyncObj's decoding of one message (decrypt, inflate, unpickle, check the key)."""
+        """PySyncObj's decoding of one message (decrypt, inflate, unpickle, check the key).
+        Inflated to at most the message limit: a few KiB of deflate can declare gigabytes, and
+        even a peer holding the secret must not make a master allocate them."""
         try:
             if self.encryptor:
                 stamp = self.encryptor.extract_timestamp(data)
@@ -387,7 +390,16 @@ class GuardedConnection:
                     return None, False
                 self.recvLastTimestamp = stamp
                 data = self.encryptor.decrypt(data)
-            message = pysyncobj_pickle.loads(zlib.decompress(data))
+            limit = (
+                self._limits.max_message_bytes
+                if self.authenticated
+                else self._limits.pre_auth_max_bytes
+            )
+            inflater = zlib.decompressobj()
+            plain = inflater.decompress(data, limit)
+            if inflater.unconsumed_tail or not inflater.eof:
+                return None, False  # inflates past the limit, or not one whole zlib stream
+            message = pysyncobj_pickle.loads(plain)
             if self.recvRandKey:
                 rand_key, message = message
                 if rand_key != self.recvRandKey:

@@ -11,7 +11,7 @@ from pysyncobj.tcp_connection import TcpConnection
 
 from kvpool.config import MasterConfig, load_config
 from kvpool.errors import ConfigError
-from kvpool.raft_master.raft_guard import GuardLimits, encode_message
+from kvpool.raft_master.raft_guard import GuardedConnection, GuardLimits, encode_message
 
 APPEND = {
     "type": "append_entries",
@@ -52,4 +52,36 @@ def test_the_default_is_stored_and_a_bad_level_is_refused_naming_the_setting() -
             MasterConfig,
             env={"KVPOOL_RAFT_SECRET": "s3cret"},
             overrides={"in_memory": True, "raft_compress_level": 10},
+        )
+
+
+def guarded(limits: GuardLimits, encryptor: object) -> GuardedConnection:
+    conn = GuardedConnection(createPoller("select"), limits=limits, refuse=lambda _c, _why: None)
+    conn.encryptor = encryptor
+    conn.authenticated = True
+    return conn
+
+
+def test_a_message_inflating_past_the_limit_is_refused_as_it_inflates() -> None:
+    encryptor = getEncryptor("secret")
+    limits = GuardLimits(max_message_bytes=1 << 20)
+    conn = guarded(limits, encryptor)
+    assert conn._decode(encode_message(APPEND, encryptor, 3)) == (APPEND, True)
+    # A real message of 8 MiB of zeros deflates to ~8 KiB: well under the frame limit, far
+    # over it once inflated — refused (without the bound it decoded: a bomb from a secret
+    # holder could make a master allocate gigabytes).
+    bomb = encode_message(b"\x00" * (8 << 20), encryptor, 9)
+    assert len(bomb) < 64 << 10
+    assert conn._decode(bomb) == (None, False)
+    # The same message within a larger limit is read.
+    roomy = guarded(GuardLimits(max_message_bytes=16 << 20), encryptor)
+    assert roomy._decode(bomb) == (b"\x00" * (8 << 20), True)
+
+
+def test_raft_max_message_bytes_must_hold_a_whole_append() -> None:
+    with pytest.raises(ConfigError, match="raft_max_message_bytes: must be at least 4 MiB"):
+        load_config(
+            MasterConfig,
+            env={"KVPOOL_RAFT_SECRET": "s3cret"},
+            overrides={"in_memory": True, "raft_max_message_bytes": 2 << 20},
         )
