@@ -199,6 +199,8 @@ class _Workloads:
             ]  # fmt: skip
             if scenario.mix:
                 argv += ["--mix", scenario.mix]
+            if scenario.content_keys:
+                argv.append("--content-keys")
             argv += scenario.workload_args
             log = open(directory / f"workload-{pid}.log", "wb")  # noqa: SIM115 - given to the child
             try:
@@ -427,7 +429,8 @@ def _judge(
             if sample_hits.hit_rate >= scenario.hit_rate_target:
                 break
             time.sleep(0.5)
-    final = collect_final_state(masters, key_space(scenario.keys), settle_timeout_s=15)
+    keys = key_space(scenario.keys, content=scenario.content_keys)
+    final = collect_final_state(masters, keys, settle_timeout_s=15)
     context = CheckContext(
         timeout_s=scenario.timeout_s,
         margin_s=DEADLINE_MARGIN_S,

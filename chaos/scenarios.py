@@ -59,6 +59,7 @@ class Scenario:
     min_duration_s: float = 8.0
     nodes: int = 2
     replica_target: int = 0  # checker `replicas`: live replicas every indexed key ends with
+    content_keys: bool = False  # keys that name their content (read with no Lookup first)
 
     def schedule(self, duration_s: float, seed: int) -> list[Step]:
         """The faults of a run of ``duration_s`` seconds, as a pure function of the seed."""
@@ -273,6 +274,20 @@ SCENARIOS: dict[str, Scenario] = _scenarios(
             replica_target=1,
             catches="blocks lost by a drain (released before their copy was indexed); a "
             "drained node still named by the index",
+        ),
+        Scenario(
+            "content-keys",
+            "keys that name their content, read straight from the node the ring places them "
+            "on: store nodes killed and restarted, paused, cut from the clients, the leader "
+            "killed, under writes, reads and removes",
+            ("kill-node", "pause-node", "cut-node-from-clients", "kill-leader"),
+            proxies=True,
+            hold_s=3.0,
+            recover_s=3.0,
+            content_keys=True,
+            workload_args=("--size-max", "256KiB"),
+            catches="a read by content served a block of another key, a damaged block or one "
+            "never committed; a block acknowledged then missed by a reader during faults",
         ),
         Scenario(
             "random-mix",

@@ -87,6 +87,11 @@ def computed_writer(process_id: int) -> int:
     return -(process_id + 1)
 
 
+CONTENT_WRITER = (1 << 31) - 1
+"""The writer id of every value of a content-named key (``--content-keys``): each key has one
+value, whoever writes it, as a key of kvpool's scheme has."""
+
+
 def key_hash(key: str) -> int:
     """xxh3-64 of the key's UTF-8 bytes."""
     return int(xxhash.xxh3_64_intdigest(key.encode("utf-8")))

@@ -18,6 +18,7 @@ operation, cleanly. The plan of operations (kinds, keys, sizes, value ids) is a 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -40,6 +41,7 @@ from kvpool.chaos.history import (
     Receipt,
 )
 from kvpool.chaos.values import (
+    CONTENT_WRITER,
     Corruption,
     SizeDistribution,
     ValueId,
@@ -97,8 +99,14 @@ class Mix:
         return kind  # type: ignore[return-value]
 
 
-def key_space(keys: int, prefix: str = "chaos") -> list[str]:
-    """The keys every workload process of a run shares."""
+def key_space(keys: int, prefix: str = "chaos", *, content: bool = False) -> list[str]:
+    """The keys every workload process of a run shares; ``content``: in the form of kvpool's
+    key scheme (``kv1/<32 hex>/<32 hex>``), keys that name their content — each has one value
+    (:data:`~kvpool.chaos.values.CONTENT_WRITER`), and clients read them by content, from the
+    node the ring places them on without a Lookup first."""
+    if content:
+        space = hashlib.blake2b(f"kvpool-chaos/{prefix}".encode(), digest_size=16).hexdigest()
+        return [f"kv1/{space}/{i:032x}" for i in range(keys)]
     return [f"{prefix}/k{i:05d}" for i in range(keys)]
 
 
@@ -117,6 +125,7 @@ class WorkloadConfig:
     sizes: SizeDistribution = field(default_factory=SizeDistribution)
     batch_size: int = 4
     replicas: int = 1
+    content_keys: bool = False  # key_space(content=True): one value per key
 
     def __post_init__(self) -> None:
         problems = []
@@ -153,11 +162,14 @@ class Planner:
     def __init__(self, config: WorkloadConfig) -> None:
         self._config = config
         self._rng = random.Random(f"kvpool-chaos/{config.seed}/{config.process_id}")
-        self._keys = key_space(config.keys, config.key_prefix)
+        self._keys = key_space(config.keys, config.key_prefix, content=config.content_keys)
         self._index = 0
         self._seq = 0
 
-    def _value(self, writer: int) -> tuple[ValueId, int]:
+    def _value(self, key: str, writer: int) -> tuple[ValueId, int]:
+        if self._config.content_keys:  # one value per key, whoever writes it
+            size = self._config.sizes.draw(random.Random(f"kvpool-chaos/{key}"))
+            return ValueId(CONTENT_WRITER, 0), size
         self._seq += 1
         return ValueId(writer, self._seq), self._config.sizes.draw(self._rng)
 
@@ -171,10 +183,10 @@ class Planner:
             keys = (self._rng.choice(self._keys),)
         written: list[ValueId | None] = []
         sizes: list[int] = []
-        for _ in keys:
+        for key in keys:
             if kind in ("put", "batch_put", "get_or_compute"):
                 writer = computed_writer(cfg.process_id) if kind == "get_or_compute" else None
-                value, size = self._value(cfg.process_id if writer is None else writer)
+                value, size = self._value(key, cfg.process_id if writer is None else writer)
                 written.append(value)
                 sizes.append(size)
             else:
@@ -462,6 +474,11 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkloadConfig:
     parser.add_argument("--size-max", default="1MiB")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument(
+        "--content-keys",
+        action="store_true",
+        help="keys of kvpool's scheme form with one value each (read by content, no Lookup)",
+    )
     args = parser.parse_args(argv)
     try:
         return WorkloadConfig(
@@ -478,6 +495,7 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkloadConfig:
             sizes=SizeDistribution(parse_size(args.size_min), parse_size(args.size_max)),
             batch_size=args.batch_size,
             replicas=args.replicas,
+            content_keys=args.content_keys,
         )
     except ValueError as e:
         parser.error(str(e))  # exits

@@ -39,6 +39,15 @@ def client_families(stats: ClientStats) -> Iterator[Metric]:
     puts.add_metric(["ok"], float(snap["puts_ok"]))
     puts.add_metric(["failed"], float(snap["puts_failed"]))
     yield puts
+    direct = counter(
+        "kvpool_client_direct_reads",
+        "keys read by content from their ring node with no Lookup first (hit), or that missed "
+        "there and were looked up (miss)",
+        ["outcome"],
+    )
+    direct.add_metric(["hit"], float(snap["direct_hits"]))
+    direct.add_metric(["miss"], float(snap["direct_misses"]))
+    yield direct
     for name, key, doc in (
         ("kvpool_client_fallbacks", "fallbacks", "get_or_compute calls that computed the value"),
         ("kvpool_client_replica_retries", "replica_retries", "reads moved on to another replica"),

@@ -153,13 +153,16 @@ def read_flow(
     deadline: float,
     clock: Callable[[], float],
     direct: Callable[[str], bool] | None = None,
+    on_direct: Callable[[int, int], None] | None = None,
 ) -> ReadFlow:
     """Read ``pairs`` (key, key bytes): one ReadItem per key the index holds, None for the
-    others (see the module doc). ``direct``: which keys name their content (None: none)."""
+    others (see the module doc). ``direct``: which keys name their content (None: none);
+    ``on_direct`` hears how many keys read by content hit and missed, after the first read."""
     entries: list[common_pb2.BlockEntry | None] = [cache.get(k) for k, _ in pairs]
     from_cache = [e is not None for e in entries]
     live: dict[int, MemberInfo] = {}
     todo = [i for i, e in enumerate(entries) if e is None]
+    by_content: list[int] = []
     if todo and direct is not None and any(direct(pairs[i][0]) for i in todo):
         if placement.refresh_due(clock()):
             yield EnsureMembers(patient=False)
@@ -170,6 +173,7 @@ def read_flow(
                 if direct(key):
                     entries[i] = direct_entry(placement, key, key_bytes)
                     from_cache[i] = True  # a guess, as a cached entry is: a miss looks it up
+                    by_content.append(i)
                 else:
                     rest.append(i)
             todo = rest
@@ -183,6 +187,9 @@ def read_flow(
     readable = [it for it in items if it is not None and it.replicas]
     if readable:
         yield Read(readable, live)
+    if by_content and on_direct is not None:
+        hits = sum(1 for i in by_content if (it := items[i]) is not None and it.ok)
+        on_direct(hits, len(by_content) - hits)
     stale = [i for i, it in enumerate(items) if it is not None and not it.ok and it.from_cache]
     if stale and clock() < deadline:
         # A cached entry missed: it may be stale. Look those keys up again, once.

@@ -564,6 +564,7 @@ class ClientState:
             deadline=deadline,
             clock=clock,
             direct=self._direct if call.direct else None,
+            on_direct=self._stats.direct,
         )
 
     # --- index questions ------------------------------------------------------------------

@@ -57,6 +57,13 @@ class ClientStats:
         self._ring_refreshes = 0
         self._hedged = 0
         self._hedge_wins = 0
+        self._direct_hits = 0
+        self._direct_misses = 0
+
+    def direct(self, hits: int, misses: int) -> None:
+        with self._lock:
+            self._direct_hits += hits
+            self._direct_misses += misses
 
     def hit(self, n: int = 1) -> None:
         with self._lock:
@@ -93,7 +100,9 @@ class ClientStats:
         ``puts_failed``, ``fallbacks`` (get_or_compute computed the value), ``replica_retries``
         (reads that moved on to another replica), ``ring_refreshes``, ``hedged_reads`` (keys
         also asked of a second replica because the first was slow), ``hedge_wins`` (keys the
-        second replica served)."""
+        second replica served), ``direct_hits`` / ``direct_misses`` (keys read by content from
+        their ring node with no Lookup first, and those that missed there and were looked
+        up)."""
         with self._lock:
             return {
                 "hits": self._hits,
@@ -106,4 +115,6 @@ class ClientStats:
                 "ring_refreshes": self._ring_refreshes,
                 "hedged_reads": self._hedged,
                 "hedge_wins": self._hedge_wins,
+                "direct_hits": self._direct_hits,
+                "direct_misses": self._direct_misses,
             }

@@ -22,6 +22,7 @@ from kvpool.proto.keys import (
     KeyNamespace,
     canonical_dtype,
     full_blocks,
+    is_scheme_key,
 )
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "canonical_dtype",
     "chain_hashes",
     "full_blocks",
+    "is_scheme_key",
     "key_for",
     "namespace",
 ]

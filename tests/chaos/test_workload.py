@@ -24,7 +24,13 @@ from kvpool.chaos.final_state import (
     verify_reads,
 )
 from kvpool.chaos.history import CheckContext, HistoryWriter, Op, load_history
-from kvpool.chaos.values import ValueId, computed_writer, decode_value, make_value
+from kvpool.chaos.values import (
+    CONTENT_WRITER,
+    ValueId,
+    computed_writer,
+    decode_value,
+    make_value,
+)
 from kvpool.chaos.workload import (
     Executor,
     Mix,
@@ -41,6 +47,7 @@ from kvpool.errors import (
     InvalidKeyError,
     UnavailableError,
 )
+from kvpool.keys import is_scheme_key
 from kvpool.launcher.cluster import LocalCluster
 
 
@@ -86,6 +93,24 @@ def test_processes_share_the_key_space_and_never_share_value_ids() -> None:
             assert op.written[0].writer == computed_writer(1)
         if op.kind in ("batch_put", "batch_get"):
             assert len(set(op.keys)) == len(op.keys) == 4
+
+
+def test_content_keys_are_of_the_key_scheme_and_each_has_one_value() -> None:
+    planners = {pid: Planner(config(pid, content_keys=True)) for pid in (1, 2)}
+    ops = [op for p in planners.values() for op in (p.next() for _ in range(300))]
+    space = key_space(16, content=True)
+    assert all(is_scheme_key(k) for k in space)
+    assert len(set(space)) == 16
+    values: dict[str, set[tuple[ValueId, int]]] = {}
+    for op in ops:
+        assert set(op.keys) <= set(space)
+        for key, value, size in zip(op.keys, op.written, op.sizes, strict=True):
+            if value is not None:
+                values.setdefault(key, set()).add((value, size))
+    assert values
+    for found in values.values():  # one value and one size per key, whoever writes it
+        assert len(found) == 1
+        assert next(iter(found))[0] == ValueId(CONTENT_WRITER, 0)
 
 
 def test_a_mix_parses_and_refuses_nonsense() -> None:

@@ -172,12 +172,15 @@ def test_a_block_put_by_one_client_is_read_by_another_with_no_lookup(
         assert kv.batch_get_into(keys, bufs) == [len(v) for v in blocks.values()]
         assert bufs == list(blocks.values())
         assert asked == [], "every block was read from its node, the index never asked"
+        assert kv.stats["direct_hits"] == 4 * len(blocks)
+        assert kv.stats["direct_misses"] == 0
         # A buffer larger than the block: the node's answer does not fit the guess, so the
         # key is looked up and read as the index has it.
         big = bytearray(5000)
         assert kv.get_into(keys[1], big) == 4096
         assert big[:4096] == blocks[keys[1]]
         assert asked == [[keys[1]]]
+        assert kv.stats["direct_misses"] == 1
         # A key of the scheme that nobody put: a miss after one Lookup.
         nobody = block_keys(
             KeyNamespace(model="nobody", dtype="bf16", kv_layout="t", block_size=2), [1, 2]

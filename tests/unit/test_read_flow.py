@@ -50,6 +50,7 @@ class World:
     direct: Callable[[str], bool] | None = None  # keys read by content (direct_reads)
     committed: dict[str, int] = field(default_factory=dict)  # what a read by content finds
     members: list[MemberInfo] = field(default_factory=list)  # what GetMembers answers
+    direct_counts: list[tuple[int, int]] = field(default_factory=list)  # on_direct's reports
 
     def cached(self, *entries: common_pb2.BlockEntry) -> None:
         self.cache.store_many([e.key for e in entries], list(entries), revision=1)
@@ -69,6 +70,7 @@ class World:
             deadline=DEADLINE,
             clock=lambda: self.now,
             direct=self.direct,
+            on_direct=lambda hits, misses: self.direct_counts.append((hits, misses)),
         )
 
     def run(self, keys: list[str], *, limit: int = 0) -> list[ReadItem | None]:
@@ -301,6 +303,7 @@ def test_a_read_by_content_that_misses_is_looked_up_and_read_through_the_index()
     w = direct_world(index={"kv1/a": entry("kv1/a", 3)}, held={("kv1/a", 3)})
     items = w.run(["kv1/a"])
     assert w.steps == [("read", ["kv1/a"]), ("lookup", ["kv1/a"]), ("read", ["kv1/a"])]
+    assert w.direct_counts == [(0, 1)]
     it = items[0]
     assert it is not None
     assert it.ok
@@ -320,6 +323,7 @@ def test_only_the_keys_not_naming_their_content_are_looked_up_first() -> None:
     items = w.run(["kv1/a", "b", "kv1/c"])
     assert w.steps == [("lookup", ["b"]), ("read", ["kv1/a", "b", "kv1/c"])]
     assert [it is not None and it.ok for it in items] == [True, True, True]
+    assert w.direct_counts == [(2, 0)]
 
 
 def test_a_cached_entry_wins_over_a_read_by_content() -> None:
