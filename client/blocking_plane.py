@@ -32,6 +32,7 @@ from kvpool.client.links import (
     advance,
     conn_arena,
     hello_call,
+    node_read,
     open_flow,
     read_hello,
 )
@@ -311,13 +312,7 @@ class BlockingDataPlane:
             else:
                 self._on_node_failed(member.member_id)
             return None
-        plan = NodeRead(
-            address,
-            group,
-            mget="mget" in conn.features,
-            arena=conn_arena(conn),
-            direct="direct" in conn.features,
-        )
+        plan = node_read(address, group, conn)
         try:
             conn.send(plan.calls, deadline, trace=trace)
         except KVPoolError as e:

@@ -33,13 +33,13 @@ from kvpool.client.links import (
     advance,
     conn_arena,
     hello_call,
+    node_read,
     open_flow,
     read_hello,
 )
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
     BlockRef,
-    NodeRead,
     NodeStage,
     PutItem,
     ReadItem,
@@ -246,13 +246,7 @@ class DataPlane:
         if isinstance(conn, KVPoolError):
             unreached_reads(items, conn)
             return
-        plan = NodeRead(
-            address,
-            items,
-            mget="mget" in conn.features,
-            arena=conn_arena(conn),
-            direct="direct" in conn.features,
-        )
+        plan = node_read(address, items, conn)
         try:
             await conn.exchange(plan.calls, deadline - loop.time(), trace=tracing.frame_trace())
         except KVPoolError as e:

@@ -25,6 +25,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from kvpool.client.plans import NodeRead, ReadItem
 from kvpool.errors import ConfigError, DeadlineExceededError, KVPoolError, TransportError
 from kvpool.proto.wire import Op, Status
 from kvpool.transports import host_id, schemes
@@ -253,3 +254,16 @@ def conn_arena(conn: object) -> Arena | None:
     """The mapped arena of a shared-memory connection (None for any other)."""
     arena = getattr(conn, "arena", None)
     return arena if isinstance(arena, Arena) else None
+
+
+def node_read(address: str, items: list[ReadItem], conn: Any) -> NodeRead:
+    """The reads of ``items`` from the node at ``address`` over ``conn``, as its features
+    allow (MGET, shared memory, reads by content)."""
+    features = conn.features
+    return NodeRead(
+        address,
+        items,
+        mget="mget" in features,
+        arena=conn_arena(conn),
+        direct="direct" in features,
+    )

@@ -315,25 +315,34 @@ def judge(
             ),
         )
         return
+    _take(it, address, data, size=size, checksum=checksum, flags=flags)
+
+
+def _take(
+    it: ReadItem, address: str, data: memoryview | None, *, size: int, checksum: int, flags: int
+) -> bool:
+    """The bytes of a hit whose answer was judged right: they must be ``size`` bytes hashing
+    to ``checksum``; then they are the item's value (a hit, on tier ``flags``)."""
     if data is None and size == 0:
         data = memoryview(b"")
     if data is None or data.nbytes != size:
         it.fail("node_down", UnavailableError(f"{address}: {it.key!r}: payload not received"))
-        return
-    if block_checksum(data) != entry.checksum:
+        return False
+    if block_checksum(data) != checksum:
         it.fail(
             "checksum_mismatch",
             ChecksumMismatchError(
-                f"{address}: {it.key!r}: the bytes received do not hash to {entry.checksum:#x}"
+                f"{address}: {it.key!r}: the bytes received do not hash to {checksum:#x}"
             ),
         )
-        return
+        return False
     if it.sink is None:
         it.value = bytes(data)
     elif data is not it.sink:
         copy_bytes(it.sink, data)
     it.ok = True
     it.tier = flags
+    return True
 
 
 def _judge_direct(
@@ -352,26 +361,8 @@ def _judge_direct(
             ),
         )
         return
-    if data is None and size == 0:
-        data = memoryview(b"")
-    if data is None or data.nbytes != size:
-        it.fail("node_down", UnavailableError(f"{address}: {it.key!r}: payload not received"))
-        return
-    if block_checksum(data) != checksum:
-        it.fail(
-            "checksum_mismatch",
-            ChecksumMismatchError(
-                f"{address}: {it.key!r}: the bytes received do not hash to {checksum:#x}"
-            ),
-        )
-        return
-    if it.sink is None:
-        it.value = bytes(data)
-    elif data is not it.sink:
-        copy_bytes(it.sink, data)
-    entry.write_id, entry.size_bytes, entry.checksum = write_id, size, checksum
-    it.ok = True
-    it.tier = flags
+    if _take(it, address, data, size=size, checksum=checksum, flags=flags):
+        entry.write_id, entry.size_bytes, entry.checksum = write_id, size, checksum
 
 
 # --- reads from one node ------------------------------------------------------------------------
