@@ -45,7 +45,7 @@ from kvpool.client.cache import LookupCache
 from kvpool.client.commits import AfterCommit, CommitAnswer, PutReceipt
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.plans import BlockRef, PutItem, ReadItem, new_write_ids
-from kvpool.errors import BlockMissError, KVPoolError
+from kvpool.errors import BlockMissError, KVPoolError, NoNodesError
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import TierLevel
 
@@ -154,10 +154,12 @@ def read_flow(
     clock: Callable[[], float],
     direct: Callable[[str], bool] | None = None,
     on_direct: Callable[[int, int], None] | None = None,
+    direct_replicas: int = 1,
 ) -> ReadFlow:
     """Read ``pairs`` (key, key bytes): one ReadItem per key the index holds, None for the
     others (see the module doc). ``direct``: which keys name their content (None: none);
-    ``on_direct`` hears how many keys read by content hit and missed, after the first read."""
+    ``on_direct`` hears how many keys read by content hit and missed, after the first read;
+    ``direct_replicas``: the ring's members tried for each (the writers' replica count)."""
     entries: list[common_pb2.BlockEntry | None] = [cache.get(k) for k, _ in pairs]
     from_cache = [e is not None for e in entries]
     live: dict[int, MemberInfo] = {}
@@ -170,8 +172,13 @@ def read_flow(
             rest = []
             for i in todo:
                 key, key_bytes = pairs[i]
-                if direct(key):
-                    entries[i] = direct_entry(placement, key, key_bytes)
+                entry = (
+                    direct_entry(placement, key, key_bytes, direct_replicas)
+                    if direct(key)
+                    else None
+                )
+                if entry is not None:
+                    entries[i] = entry
                     from_cache[i] = True  # a guess, as a cached entry is: a miss looks it up
                     by_content.append(i)
                 else:
@@ -224,14 +231,22 @@ DIRECT_SIZE = -1
 buffer, or fresh bytes of the size the node answers."""
 
 
-def direct_entry(placement: Placement, key: str, key_bytes: bytes) -> common_pb2.BlockEntry:
+def direct_entry(
+    placement: Placement, key: str, key_bytes: bytes, replicas: int = 1
+) -> common_pb2.BlockEntry | None:
     """A stand-in index entry for a key that names its content: write id 0 (the node answers
-    with the key's committed block, whichever write it is), on the ring's primary for the key,
-    size and checksum unknown (taken from the node's answer, the bytes checked against that
-    checksum). Safe only for such keys: every committed write of one holds the same bytes, so
-    any committed block of it is the right value (``docs/operations.md``, "Direct reads")."""
-    primary = placement.place(key_bytes, 1)
-    return common_pb2.BlockEntry(key=key, found=True, replicas=[primary[0].member_id])
+    with the key's committed block, whichever write it is), on the ring's first ``replicas``
+    members for the key (where a writer with that replica count put it), size and checksum
+    unknown (taken from the node's answer, the bytes checked against that checksum); None when
+    the ring names no node. Safe only for such keys: every committed write of one holds the
+    same bytes, so any committed block of it is the right value (``docs/operations.md``,
+    "Direct reads")."""
+    try:
+        members = placement.place(key_bytes, replicas)
+    except NoNodesError:  # the ring emptied since it was checked
+        return None
+    held = [m.member_id for m in members]
+    return common_pb2.BlockEntry(key=key, found=True, replicas=held)
 
 
 def members_of(response: master_pb2.LookupResponse) -> dict[int, MemberInfo]:
@@ -272,7 +287,10 @@ def read_items(
             entry.size_bytes = sink.nbytes if sink is not None else 0
         held = entry.replicas
         n = len(held)
-        replicas = [held[0]] if n == 1 else read_order(held, now_s, randrange(max(1, n)))
+        if n == 1:
+            replicas = [held[0]]
+        else:  # a read by content tries the ring's primary first (suspects last)
+            replicas = read_order(held, now_s, randrange(n) if entry.write_id else 0)
         item = ReadItem(
             key,
             key_bytes,

@@ -51,10 +51,13 @@ def out_of_time(queue: list[ReadItem]) -> None:
 
 def rounds_left(items: list[ReadItem]) -> int:
     """The most replicas any of ``items`` has still to try: the rounds the read may yet take
-    (each round gets its share of the time left)."""
+    (each round gets its share of the time left). A read by content (write id 0) counts one
+    round more: the Lookup and read it falls back to when it misses, so that a paused node
+    leaves it time for them."""
     if len(items) == 1:  # a one-key get: no generator
-        return len(items[0].replicas) - items[0].next
-    return max(len(it.replicas) - it.next for it in items)
+        it = items[0]
+        return len(it.replicas) - it.next + (not it.entry.write_id)
+    return max(len(it.replicas) - it.next + (not it.entry.write_id) for it in items)
 
 
 def next_round(queue: list[ReadItem], members: Callable[[int], MemberInfo | None]) -> ReadGroups:

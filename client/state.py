@@ -565,6 +565,7 @@ class ClientState:
             clock=clock,
             direct=self._direct if call.direct else None,
             on_direct=self._stats.direct,
+            direct_replicas=self.config.replicas,
         )
 
     # --- index questions ------------------------------------------------------------------

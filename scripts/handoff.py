@@ -6,9 +6,15 @@ acknowledged to one engine and recomputed by the next.
     python scripts/handoff.py --count 2000 --size 1MiB
     python scripts/handoff.py --load               # with a CPU-bound process beside it
     python scripts/handoff.py --masters HOST:PORT,...   # against a running cluster
+    python scripts/handoff.py --keys opaque        # keys that do not name their content
+
+Keys are of kvpool's scheme by default (``kv1/…``, as engines build them), so the reader reads
+each block by content, from its node with no Lookup (``direct_reads``); ``--keys opaque`` reads
+through the index.
 
 Prints one JSON line: hand-offs, misses by reason, wrong reads (bytes that differ: must be 0),
-and the reader's latency percentiles.
+the reader's latency percentiles, and how many of its reads went by content (``direct_hits``)
+or missed there and were looked up (``direct_misses``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def _reader(masters: list[str], size: int, conn: Connection) -> None:
         while True:
             job = conn.recv()
             if job is None:
-                return
+                break
             key, expected = job
             started = time.perf_counter()
             try:
@@ -47,6 +53,7 @@ def _reader(masters: list[str], size: int, conn: Connection) -> None:
             except KVPoolError as e:
                 outcome = getattr(e, "reason", "") or type(e).__name__
             conn.send((outcome, time.perf_counter() - started))
+        conn.send((kv.stats["direct_hits"], kv.stats["direct_misses"]))
 
 
 def _burn(stop_at: float) -> None:
@@ -55,7 +62,16 @@ def _burn(stop_at: float) -> None:
         x = (x * 31 + 7) % 1_000_003
 
 
-def run(masters: list[str], count: int, size: int, load: bool) -> dict[str, object]:
+def handoff_key(keys: str, size: int, i: int) -> str:
+    """The key of hand-off ``i``: of kvpool's scheme (``scheme``), or an opaque one."""
+    if keys == "scheme":
+        return f"kv1/{os.getpid():016x}{size:016x}/{i:032x}"
+    return f"handoff/{size}/{os.getpid()}/{i}"
+
+
+def run(
+    masters: list[str], count: int, size: int, load: bool, keys: str = "scheme"
+) -> dict[str, object]:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     reader = ctx.Process(target=_reader, args=(masters, size, there), daemon=True)
@@ -71,7 +87,7 @@ def run(masters: list[str], count: int, size: int, load: bool) -> dict[str, obje
         latencies = []
         with Client(masters, timeout_s=3.0) as writer:
             for i in range(count):
-                key = f"handoff/{size}/{os.getpid()}/{i}"
+                key = handoff_key(keys, size, i)
                 value = os.urandom(8) * (size // 8) + os.urandom(size % 8)
                 if not writer.put(key, value):
                     outcomes["put_failed"] += 1
@@ -83,6 +99,7 @@ def run(masters: list[str], count: int, size: int, load: bool) -> dict[str, obje
                 if sys.stderr.isatty() and i % 500 == 0:
                     print(f"\r{i}/{count}", end="", file=sys.stderr)
         here.send(None)
+        direct_hits, direct_misses = here.recv()
         reader.join(10)
     finally:
         if burner is not None:
@@ -97,11 +114,14 @@ def run(masters: list[str], count: int, size: int, load: bool) -> dict[str, obje
         "handoffs": sum(v for k, v in outcomes.items() if k != "put_failed"),
         "size_bytes": size,
         "loaded": load,
+        "keys": keys,
         "hits": outcomes["hit"],
         "misses": sum(misses.values()),
         "miss_reasons": misses,
         "wrong": outcomes["wrong"],
         "put_failed": outcomes["put_failed"],
+        "direct_hits": direct_hits,
+        "direct_misses": direct_misses,
         "read_p50_us": round(statistics.median(latencies) * 1e6) if latencies else None,
         "read_p99_us": round(latencies[int(0.99 * (len(latencies) - 1))] * 1e6)
         if latencies
@@ -115,18 +135,26 @@ def main() -> int:
     parser.add_argument("--size", default="4KiB", help="block size (default 4KiB)")
     parser.add_argument("--load", action="store_true", help="a CPU-bound process beside it")
     parser.add_argument("--masters", default="", help="a running cluster's masters, comma-sep.")
+    parser.add_argument(
+        "--keys",
+        choices=("scheme", "opaque"),
+        default="scheme",
+        help="kvpool's scheme (read by content, the default) or opaque keys (read via a Lookup)",
+    )
     args = parser.parse_args()
     size = parse_size(args.size)
     if args.count <= 0 or size <= 0:
         parser.error("--count and --size must be positive")
     if args.masters:
-        result = run(args.masters.split(","), args.count, size, args.load)
+        result = run(args.masters.split(","), args.count, size, args.load, args.keys)
     else:
         with tempfile.TemporaryDirectory(prefix="kvpool-handoff-") as d:
             cluster = LocalCluster(Path(d), masters=3, nodes=2, cpu_cache_size="1GiB")
             cluster.start()
             try:
-                result = run(cluster.client_master_addresses, args.count, size, args.load)
+                result = run(
+                    cluster.client_master_addresses, args.count, size, args.load, args.keys
+                )
             finally:
                 cluster.stop()
     print(json.dumps(result))

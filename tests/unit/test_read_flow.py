@@ -368,3 +368,27 @@ def test_direct_reads_off_looks_every_key_up() -> None:
     w.held.add(("kv1/a", 7))
     w.run(["kv1/a"])
     assert w.steps == [("lookup", ["kv1/a"]), ("read", ["kv1/a"])]
+
+
+def test_a_read_by_content_tries_the_rings_first_members_primary_first() -> None:
+    other = MemberInfo(member_id=2, node_id="n2", data_address="tcp://n2:1", capacity_bytes=1 << 30)
+    placement = Placement()
+    placement.update([NODE, other], 1, 0.0)
+    pairs = [("kv1/a", b"kv1/a")]
+    flow = read_flow(
+        LookupCache(64, 60.0, clock=lambda: 0.0),
+        placement,
+        pairs,
+        lambda _i, _k, _s: (None, False),
+        limit=0,
+        deadline=DEADLINE,
+        clock=lambda: 0.0,
+        direct=by_content,
+        direct_replicas=2,
+    )
+    step = next(flow)
+    assert isinstance(step, Read)
+    (it,) = step.items
+    assert it.entry.write_id == 0
+    assert it.replicas == [m.member_id for m in placement.place(b"kv1/a", 2)]
+    assert sorted(it.replicas) == [1, 2]

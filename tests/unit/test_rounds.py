@@ -58,6 +58,13 @@ def test_the_time_left_is_shared_over_the_most_replicas_still_to_try() -> None:
     assert rounds_left([one, three]) == 2
 
 
+def test_a_read_by_content_keeps_a_round_of_time_for_the_lookup_it_falls_back_to() -> None:
+    direct = item("a", [1])
+    direct.entry.write_id = 0  # read by content: the node names the write
+    assert rounds_left([direct]) == 2, "a paused node gets half the time, not all of it"
+    assert rounds_left([direct, item("b", [1, 2, 3])]) == 3
+
+
 def test_a_round_groups_keys_by_the_node_of_their_next_replica() -> None:
     first_a, first_b, second_a = item("x", [1, 2]), item("y", [2]), item("z", [2, 1])
     second_a.next = 1
