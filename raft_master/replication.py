@@ -423,16 +423,24 @@ class Replicator:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(resolve, result, error)
 
+        def expire() -> None:
+            if not future.done():
+                future.set_exception(
+                    UnavailableError(
+                        f"Raft commit not confirmed within {timeout_s:.2f}s; it may still "
+                        "apply, retry with the same request id"
+                    )
+                )
+
         self._proposed += 1
         self.consumer.apply_command(encode(command), callback=on_done)
+        # A timer on our own future, not asyncio.timeout: that needs a current task, and
+        # request handlers start outside one (kvpool.transports.eager).
+        timer = loop.call_later(timeout_s, expire)
         try:
-            async with asyncio.timeout(timeout_s):  # cheaper than wait_for (no extra future)
-                result, error = await future
-        except TimeoutError:
-            raise UnavailableError(
-                f"Raft commit not confirmed within {timeout_s:.2f}s; it may still apply, "
-                "retry with the same request id"
-            ) from None
+            result, error = await future
+        finally:
+            timer.cancel()
         if error != FAIL_REASON.SUCCESS:
             raise UnavailableError(
                 f"Raft commit failed ({_FAIL_NAMES.get(error, error)}); it may still apply, "

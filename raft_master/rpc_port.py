@@ -47,6 +47,7 @@ from kvpool.proto.v1 import master_pb2
 from kvpool.proto.wire import FrameError, Header, Op, Status, version_mismatch_message
 from kvpool.raft_master.service import MasterService
 from kvpool.transports.auth import Gate
+from kvpool.transports.eager import start_eagerly
 from kvpool.transports.limits import (
     IngressLimits,
     MemoryBudget,
@@ -188,9 +189,13 @@ class RpcConnection:
         finally:
             self._uncharge()  # decoded: the payload's buffer is no longer needed
         budget_s = header.version / 1e6 if header.version else None
-        task = asyncio.get_running_loop().create_task(self._call(header, name, request, budget_s))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # Most handlers answer without waiting: run them now, a task only for those that wait.
+        task = start_eagerly(
+            asyncio.get_running_loop(), self._call(header, name, request, budget_s)
+        )
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _call(self, header: Header, name: str, request: Any, budget_s: float | None) -> None:
         started = time.perf_counter()
