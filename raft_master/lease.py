@@ -193,7 +193,28 @@ class PreVoteRound:
         return len(self.granted) + 1 >= self.needed
 
 
-class LeasedSyncObj(SyncObj):  # type: ignore[misc]
+class CommitQuietSyncObj(SyncObj):  # type: ignore[misc]
+    """PySyncObj's SyncObj without the extra round of appends after each commit.
+
+    PySyncObj's leader, having applied newly committed entries, sends every follower an append
+    at once only to tell it the new commit index (``__applyLogEntries`` returns "send now").
+    Every put then costs each follower two appends and the leader four messages out and four
+    in, each pickled, encrypted, decrypted and unpickled on a Raft thread that shares the GIL
+    with the event loop. The followers learn the commit index anyway from the next append —
+    the next write's, or the heartbeat within ``raft_append_period_s`` — and nothing waits for
+    them to apply it: with leases, lookups are answered by the leaseholder only (so only
+    :class:`LeasedSyncObj` builds on this; without leases followers answer lookups and must
+    apply at once), a new leader commits what it holds after its own no-op entry (Raft's rule),
+    and readiness compares what a master applied with the commit index it was told. What a
+    follower shows (``kvpool status`` asked of it) may lag the leader by one heartbeat. Measured in ``docs/performance.md`` ("One put,
+    half the Raft messages")."""
+
+    def _SyncObj__applyLogEntries(self) -> bool:  # noqa: N802 - PySyncObj's name
+        super()._SyncObj__applyLogEntries()
+        return False  # the commit index travels with the next append
+
+
+class LeasedSyncObj(CommitQuietSyncObj):
     """PySyncObj's SyncObj with leader leases and pre-vote (see the module docstring).
 
     It overrides two of SyncObj's methods, ``_onTick`` and its message handler (name-mangled
@@ -375,6 +396,7 @@ _INTERNALS = (
 )
 _METHODS = (
     "_onTick",
+    "_SyncObj__applyLogEntries",
     "_SyncObj__onMessageReceived",
     "_SyncObj__connectedToAnyone",
     "_SyncObj__generateRaftTimeout",

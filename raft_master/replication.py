@@ -327,6 +327,8 @@ class Replicator:
                 syncobj.destroy()
                 raise
         else:
+            # Followers answer lookups here (with the revision a caller asks for): they must
+            # learn each commit at once, so PySyncObj's own commit round stays.
             syncobj = SyncObj(
                 self.cfg.raft_listen,
                 peers,

@@ -348,11 +348,50 @@ def test_cluster_status_shows_heartbeats_on_the_leader_only(group: LocalMasterGr
             assert 0 <= mine.last_heartbeat_age_s < 5
             assert st.protocol_version == "1"
             assert len(st.master.follower_match_index) == 2
-            follower = await group.status((leader + 1) % 3)
-            theirs = next(n for n in follower.nodes if n.member.member_id == node.member_id)
+            # A follower learns the commit with the next append (at most a heartbeat later).
+            deadline = time.monotonic() + 5
+            while True:
+                follower = await group.status((leader + 1) % 3)
+                known = [n for n in follower.nodes if n.member.member_id == node.member_id]
+                if known or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.02)
+            assert known, "the follower never applied the node's registration"
+            theirs = known[0]
             assert theirs.last_heartbeat_age_s == -1
             assert follower.master.role == "follower"
             assert follower.master.leader_grpc_address == group.grpc_addresses[leader]
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_lone_write_reaches_every_follower_with_the_next_heartbeat(
+    group: LocalMasterGroup,
+) -> None:
+    """With read leases the leader does not send an extra round of appends after each commit
+    (raft_master.lease.CommitQuietSyncObj): followers learn the commit index from the next
+    append. With no further write that is a heartbeat: every master applies a lone write within
+    a few heartbeat periods, and only then does a follower show it."""
+
+    async def run() -> None:
+        client = MasterClient(group.grpc_addresses)
+        try:
+            leader = await group.wait_leader()
+            await register_node(client, "lone")
+            led = await group.status(leader)
+            target = led.master.revision
+            started = time.monotonic()
+            revisions: list[int] = []
+            while time.monotonic() - started < 5:
+                revisions = [(await group.status(i)).master.revision for i in range(3)]
+                if min(revisions) >= target:
+                    break
+                await asyncio.sleep(0.01)
+            took = time.monotonic() - started
+            assert min(revisions) >= target, f"followers at {revisions}, leader at {target}"
+            assert took < 2.0, f"followers applied a lone write only after {took:.2f}s"
         finally:
             await client.close()
 
