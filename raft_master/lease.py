@@ -206,8 +206,8 @@ class CommitQuietSyncObj(SyncObj):  # type: ignore[misc]
     :class:`LeasedSyncObj` builds on this; without leases followers answer lookups and must
     apply at once), a new leader commits what it holds after its own no-op entry (Raft's rule),
     and readiness compares what a master applied with the commit index it was told. What a
-    follower shows (``kvpool status`` asked of it) may lag the leader by one heartbeat. Measured in ``docs/performance.md`` ("One put,
-    half the Raft messages")."""
+    follower shows (``kvpool status`` asked of it) may lag the leader by one heartbeat.
+    Measured in ``docs/performance.md`` ("One put, half the Raft messages")."""
 
     def _SyncObj__applyLogEntries(self) -> bool:  # noqa: N802 - PySyncObj's name
         super()._SyncObj__applyLogEntries()
