@@ -52,7 +52,8 @@ def test_a_stored_message_far_larger_than_its_small_window_reads_back_whole() ->
     data = encode_message(big, encryptor, 0)
     assert read_as_pysyncobj(data, encryptor) == big
     message, ok = guarded(GuardLimits(8 << 20), encryptor)._decode(data)
-    assert ok and message == big
+    assert ok
+    assert message == big
 
 
 def test_the_default_is_stored_and_a_bad_level_is_refused_naming_the_setting() -> None:
