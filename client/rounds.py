@@ -54,10 +54,14 @@ def rounds_left(items: list[ReadItem]) -> int:
     (each round gets its share of the time left). A read by content (write id 0) counts one
     round more: the Lookup and read it falls back to when it misses, so that a paused node
     leaves it time for them."""
-    if len(items) == 1:  # a one-key get: no generator
-        it = items[0]
-        return len(it.replicas) - it.next + (not it.entry.write_id)
-    return max(len(it.replicas) - it.next + (not it.entry.write_id) for it in items)
+    if len(items) == 1:  # a one-key get: no max()
+        return _rounds_of(items[0])
+    return max(map(_rounds_of, items))
+
+
+def _rounds_of(it: ReadItem) -> int:
+    """One item's part of :func:`rounds_left`."""
+    return len(it.replicas) - it.next + (not it.entry.write_id)
 
 
 def next_round(queue: list[ReadItem], members: Callable[[int], MemberInfo | None]) -> ReadGroups:
