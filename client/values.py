@@ -74,12 +74,13 @@ def validate_key_names(keys: object) -> list[str]:
     if not names:
         return names
     # The whole batch at once (each test one C-level pass); key by key only when one fails.
-    if (
-        set(map(type, names)) != {str}
-        or not all(map(str.isascii, names))
-        or min(map(len, names)) == 0
-        or max(map(len, names)) > MAX_KEY_BYTES
-    ):
+    # ASCII (checked on the keys joined, which only str keys can be): a key's length in
+    # characters is its length in UTF-8 bytes.
+    try:
+        ascii_str = "".join(names).isascii()
+    except TypeError:  # a key that is not a str
+        ascii_str = False
+    if not ascii_str or "" in names or max(map(len, names)) > MAX_KEY_BYTES:
         for key in names:
             validate_key(key)  # raises, or passes a str that is valid UTF-8 within the limit
     return names

@@ -125,6 +125,7 @@ class BlockIndex(MemberTable):
         self._next_member_id = 1
         self._dedupe: OrderedDict[bytes, bytes] = OrderedDict()
         self._dedupe_bytes = 0
+        self._all_live: tuple[int, int, bool] | None = None  # (ring version, members, answer)
 
     # --- applying commands ----------------------------------------------------------------
 
@@ -493,6 +494,13 @@ class BlockIndex(MemberTable):
         """Per key: present with at least one live replica (what :meth:`lookup` finds);
         ``leading``: up to the first key that is not."""
         entries = self._entries
+        if self._every_member_live():
+            # Every record names at least one member, and a member leaves the table only once
+            # it holds no key (check_member_invariants): with none of them down, an entry is a
+            # hit. The common case, one C-level pass.
+            if not leading:
+                return list(map(entries.__contains__, keys))
+            return list(itertools.takewhile(bool, map(entries.__contains__, keys)))
         live_one = self._liveness()
         # A record's tail (its replica ids, and a tier byte) -> any of them live: the keys of
         # a batch mostly share a few replica sets, each decoded once.
@@ -513,6 +521,17 @@ class BlockIndex(MemberTable):
                 break
             append(hit)
         return out
+
+    def _every_member_live(self) -> bool:
+        """No member in the table is down (then every entry has a live replica)."""
+        known = self._all_live
+        if known is not None and known[0] == self._ring_version and known[1] == len(self._members):
+            return known[2]
+        # A member goes down only with a new ring version; one is forgotten (the table
+        # shrinks) only once down. So the answer holds while both stay as they were.
+        live = all(m.live for m in self._members.values())
+        self._all_live = (self._ring_version, len(self._members), live)
+        return live
 
     def _liveness(self) -> Callable[[int], bool]:
         """``member id -> live`` for one read of many keys: each member asked once."""

@@ -98,7 +98,7 @@ def check_keys(keys: Iterable[str], *, allow_empty: bool) -> list[str]:
         return out
     # Lengths first, for the whole batch at once: a key can only be too long in UTF-8 when it
     # is longer than a quarter of the limit in characters.
-    if min(map(len, out)) == 0 or max(map(len, out)) > MAX_KEY_BYTES // 4:
+    if "" in out or max(map(len, out)) > MAX_KEY_BYTES // 4:
         for key in out:
             check_key(key)
     return out

@@ -492,6 +492,15 @@ class IndexMachine(RuleBasedStateMachine):
         assert all(v is not None for v in self.index.lookup(KEYS[:matched]))
 
     @invariant()
+    def present_and_prefix_match_agree_with_lookup(self) -> None:
+        # present() answers from the keys alone while no member is down: it must find exactly
+        # what lookup finds, whatever the members did.
+        found = [view is not None for view in self.index.lookup(KEYS)]
+        assert self.index.present(KEYS) == found
+        leading = next((i for i, hit in enumerate(found) if not hit), len(found))
+        assert self.index.prefix_match(KEYS) == leading
+
+    @invariant()
     def a_visible_entry_is_its_last_commit(self) -> None:
         for key, view in zip(KEYS, self.index.lookup(KEYS), strict=True):
             if view is not None:
