@@ -36,6 +36,7 @@ import numpy as np
 
 from kvpool.client.sync import Client
 from kvpool.launcher.cluster import LocalCluster
+from kvpool_bench.peer_servers import wait_prefaulted
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -324,16 +325,6 @@ def _median_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _wait_prefaulted(cluster: LocalCluster, timeout_s: float = 180.0) -> None:
-    """Nodes fault their CPU tier in at start, on a thread: let that finish before measuring
-    (it competes for the CPUs)."""
-    deadline = time.monotonic() + timeout_s
-    pending = [Path(n.log) for n in cluster.nodes]
-    while pending and time.monotonic() < deadline:
-        pending = [p for p in pending if "tier_prefaulted" not in p.read_text(errors="replace")]
-        time.sleep(0.2)
-
-
 def run(rounds: int = 5, quick: bool = False, directory: str | None = None) -> dict[str, Any]:
     root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="kvpool-bench-client-"))
     cluster = LocalCluster(
@@ -344,7 +335,7 @@ def run(rounds: int = 5, quick: bool = False, directory: str | None = None) -> d
         result["limits"]["memcpy_gbps"] = round(memcpy_gbps(), 2)
         result["limits"]["loopback_tcp_gbps"] = round(loopback_tcp_gbps(), 2)
         cluster.start()
-        _wait_prefaulted(cluster)
+        wait_prefaulted(cluster)
         bench = Bench(cluster.master_addresses, quick)
         try:
             big_sizes = [MIB, 4 * MIB] if quick else [MIB, 4 * MIB, 16 * MIB]

@@ -28,6 +28,7 @@ from typing import IO, Any
 
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.launcher.placement import free_port
+from kvpool.units import parse_size
 
 INSTALL_PEERS = "pip install -e 'bench[peers]'"  # in a kvpool checkout
 INSTALL_REDIS = f"apt-get install redis-server && {INSTALL_PEERS}"
@@ -147,6 +148,7 @@ class KvpoolServers:
 
     def start(self) -> None:
         self.cluster.start()
+        wait_prefaulted(self.cluster)
 
     @property
     def masters(self) -> list[str]:
@@ -154,6 +156,41 @@ class KvpoolServers:
 
     def stop(self) -> None:
         self.cluster.stop()
+
+
+def wait_prefaulted(cluster: LocalCluster, timeout_s: float = 120.0) -> bool:
+    """Wait until every node has faulted its CPU tier in: a node does that on a thread at start
+    (``cpu_tier_prefault``), which competes for the CPUs with what is measured (2 GiB took
+    ~1.9 s on a 2-core VM). Read from each node's shared memory in ``/proc`` (``RssShmem``
+    reaching the tier's size), which does not depend on the log level. False, with a line on
+    stderr, if a node has not by ``timeout_s``."""
+    want = parse_size(cluster.cpu_cache_size)
+    deadline = time.monotonic() + timeout_s
+    pending = [n for n in cluster.nodes if n.pid]
+    while pending:
+        pending = [n for n in pending if _shared_rss(n.pid) < want]
+        if not pending:
+            return True
+        if time.monotonic() >= deadline:
+            names = ", ".join(n.name for n in pending)
+            print(f"kvpool-bench: {names} still prefaulting after {timeout_s:.0f} s",
+                  file=sys.stderr)  # fmt: skip
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _shared_rss(pid: int) -> int:
+    """The process's resident shared memory in bytes; unbounded where /proc cannot say (gone,
+    or not Linux): then nothing is waited for."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 1 << 62
 
 
 class RedisServer:
