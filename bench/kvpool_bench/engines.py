@@ -224,6 +224,7 @@ def _round(system: System, pool: Any, batch: int, page_tokens: int) -> dict[str,
 
 def run_engines(opts: EnginesOptions, progress: Callable[[str], None]) -> dict[str, Any]:
     from kvpool.compat import mooncake as kvpool_mooncake
+    from kvpool_bench.machine import round_trip_us
     from kvpool_bench.peer_servers import KvpoolServers, MooncakeServers, mooncake_availability
 
     root = Path(opts.directory or tempfile.mkdtemp(prefix="kvpool-bench-engines-"))
@@ -266,6 +267,11 @@ def run_engines(opts: EnginesOptions, progress: Callable[[str], None]) -> dict[s
             page_tokens = max(1, size // TOKEN_BYTES)
             label = f"{size >> 10}KiB" if size < 1 << 20 else f"{size >> 20}MiB"
             progress(f"page {label}: {page_tokens} tokens, host pool of {2 * opts.batch} pages")
+            # The floor under every exists call, measured now: a request and its answer between
+            # two Python processes on this host (bimodal on a 2-vCPU VM, by where they run).
+            doc.setdefault("round_trip_floor", {})[label] = {
+                k: round(v, 1) for k, v in round_trip_us(calls=1000).items()
+            }
             pool = _host_pool(page_tokens, 2 * opts.batch)
             _fill(pool, opts.seed)
             built: list[System] = []
@@ -335,6 +341,17 @@ def render_table(doc: dict[str, Any]) -> str:
                 f"{r['exists_us']:>10.0f} {exists_x:>6} {r['get_pages_per_s']:>12.0f} {get_x:>6}"
             )
     v = doc["verification"]
+    floor = doc.get("round_trip_floor", {})
+    if floor:
+        lines += [
+            "",
+            "round trip between two Python processes here, measured before each page size "
+            "(64 B / 16 KiB request, p50 us): "
+            + ", ".join(
+                f"{label} {f['64B_p50_us']:.0f} / {f['16384B_p50_us']:.0f}"
+                for label, f in floor.items()
+            ),
+        ]
     lines += [
         "",
         "x: ratio to mooncake (exists: mooncake's time over this one's; above 1 is faster)",

@@ -6,12 +6,16 @@ this host can beat, so that ``kvpool-bench peers`` can say how close each one ge
 * :class:`TcpSink` / :func:`tcp_send_gbps` — one loopback TCP stream between two Python
   processes: ``sendall`` of a preallocated buffer on one side, ``recv_into`` a preallocated
   buffer on the other (no copies in Python, no framing).
+* :func:`round_trip_us` — one request and its 2-byte answer at a time between two Python
+  processes over loopback TCP, the way every index call travels: what a call to any server
+  on this host costs before the server does anything (on a VM, mostly waking the other side).
 
 GB here is 10⁹ bytes, as in every kvpool benchmark.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 import statistics
 import time
@@ -92,3 +96,60 @@ def tcp_send_gbps(port: int, total_bytes: int, timeout_s: float = 60.0) -> dict[
             raise ConnectionError("the receiver did not acknowledge the transfer")
         elapsed = time.perf_counter() - t
     return {"GBps": total_bytes / elapsed / GB, "bytes": float(total_bytes), "time_s": elapsed}
+
+
+def _answer_requests(listener: socket.socket) -> None:
+    """The far end of :func:`round_trip_us`: read a 4-byte length and that many bytes, answer
+    two bytes, until the connection closes."""
+    conn, _ = listener.accept()
+    listener.close()
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = memoryview(bytearray(1 << 20))
+        while True:
+            head = conn.recv(4, socket.MSG_WAITALL)
+            if len(head) < 4:
+                return
+            size = min(int.from_bytes(head, "little"), len(buf))
+            got = 0
+            while got < size:
+                n = conn.recv_into(buf[got:size])
+                if n == 0:
+                    return
+                got += n
+            conn.sendall(b"ok")
+
+
+def round_trip_us(
+    request_bytes: tuple[int, ...] = (64, 16384), calls: int = 2000
+) -> dict[str, float]:
+    """p50 µs of one request of each size and its 2-byte answer, one at a time, to a child
+    process over loopback TCP (TCP_NODELAY, blocking sockets, no framing beyond a length)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    child = multiprocessing.get_context("fork").Process(
+        target=_answer_requests, args=(listener,), daemon=True
+    )
+    child.start()
+    out: dict[str, float] = {}
+    try:
+        with socket.create_connection(listener.getsockname(), timeout=30) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for size in request_bytes:
+                message = size.to_bytes(4, "little") + bytes(size)
+                times = []
+                for _ in range(max(1, calls)):
+                    t = time.perf_counter()
+                    conn.sendall(message)
+                    if conn.recv(2, socket.MSG_WAITALL) != b"ok":
+                        raise ConnectionError("the round-trip peer did not answer")
+                    times.append(time.perf_counter() - t)
+                out[f"{size}B_p50_us"] = statistics.median(times) * 1e6
+    finally:
+        listener.close()
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    return out

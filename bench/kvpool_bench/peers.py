@@ -55,6 +55,7 @@ from kvpool.units import format_size
 from kvpool_bench import pair_report, report
 from kvpool_bench.drivers import kvpool_features
 from kvpool_bench.flows import engine_queries
+from kvpool_bench.machine import round_trip_us
 from kvpool_bench.peer_servers import (
     Availability,
     KvpoolServers,
@@ -333,12 +334,14 @@ class PeersBench:
         pool.send(1, {"cmd": "tcp_send", "port": port, "bytes": self.opts.limit_tcp_bytes})
         recv = pool.recv(0)
         sent = pool.recv(1)
+        trip = round_trip_us(request_bytes=(64,), calls=500)
         self.limits.append(
             {
                 "round": rnd,
                 "memcpy_GBps": mem["GBps"],
                 "loopback_tcp_GBps": sent["GBps"],
                 "loopback_tcp_receiver_GBps": recv["received_bytes"] / recv["receive_s"] / 1e9,
+                "round_trip_us": trip["64B_p50_us"],
             }
         )
 
@@ -538,6 +541,7 @@ class PeersBench:
             "memcpy_size_bytes": self.opts.limit_memcpy_bytes,
             "loopback_tcp_GBps": report.median(x["loopback_tcp_GBps"] for x in self.limits),
             "loopback_tcp_bytes": self.opts.limit_tcp_bytes,
+            "round_trip_us": report.median(x["round_trip_us"] for x in self.limits),
             "rounds": self.limits,
         }
         opts = asdict(self.opts)

@@ -152,6 +152,13 @@ def _ratio(x: float, y: float) -> float:
     return x / y if y and not math.isnan(x) and not math.isnan(y) else math.nan
 
 
+def _round_trip_text(lim: dict[str, Any]) -> str:
+    """The request/response floor, where the run measured it (older JSON has none)."""
+    if "round_trip_us" not in lim:
+        return ""
+    return f", a 64-byte request and its answer between them {_num(lim['round_trip_us'])} us p50"
+
+
 def add_ratios(cells: list[dict[str, Any]], limits: Sequence[dict[str, Any]]) -> None:
     """Add ``vs`` (kvpool cells: GB/s ratio and p50 ratio to each peer) and ``of_limit``
     (every cell: fraction of memcpy and of loopback TCP) in place."""
@@ -345,6 +352,7 @@ def render_table(doc: dict[str, Any]) -> str:
         f"machine limits: numpy memcpy {_num(lim['memcpy_GBps'])} GB/s "
         f"({format_size(lim['memcpy_size_bytes'])} buffers), loopback TCP "
         f"{_num(lim['loopback_tcp_GBps'])} GB/s (one stream between two Python processes)"
+        + _round_trip_text(lim)
     )
     lines.append("systems:")
     for name, info in doc["systems"].items():
@@ -427,7 +435,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"Medians of {doc['options']['rounds']} interleaved rounds; GB = 10^9 bytes; "
         f"{doc['host']['cpus']} CPUs. Machine limits: numpy memcpy "
         f"**{_num(lim['memcpy_GBps'])} GB/s**, loopback TCP between two Python processes "
-        f"**{_num(lim['loopback_tcp_GBps'])} GB/s**.",
+        f"**{_num(lim['loopback_tcp_GBps'])} GB/s**{_round_trip_text(lim)}.",
     ]
     index = {
         (c["system"], c["op"], c["mode"], c["size_bytes"], c["clients"]): c for c in doc["cells"]

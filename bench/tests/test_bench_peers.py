@@ -66,6 +66,8 @@ def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -
     assert doc["schema"] == "kvpool-bench-peers/1"
     assert doc["limits"]["memcpy_GBps"] > 0.1
     assert doc["limits"]["loopback_tcp_GBps"] > 0.01
+    assert 0 < doc["limits"]["round_trip_us"] < 1e6
+    assert "a 64-byte request and its answer between them" in proc.stdout
     systems = doc["systems"]
     measured = [name for name, s in systems.items() if s["status"] == "measured"]
     assert any(name.startswith("kvpool") for name in measured)
