@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, replicated
+from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, SyncObjException, replicated
 from pysyncobj.config import FAIL_REASON
 from pysyncobj.pipe_notifier import PipeNotifier
 
@@ -41,6 +41,12 @@ from kvpool.logs import get_logger
 from kvpool.raft_master.commands import Command, ErrorResult, Result, encode
 from kvpool.raft_master.index import BlockIndex, IndexSnapshot
 from kvpool.raft_master.lease import LeasedSyncObj, LeaseTimes, missing_internals
+from kvpool.raft_master.loop_tick import (
+    LoopPoller,
+    LoopTicker,
+    poller_for_construction,
+    supported,
+)
 from kvpool.raft_master.raft_guard import GuardLimits, GuardStats, guarded_transport
 
 T = TypeVar("T")
@@ -92,6 +98,7 @@ def build_conf(
     max_bind_retries: int = 3,
     bind_retry_s: float = 0.3,
     tick_period_s: float = 0.05,
+    auto_tick: bool = True,
 ) -> SyncObjConf:
     if not cfg.raft_secret:
         raise ConfigError("raft_secret: required; Raft peer traffic must be authenticated")
@@ -99,7 +106,7 @@ def build_conf(
     check_persistence(journal_file, dump_file)
     conf = SyncObjConf(
         password=cfg.raft_secret,
-        autoTick=True,
+        autoTick=auto_tick,
         autoTickPeriod=tick_period_s,
         # Group-committed entries reach hundreds of KiB: send them whole, not in 64 KiB
         # "transmission" pieces (measured: twice the entries/s at 100 entries per request).
@@ -289,17 +296,61 @@ class Replicator:
         self._proposed = 0  # the event-loop thread
         self._done = 0  # the Raft thread
         self._woken_for = 0
+        self._ticker: LoopTicker | None = None  # Raft ticked on the event loop (raft_tick_on_loop)
 
     # lifecycle
 
     def start(self) -> None:
-        """Create the SyncObj (on the calling thread, which must outlive it: PySyncObj's tick
-        thread stops when its creator thread ends) and wait until Raft is bound."""
+        """Create the SyncObj and wait until Raft is bound. With ``raft_tick_on_loop`` it is
+        ticked on the calling thread's running event loop (:mod:`~kvpool.raft_master.loop_tick`);
+        otherwise PySyncObj ticks it on a thread of its own, which stops when the calling thread
+        ends (so that thread must outlive it). Without a running loop: a thread of its own."""
+        loop: asyncio.AbstractEventLoop | None = None
+        if self.cfg.raft_tick_on_loop:
+            if not supported():
+                raise StartupError(
+                    "raft_tick_on_loop: this PySyncObj does not make its poller where kvpool "
+                    "can hand it the event loop's; set raft_tick_on_loop = false"
+                )
+            with contextlib.suppress(RuntimeError):
+                loop = asyncio.get_running_loop()
         conf = build_conf(
             self.cfg,
             max_bind_retries=self._max_bind_retries,
             tick_period_s=self._tick_period_s,
+            auto_tick=loop is None,
         )
+        poller = LoopPoller(loop) if loop is not None else None
+        try:
+            with poller_for_construction(poller) if poller else contextlib.nullcontext():
+                syncobj = self._make_syncobj(conf)  # binds at once when not auto-ticked
+        except SyncObjException as e:
+            raise StartupError(
+                f"cannot bind the Raft address {self.cfg.raft_listen} "
+                f"(in use, or not an address of this host): {e}"
+            ) from None
+        self._syncobj = syncobj
+        try:
+            syncobj.waitBinded()
+        except Exception as e:
+            self.stop()
+            raise StartupError(
+                f"cannot bind the Raft address {self.cfg.raft_listen} "
+                f"(in use, or not an address of this host): {e}"
+            ) from None
+        peers = [p for p in self.cfg.raft_peers if p != self.cfg.raft_listen]
+        if not peers:
+            self._wake = PipeNotifier(syncobj._poller)
+        syncobj.addOnTickCallback(self._on_tick)
+        if loop is not None and poller is not None:
+            # A tick at once after every Raft socket event and every proposal, and every tenth
+            # of PySyncObj's tick period besides (its timers: heartbeats, elections, the lease).
+            ticker = LoopTicker(loop, syncobj._onTick, self._tick_period_s / 10, self._log)
+            poller.on_event = ticker.request
+            self._ticker = ticker
+            ticker.start()
+
+    def _make_syncobj(self, conf: SyncObjConf) -> SyncObj:
         peers = [p for p in self.cfg.raft_peers if p != self.cfg.raft_listen]
         syncobj: SyncObj
         guard = GuardLimits(
@@ -336,23 +387,23 @@ class Replicator:
                 consumers=[self.consumer],
                 transportClass=transport,
             )
-        self._syncobj = syncobj
-        try:
-            syncobj.waitBinded()
-        except Exception as e:
-            self.stop()
-            raise StartupError(
-                f"cannot bind the Raft address {self.cfg.raft_listen} "
-                f"(in use, or not an address of this host): {e}"
-            ) from None
-        if not peers:
-            self._wake = PipeNotifier(syncobj._poller)
-        syncobj.addOnTickCallback(self._on_tick)
+        return syncobj
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Destroy the SyncObj, join its thread, wait for a compaction child (blocking)."""
+        """Destroy the SyncObj (on its loop when ticked there), join its thread if it has one,
+        wait for a compaction child (blocking: call it from a worker thread in a server)."""
         syncobj, self._syncobj = self._syncobj, None
         if syncobj is None:
+            return
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            # Its sockets are the loop's readers: closed on the loop, whichever thread stops it.
+            def destroy() -> None:
+                ticker.stop()
+                syncobj.destroy()
+
+            ticker.on_loop(destroy, timeout_s)
+            self._wait_compaction_child(syncobj, timeout_s)
             return
         syncobj.destroy()
         thread = getattr(syncobj, "_SyncObj__thread", None)
@@ -436,6 +487,8 @@ class Replicator:
 
         self._proposed += 1
         self.consumer.apply_command(encode(command), callback=on_done)
+        if self._ticker is not None:
+            self._ticker.request()  # append it on this loop's next turn
         # A timer on our own future, not asyncio.timeout: that needs a current task, and
         # request handlers start outside one (kvpool.transports.eager).
         timer = loop.call_later(timeout_s, expire)
@@ -492,8 +545,13 @@ class Replicator:
         return bool(syncobj is not None and syncobj.isReady() and syncobj._getLeader() is not None)
 
     def tick_alive(self) -> bool:
+        """Raft is being ticked: by the event loop lately, or by PySyncObj's living thread."""
         syncobj = self._syncobj
-        return bool(syncobj is not None and syncobj.tick_thread_alive())
+        if syncobj is None:
+            return False
+        if self._ticker is not None:
+            return self._ticker.alive()
+        return bool(syncobj.tick_thread_alive())
 
     def status(self) -> RaftStatus:
         """The latest status snapshot (taken on the Raft thread at most every 0.1 s)."""

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -605,6 +606,10 @@ def test_start_up_errors_exit_2_with_a_clear_message(tmp_path: Path) -> None:
         raft_taken = run_master({**base, "raft_listen": taken})
         assert raft_taken.returncode == 2
         assert f"Raft address {taken}" in raft_taken.stderr
+        on_loop = {"in_memory": False, "data_dir": str(tmp_path), "raft_tick_on_loop": True}
+        raft_taken = run_master({**base, **on_loop, "raft_listen": taken})  # binds in __init__
+        assert raft_taken.returncode == 2
+        assert f"Raft address {taken}" in raft_taken.stderr
 
 
 def test_a_journal_without_a_dump_file_is_refused() -> None:
@@ -718,3 +723,72 @@ def test_a_single_master_commits_without_waiting_for_its_next_tick() -> None:
         assert took[len(took) // 2] < 0.02, f"median commit {took[len(took) // 2] * 1e3:.1f} ms"
     finally:
         master.stop()
+
+
+def test_raft_started_on_a_running_loop_is_ticked_there_with_no_thread_of_its_own(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config(
+        MasterConfig,
+        env={},
+        overrides={
+            "data_dir": str(tmp_path),
+            "raft_tick_on_loop": True,
+            "raft_secret": "s",
+            "listen": f"127.0.0.1:{free_port()}",
+            "raft_listen": f"127.0.0.1:{free_port()}",
+            "raft_peers": [],
+            **FAST_RAFT,
+        },
+    )
+
+    async def run() -> list[float]:
+        threads = set(threading.enumerate())
+        master = Replicator(cfg, tick_period_s=0.05)
+        master.start()
+        try:
+            assert set(threading.enumerate()) == threads  # PySyncObj started no thread
+            deadline = time.monotonic() + 10
+            while not master.is_leader():
+                assert time.monotonic() < deadline, "a single master did not lead"
+                await asyncio.sleep(0.02)
+            assert master.tick_alive()
+            took = []
+            for i in range(20):
+                started = time.monotonic()
+                put = CommitPuts(new_rid(), 0, (PutItem(f"k{i}", 5, 1, 1, (1,)),))
+                result = await master.propose(put, 5.0)
+                took.append(time.monotonic() - started)
+                assert isinstance(result, CommitPutsResult)
+            return took
+        finally:
+            master.stop()
+            assert not master.tick_alive()
+
+    took = sorted(asyncio.run(run()))
+    assert took[len(took) // 2] < 0.02, f"median commit {took[len(took) // 2] * 1e3:.1f} ms"
+
+
+def test_a_group_ticked_on_its_event_loops_commits_and_every_master_applies(
+    tmp_path: Path,
+) -> None:
+    with new_group(tmp_path, in_memory=False, raft_tick_on_loop=True) as g:
+        g.start()
+
+        async def run() -> None:
+            await g.wait_leader()
+            client = MasterClient(g.grpc_addresses)
+            try:
+                node = await register_node(client, "loop-ticked")
+                await commit(client, ["t/0", "t/1"], node)
+                found = await call(client, "Lookup", master_pb2.LookupRequest(keys=["t/0", "t/1"]))
+                assert [e.found for e in found.entries] == [True, True]
+                for i in range(3):  # every master applies it (followers with a heartbeat)
+                    deadline = time.monotonic() + 10
+                    while (await g.status(i)).master.revision < found.revision:
+                        assert time.monotonic() < deadline, f"master {i} never applied it"
+                        await asyncio.sleep(0.05)
+            finally:
+                await client.close()
+
+        asyncio.run(run())

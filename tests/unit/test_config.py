@@ -112,6 +112,15 @@ def test_master_refuses_to_run_without_secret_or_persistence() -> None:
     assert redacted(cfg)["raft_secret"] == "***"
 
 
+def test_raft_on_the_event_loop_is_off_by_default_and_needs_a_data_dir(tmp_path: Path) -> None:
+    env = {"KVPOOL_RAFT_SECRET": "s3cret"}
+    assert not load_config(MasterConfig, env=env, overrides={"in_memory": True}).raft_tick_on_loop
+    with pytest.raises(ConfigError, match=r"raft_tick_on_loop: needs data_dir"):
+        load_config(MasterConfig, env=env, overrides={"in_memory": True, "raft_tick_on_loop": True})
+    on = {"data_dir": str(tmp_path), "raft_tick_on_loop": True}
+    assert load_config(MasterConfig, env=env, overrides=on).raft_tick_on_loop
+
+
 def test_node_tier_above_the_memory_share_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"cpu_cache_size: .* of this machine's memory"):
         load_config(NodeConfig, env={}, overrides={"cpu_cache_size": "1024TiB"})

@@ -1,0 +1,141 @@
+"""PySyncObj's poller on the asyncio loop, and the ticker that runs Raft's tick there."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from typing import Any
+
+from pysyncobj.poller import POLL_EVENT_TYPE
+
+from kvpool.raft_master.loop_tick import LoopPoller, LoopTicker
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def exception(self, event: str, **_: Any) -> None:
+        self.events.append(event)
+
+
+def test_a_subscribed_socket_is_served_by_the_loop_and_asks_for_a_tick() -> None:
+    async def run() -> None:
+        poller = LoopPoller(asyncio.get_running_loop())
+        asked: list[int] = []
+        poller.on_event = lambda: asked.append(1)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        seen: list[tuple[int, bytes]] = []
+
+        def on_a(descr: Any, event: int) -> None:
+            seen.append((event, a.recv(16)))
+
+        try:
+            poller.subscribe(a.fileno(), on_a, POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.ERROR)
+            b.send(b"one")
+            for _ in range(50):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            assert seen == [(POLL_EVENT_TYPE.READ, b"one")]
+            assert asked == [1]
+            # poll() never waits: the loop does.
+            poller.poll(10.0)
+            poller.unsubscribe(a.fileno())
+            poller.unsubscribe(a.fileno())  # twice: nothing to do
+            b.send(b"two")
+            await asyncio.sleep(0.05)
+            assert seen == [(POLL_EVENT_TYPE.READ, b"one")]
+        finally:
+            poller.unsubscribe(a.fileno())
+            a.close()
+            b.close()
+
+    asyncio.run(run())
+
+
+def test_writable_interest_is_served_and_a_new_subscription_replaces_the_old() -> None:
+    async def run() -> None:
+        poller = LoopPoller(asyncio.get_running_loop())
+        a, b = socket.socketpair()
+        events: list[str] = []
+        try:
+            poller.subscribe(a.fileno(), lambda d, e: events.append(f"w{e}"), POLL_EVENT_TYPE.WRITE)
+            await asyncio.sleep(0.02)
+            assert events
+            assert set(events) == {f"w{POLL_EVENT_TYPE.WRITE}"}
+            # Read interest only now: the writer is gone, nothing more until data arrives.
+            poller.subscribe(a.fileno(), lambda d, e: events.append("r"), POLL_EVENT_TYPE.READ)
+            events.clear()
+            await asyncio.sleep(0.02)
+            assert events == []
+        finally:
+            poller.unsubscribe(a.fileno())
+            a.close()
+            b.close()
+
+    asyncio.run(run())
+
+
+def test_ticks_run_periodically_and_when_asked_once_per_turn() -> None:
+    async def run() -> None:
+        ticks: list[float] = []
+        loop = asyncio.get_running_loop()
+        ticker = LoopTicker(loop, lambda: ticks.append(loop.time()), 0.01, Log())
+        ticker.start()
+        await asyncio.sleep(0.1)
+        periodic = len(ticks)
+        assert periodic >= 4  # ~10 in 0.1 s; a loaded machine runs fewer
+        before = len(ticks)
+        for _ in range(5):
+            ticker.request()  # asked five times in one turn: one tick
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert len(ticks) - before in (1, 2)  # the asked one (and perhaps a periodic one)
+        assert ticker.alive()
+        ticker.stop()
+        after = len(ticks)
+        ticker.request()
+        await asyncio.sleep(0.05)
+        assert len(ticks) == after
+        assert not ticker.alive()
+
+    asyncio.run(run())
+
+
+def test_a_tick_that_raises_is_logged_and_ticking_goes_on() -> None:
+    async def run() -> None:
+        calls: list[int] = []
+        log = Log()
+
+        def tick() -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("boom")
+
+        ticker = LoopTicker(asyncio.get_running_loop(), tick, 0.01, log)
+        ticker.start()
+        await asyncio.sleep(0.08)
+        ticker.stop()
+        assert log.events == ["raft_tick_failed"]
+        assert len(calls) >= 3
+
+    asyncio.run(run())
+
+
+def test_on_loop_runs_on_the_loop_thread_whoever_calls_it() -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        ticker = LoopTicker(loop, lambda: None, 0.01, Log())
+        ran_on: list[threading.Thread] = []
+        ticker.on_loop(lambda: ran_on.append(threading.current_thread()), 1.0)  # here: at once
+        assert ran_on == [threading.current_thread()]
+        # From a worker thread (a server stops Raft that way): handed to the loop, waited for.
+        await asyncio.to_thread(
+            ticker.on_loop, lambda: ran_on.append(threading.current_thread()), 5.0
+        )
+        assert ran_on == [threading.current_thread()] * 2
+
+    asyncio.run(run())
