@@ -105,7 +105,6 @@ class LoopTicker:
         self._pending = False
         self._timer: asyncio.Handle | None = None
         self._stopped = False
-        self.ticks = 0
 
     def start(self) -> None:
         self._timer = self._loop.call_soon(self._periodic)
@@ -171,4 +170,3 @@ class LoopTicker:
             self._tick()
         except Exception:  # as PySyncObj's own thread does: log, and tick again next time
             self._log.exception("raft_tick_failed")
-        self.ticks += 1

@@ -291,8 +291,9 @@ class Replicator:
         self._last_status_at = 0.0
         # A group of one master commits an entry on the tick after the one that appended it;
         # nothing else wakes that tick (no follower answers), so without a nudge a commit waits
-        # a whole tick period (52 ms measured per put). Proposed/done: one writer each.
-        self._wake: PipeNotifier | None = None
+        # a whole tick period (52 ms measured per put). Proposed/done: one writer each. The
+        # nudge: PySyncObj's wake-up pipe for its thread, or a tick asked of the loop ticking it.
+        self._wake: Callable[[], None] | None = None
         self._proposed = 0  # the event-loop thread
         self._done = 0  # the Raft thread
         self._woken_for = 0
@@ -320,38 +321,40 @@ class Replicator:
             tick_period_s=self._tick_period_s,
             auto_tick=loop is None,
         )
+        peers = [p for p in self.cfg.raft_peers if p != self.cfg.raft_listen]
         poller = LoopPoller(loop) if loop is not None else None
         try:
             with poller_for_construction(poller) if poller else contextlib.nullcontext():
-                syncobj = self._make_syncobj(conf)  # binds at once when not auto-ticked
+                syncobj = self._make_syncobj(conf, peers)  # binds at once when not auto-ticked
         except SyncObjException as e:
-            raise StartupError(
-                f"cannot bind the Raft address {self.cfg.raft_listen} "
-                f"(in use, or not an address of this host): {e}"
-            ) from None
+            raise self._cannot_bind(e) from None
         self._syncobj = syncobj
         try:
             syncobj.waitBinded()
         except Exception as e:
             self.stop()
-            raise StartupError(
-                f"cannot bind the Raft address {self.cfg.raft_listen} "
-                f"(in use, or not an address of this host): {e}"
-            ) from None
-        peers = [p for p in self.cfg.raft_peers if p != self.cfg.raft_listen]
-        if not peers:
-            self._wake = PipeNotifier(syncobj._poller)
-        syncobj.addOnTickCallback(self._on_tick)
+            raise self._cannot_bind(e) from None
         if loop is not None and poller is not None:
             # A tick at once after every Raft socket event and every proposal, and every tenth
             # of PySyncObj's tick period besides (its timers: heartbeats, elections, the lease).
             ticker = LoopTicker(loop, syncobj._onTick, self._tick_period_s / 10, self._log)
             poller.on_event = ticker.request
             self._ticker = ticker
-            ticker.start()
+            if not peers:
+                self._wake = ticker.request
+        elif not peers:
+            self._wake = PipeNotifier(syncobj._poller).notify
+        syncobj.addOnTickCallback(self._on_tick)
+        if self._ticker is not None:
+            self._ticker.start()
 
-    def _make_syncobj(self, conf: SyncObjConf) -> SyncObj:
-        peers = [p for p in self.cfg.raft_peers if p != self.cfg.raft_listen]
+    def _cannot_bind(self, error: Exception) -> StartupError:
+        return StartupError(
+            f"cannot bind the Raft address {self.cfg.raft_listen} "
+            f"(in use, or not an address of this host): {error}"
+        )
+
+    def _make_syncobj(self, conf: SyncObjConf, peers: list[str]) -> SyncObj:
         syncobj: SyncObj
         guard = GuardLimits(
             self.cfg.raft_max_message_bytes,
@@ -438,7 +441,7 @@ class Replicator:
             # so an entry that cannot commit falls back to the normal tick period, no spin).
             self._woken_for = self._proposed
             try:
-                wake.notify()
+                wake()
             except OSError as e:
                 self._log.warning("raft_wake_failed", error=str(e))
         now = self._clock()
@@ -545,7 +548,8 @@ class Replicator:
         return bool(syncobj is not None and syncobj.isReady() and syncobj._getLeader() is not None)
 
     def tick_alive(self) -> bool:
-        """Raft is being ticked: by the event loop lately, or by PySyncObj's living thread."""
+        """Raft is being ticked: by this master's event loop (until stopped), or by PySyncObj's
+        living thread."""
         syncobj = self._syncobj
         if syncobj is None:
             return False
