@@ -686,39 +686,44 @@ def test_a_timed_out_proposal_applies_later_and_its_retry_applies_once(tmp_path:
         second.stop()
 
 
-def test_a_single_master_commits_without_waiting_for_its_next_tick() -> None:
-    """A group of one has no follower answer to wake its Raft thread: each commit used to wait
-    a whole tick period (52 ms measured per put). Now it ticks again at once."""
-    cfg = load_config(
+def single_master_config(**overrides: Any) -> MasterConfig:
+    return load_config(
         MasterConfig,
         env={},
         overrides={
-            "in_memory": True,
             "raft_secret": "s",
             "listen": f"127.0.0.1:{free_port()}",
             "raft_listen": f"127.0.0.1:{free_port()}",
             "raft_peers": [],
             **FAST_RAFT,
+            **overrides,
         },
     )
-    master = Replicator(cfg, tick_period_s=0.05)
+
+
+async def lead_then_commit_twenty(master: Replicator) -> list[float]:
+    """Wait for a single master to lead, then time 20 commits one after the other (sorted)."""
+    deadline = time.monotonic() + 10
+    while not master.is_leader():
+        assert time.monotonic() < deadline, "a single master did not lead"
+        await asyncio.sleep(0.02)
+    took = []
+    for i in range(20):
+        started = time.monotonic()
+        put = CommitPuts(new_rid(), 0, (PutItem(f"k{i}", 5, 1, 1, (1,)),))
+        result = await master.propose(put, 5.0)
+        took.append(time.monotonic() - started)
+        assert isinstance(result, CommitPutsResult)
+    return sorted(took)
+
+
+def test_a_single_master_commits_without_waiting_for_its_next_tick() -> None:
+    """A group of one has no follower answer to wake its Raft thread: each commit used to wait
+    a whole tick period (52 ms measured per put). Now it ticks again at once."""
+    master = Replicator(single_master_config(in_memory=True), tick_period_s=0.05)
     try:
         master.start()
-
-        async def run() -> list[float]:
-            deadline = time.monotonic() + 10
-            while not master.is_leader():
-                assert time.monotonic() < deadline, "a single master did not lead"
-                await asyncio.sleep(0.02)
-            took = []
-            for i in range(20):
-                started = time.monotonic()
-                put = CommitPuts(new_rid(), 0, (PutItem(f"k{i}", 5, 1, 1, (1,)),))
-                await master.propose(put, 5.0)
-                took.append(time.monotonic() - started)
-            return took
-
-        took = sorted(asyncio.run(run()))
+        took = asyncio.run(lead_then_commit_twenty(master))
         # Far below the 50 ms tick even on a loaded machine (0.4 ms measured here).
         assert took[len(took) // 2] < 0.02, f"median commit {took[len(took) // 2] * 1e3:.1f} ms"
     finally:
@@ -728,19 +733,7 @@ def test_a_single_master_commits_without_waiting_for_its_next_tick() -> None:
 def test_raft_started_on_a_running_loop_is_ticked_there_with_no_thread_of_its_own(
     tmp_path: Path,
 ) -> None:
-    cfg = load_config(
-        MasterConfig,
-        env={},
-        overrides={
-            "data_dir": str(tmp_path),
-            "raft_tick_on_loop": True,
-            "raft_secret": "s",
-            "listen": f"127.0.0.1:{free_port()}",
-            "raft_listen": f"127.0.0.1:{free_port()}",
-            "raft_peers": [],
-            **FAST_RAFT,
-        },
-    )
+    cfg = single_master_config(data_dir=str(tmp_path), raft_tick_on_loop=True)
 
     async def run() -> list[float]:
         threads = set(threading.enumerate())
@@ -748,24 +741,14 @@ def test_raft_started_on_a_running_loop_is_ticked_there_with_no_thread_of_its_ow
         master.start()
         try:
             assert set(threading.enumerate()) == threads  # PySyncObj started no thread
-            deadline = time.monotonic() + 10
-            while not master.is_leader():
-                assert time.monotonic() < deadline, "a single master did not lead"
-                await asyncio.sleep(0.02)
+            took = await lead_then_commit_twenty(master)
             assert master.tick_alive()
-            took = []
-            for i in range(20):
-                started = time.monotonic()
-                put = CommitPuts(new_rid(), 0, (PutItem(f"k{i}", 5, 1, 1, (1,)),))
-                result = await master.propose(put, 5.0)
-                took.append(time.monotonic() - started)
-                assert isinstance(result, CommitPutsResult)
             return took
         finally:
             master.stop()
             assert not master.tick_alive()
 
-    took = sorted(asyncio.run(run()))
+    took = asyncio.run(run())
     assert took[len(took) // 2] < 0.02, f"median commit {took[len(took) // 2] * 1e3:.1f} ms"
 
 
