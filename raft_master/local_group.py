@@ -247,21 +247,23 @@ class LocalMasterGroup:
         raise TimeoutError(f"no leader within {timeout_s}s:\n{self.logs()}")
 
     async def wait_joined(self, timeout_s: float = 15.0) -> int:
-        """Index of the leader, once every running master names it (followers that have not
-        heard from it yet refuse reads without naming it)."""
+        """Index of the leader, once every running master names it by both its Raft and its
+        gRPC address (a follower that has not heard from the leader, or has not yet applied
+        the entry announcing its gRPC address, refuses reads without naming it)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             leader = await self.wait_leader(max(0.1, deadline - time.monotonic()))
-            raft = self.masters[leader].raft
+            expected = (self.masters[leader].raft, self.masters[leader].grpc)
             named = []
             for m in self.masters:
                 if not m.running():
                     continue
                 try:
-                    named.append((await self.status(m.index, 0.5)).master.leader_raft_address)
+                    st = (await self.status(m.index, 0.5)).master
+                    named.append((st.leader_raft_address, st.leader_grpc_address))
                 except KVPoolError:
-                    named.append("")
-            if all(n == raft for n in named):
+                    named.append(("", ""))
+            if all(n == expected for n in named):
                 return leader
             await asyncio.sleep(0.05)
         raise TimeoutError(
