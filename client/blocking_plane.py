@@ -82,6 +82,7 @@ class BlockingDataPlane:
         self._token = core.security.token
         self._on_node_failed = on_node_failed
         self._connect_timeout_s = connect_timeout_s
+        self._poll_s = core.config.busy_poll_us / 1e6  # before a read's answer
         self._local = threading.local()
         self._all: set[BlockingConnection] = set()
         self._lock = threading.Lock()
@@ -221,6 +222,9 @@ class BlockingDataPlane:
         delay_s = self._hedge.delay_s(max(round_bytes(e[1].items) for e in sent))
         if len(sent) == 1:  # the common round: one node; its answer is on the way
             conn = sent[0][0]
+            if self._poll_s and conn.busy_poll(self._poll_s) and conn.answer_waiting():
+                self._finish_entry(sent[0], round_deadline)
+                return
             hedge_at = min(time.monotonic() + delay_s, round_deadline)
             while (left := hedge_at - time.monotonic()) > 0:
                 if select.select([conn.socket], (), (), left)[0] and conn.answer_waiting():
@@ -324,7 +328,7 @@ class BlockingDataPlane:
         self, conn: BlockingConnection, plan: NodeRead, member: MemberInfo, deadline: float
     ) -> None:
         try:
-            conn.receive(plan.calls, deadline)
+            conn.receive(plan.calls, deadline, poll_s=self._poll_s)
         except KVPoolError as e:
             self._failed(plan.address, conn, plan, member, e)
             return

@@ -81,6 +81,12 @@ class ClientCore(ClientState):
         self._committer = AsyncCommitter(self._commit_rpc, lambda: state_module.MAX_COMMIT_ENTRIES)
         self._members_lock = asyncio.Lock()
         self._shut = False
+        if config.busy_poll_us:  # spinning would hold the caller's event loop
+            self._log.warning(
+                "client_setting_ignored",
+                setting="busy_poll_us",
+                reason="an AsyncClient awaits answers on its event loop; only Client spins",
+            )
 
     async def close(self) -> None:
         """Close connections and channels; idempotent. Later calls raise UnavailableError."""

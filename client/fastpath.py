@@ -60,7 +60,10 @@ class SyncPath(ClientState):
     def __init__(self, config: ClientConfig, *, strict: bool = False, logger: Any = None) -> None:
         super().__init__(config, strict=strict, logger=logger)
         self._masters = SyncMasterClient(
-            self.routing, attempt_timeout_s=self.attempt_timeout_s, security=self.security
+            self.routing,
+            attempt_timeout_s=self.attempt_timeout_s,
+            security=self.security,
+            busy_poll_s=config.busy_poll_us / 1e6,
         )
         placement = self._placement  # the callbacks hold the placement, not the client
         self._data = BlockingDataPlane(

@@ -110,6 +110,7 @@ class ClientConstructor:
         tls_key_file: str = DEFAULTS.tls_key_file,
         tls_server_name: str = DEFAULTS.tls_server_name,
         direct_reads: str = DEFAULTS.direct_reads,
+        busy_poll_us: int = DEFAULTS.busy_poll_us,
     ) -> None:
         """``transport``: ``auto`` (a node on this host through its shared memory, others
         over TCP), ``tcp`` or ``shm`` (shared memory only; a node it cannot reach that way
@@ -129,7 +130,11 @@ class ClientConstructor:
         ring places it on, without a Lookup first (a miss there looks it up): ``scheme``
         (keys of :mod:`kvpool.keys`, the default), ``all`` (every key this client reads —
         say so only when a key never holds two different values: after a remove or an
-        overwrite a node may still serve the earlier value), ``off``. Every default is
+        overwrite a node may still serve the earlier value), ``off``. ``busy_poll_us``
+        (``Client`` only; 0, off, by default): wait for the answer to a read or a lookup by
+        spinning that long before sleeping — on a machine whose idle CPUs are slow to wake
+        (a VM without guest halt polling) it takes a wake-up off each call, at the price of
+        the calling thread's CPU while it spins. Every default is
         :class:`~kvpool.config.ClientConfig`'s."""
         settings = {name: value for name, value in locals().items() if name in SETTING_NAMES}
         self._start(make_config(masters, **settings), strict=strict)

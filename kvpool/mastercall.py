@@ -510,7 +510,9 @@ class MasterClient(_MasterCaller[grpc.aio.Channel]):
 
 class SyncMasterClient(_MasterCaller[grpc.Channel]):
     """As :class:`MasterClient`, in the calling thread (thread-safe; sync gRPC, and a blocking
-    connection per thread to each RPC port). ``deadline`` is ``time.monotonic()`` based."""
+    connection per thread to each RPC port). ``deadline`` is ``time.monotonic()`` based.
+    ``busy_poll_s``: spin that long for the answer to a read (:data:`READ_METHODS`) on the RPC
+    port before sleeping (see ``ClientConfig.busy_poll_us``)."""
 
     def __init__(
         self,
@@ -518,12 +520,14 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
         *,
         attempt_timeout_s: float = 1.0,
         security: Security = NO_SECURITY,
+        busy_poll_s: float = 0.0,
     ) -> None:
         super().__init__(routing, attempt_timeout_s, security, create_sync_channel)
         self._local = threading.local()  # .conns: rpc address -> this thread's connection
         self._rpc_conns: set[BlockingConnection] = set()
+        self.busy_poll_s = busy_poll_s
 
-    def _perform(self, io: Io) -> Any:
+    def _perform(self, io: Io, poll_s: float = 0.0) -> Any:
         if isinstance(io, Wait):
             time.sleep(io.delay_s)
         elif isinstance(io, CallGrpc):
@@ -535,7 +539,7 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
             if conn is None or conn.broken or conn.closed:
                 conn = conns[io.rpc] = self._open_rpc(io.rpc, io.timeout_s, deadline)
             try:
-                conn.exchange([io.call], deadline, trace=tracing.frame_trace())
+                conn.exchange([io.call], deadline, trace=tracing.frame_trace(), poll_s=poll_s)
             except KVPoolError:
                 conns.pop(io.rpc, None)
                 with self._lock:
@@ -565,10 +569,11 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
     def call(self, method: str, request: Any, *, deadline: float, leader_only: bool = False) -> Any:
         """As :meth:`MasterClient.call`, in this thread (``deadline``: ``time.monotonic()``)."""
         call = MasterCall(self._plan(method, deadline, leader_only), request, time.monotonic)
+        poll_s = self.busy_poll_s if method in READ_METHODS else 0.0
         result: Any = None
         while (io := call.next(result)) is not None:
             try:
-                result = self._perform(io)
+                result = self._perform(io, poll_s)
             except KVPoolError as e:
                 result = e
         return call.response
@@ -583,6 +588,9 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
         for conn in conns:
             conn.close()
 
+
+READ_METHODS = frozenset({"Lookup", "PrefixMatch", "GetMembers"})
+"""The RPC-port calls answered from the index as it is (no Raft round): worth a busy poll."""
 
 RPC_RESPONSES: dict[str, type[Any]] = {
     "Lookup": master_pb2.LookupResponse,

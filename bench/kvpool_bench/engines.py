@@ -10,7 +10,10 @@ per token, Llama-3-8B's geometry) on the CPU:
 * ``kvpool-mooncake-api`` — the same SGLang ``MooncakeStore`` code with ``mooncake.store`` being
   :mod:`kvpool.compat.mooncake`, on a local kvpool cluster;
 * ``kvpool-native-tcp`` / ``kvpool-native-shm`` — :class:`kvpool.integrations.sglang.
-  KVPoolHiCacheStorage` on the same cluster, its client over TCP / over the node's shared memory.
+  KVPoolHiCacheStorage` on the same cluster, its client over TCP / over the node's shared memory;
+* ``kvpool-native-tcp-busy-poll`` (only when ``--systems`` names it) — the same over TCP with
+  the client setting ``busy_poll_us`` (``--busy-poll-us``, 500): a lookup's or a read's answer
+  awaited by spinning rather than sleeping.
 
 Per page size and round, every system in turn (the order rotates) does what SGLang's cache
 controller does with a batch of 128 pages: ``batch_set_v1`` (write back), ``batch_exists``
@@ -43,6 +46,8 @@ LAYERS, HEADS, HEAD_DIM, ITEMSIZE = 32, 8, 128, 2
 TOKEN_BYTES = 2 * LAYERS * HEADS * HEAD_DIM * ITEMSIZE  # K and V of one token: 128 KiB
 DEFAULT_SIZES = "256KiB,1MiB,4MiB,8MiB"
 SYSTEMS = ("mooncake", "kvpool-mooncake-api", "kvpool-native-tcp", "kvpool-native-shm")
+"""Measured unless ``--systems`` says otherwise."""
+KNOWN_SYSTEMS = (*SYSTEMS, "kvpool-native-tcp-busy-poll")
 EXISTS_CALLS = 21
 """batch_exists calls per round (their median is the round's figure): the first few calls right
 after a 128-page set measure what the set left running — for kvpool on one 2-core machine, its
@@ -59,6 +64,7 @@ class EnginesOptions:
     masters: int = 3
     directory: str | None = None
     seed: int = 0
+    busy_poll_us: int = 500  # kvpool-native-tcp-busy-poll's client setting
 
 
 @dataclass
@@ -147,10 +153,15 @@ def _sglang_mooncake(address: str, module: Any, pool: Any, name: str) -> System:
     return System(name, store, drop)
 
 
-def _native(masters: list[str], pool: Any, transport: str) -> System:
+def _native(masters: list[str], pool: Any, name: str, busy_poll_us: int) -> System:
     from kvpool.integrations.sglang import KVPoolHiCacheStorage
 
-    extra = {"masters": masters, "interface_v1": 1, "transport": transport, "timeout_s": 10.0}
+    transport = name.split("-")[2]  # kvpool-native-<transport>[-busy-poll]
+    extra: dict[str, Any] = {
+        "masters": masters, "interface_v1": 1, "transport": transport, "timeout_s": 10.0,
+    }  # fmt: skip
+    if name.endswith("-busy-poll"):
+        extra["busy_poll_us"] = busy_poll_us
     backend = KVPoolHiCacheStorage(_storage_config(extra))
     backend.register_mem_pool_host(pool)
     scheme = backend._kv_scheme()
@@ -158,7 +169,7 @@ def _native(masters: list[str], pool: Any, transport: str) -> System:
     def drop(keys: list[str]) -> None:
         backend._client.batch_remove(scheme.page_keys(keys))
 
-    return System(f"kvpool-native-{transport}", backend, drop)
+    return System(name, backend, drop)
 
 
 def _fill(pool: Any, seed: int) -> None:
@@ -238,6 +249,11 @@ def run_engines(opts: EnginesOptions, progress: Callable[[str], None]) -> dict[s
             "rounds": opts.rounds,
             "sizes": opts.sizes,
             "ops": "batch_set_v1, batch_exists, batch_get_v1 (SGLang's zero-copy calls)",
+            **(
+                {"busy_poll_us": opts.busy_poll_us}
+                if "kvpool-native-tcp-busy-poll" in systems
+                else {}
+            ),
         },
         "systems": {},
         "results": {},
@@ -282,7 +298,7 @@ def run_engines(opts: EnginesOptions, progress: Callable[[str], None]) -> dict[s
                     address = ",".join(kv.masters)
                     built.append(_sglang_mooncake(address, kvpool_mooncake, pool, name))
                 else:
-                    built.append(_native(kv.masters, pool, name.rsplit("-", 1)[1]))
+                    built.append(_native(kv.masters, pool, name, opts.busy_poll_us))
             for s in built:  # warm-up: connections, registration, page faults
                 _round(s, pool, min(opts.batch, 8), page_tokens)
             samples: dict[str, list[dict[str, Any]]] = {s.name: [] for s in built}
@@ -324,10 +340,11 @@ def _ratio(
 
 
 def render_table(doc: dict[str, Any]) -> str:
+    w = max([22, *(len(name) for by_system in doc["results"].values() for name in by_system)])
     lines = [
         "kvpool-bench engines: SGLang's storage calls, 128-page batches, medians over rounds",
         "",
-        f"{'page':>7} {'system':<22} {'set pages/s':>12} {'x':>6} {'exists us':>10} {'x':>6} "
+        f"{'page':>7} {'system':<{w}} {'set pages/s':>12} {'x':>6} {'exists us':>10} {'x':>6} "
         f"{'get pages/s':>12} {'x':>6}",
     ]
     for label, by_system in doc["results"].items():
@@ -337,7 +354,7 @@ def render_table(doc: dict[str, Any]) -> str:
             exists_x = _ratio(r, base, "exists_us", inverse=True)
             get_x = _ratio(r, base, "get_pages_per_s")
             lines.append(
-                f"{label:>7} {name:<22} {r['set_pages_per_s']:>12.0f} {set_x:>6} "
+                f"{label:>7} {name:<{w}} {r['set_pages_per_s']:>12.0f} {set_x:>6} "
                 f"{r['exists_us']:>10.0f} {exists_x:>6} {r['get_pages_per_s']:>12.0f} {get_x:>6}"
             )
     v = doc["verification"]
@@ -364,7 +381,17 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--sizes", default=DEFAULT_SIZES, help=f"page sizes [{DEFAULT_SIZES}]")
     b.add_argument("--rounds", type=int, default=5, help="interleaved rounds [5]")
     b.add_argument("--batch", type=int, default=128, help="pages per call [128, SGLang's]")
-    b.add_argument("--systems", default=",".join(SYSTEMS), help=f"[{','.join(SYSTEMS)}]")
+    b.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"any of {', '.join(KNOWN_SYSTEMS)} [{','.join(SYSTEMS)}]",
+    )
+    b.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=500,
+        help="the client setting busy_poll_us of kvpool-native-tcp-busy-poll [500]",
+    )
     b.add_argument("--kvpool-masters", type=int, default=3, help="masters (Raft group) [3]")
     b.add_argument("--quick", action="store_true", help="256KiB,1MiB pages, 2 rounds of 32")
     b.add_argument("--dir", help="keep logs here [a temp dir]")
@@ -391,10 +418,11 @@ def main_engines(args: argparse.Namespace) -> int:
         systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
         masters=args.kvpool_masters,
         directory=args.dir,
+        busy_poll_us=args.busy_poll_us,
     )
-    unknown = [s for s in opts.systems if s not in SYSTEMS]
+    unknown = [s for s in opts.systems if s not in KNOWN_SYSTEMS]
     if unknown:
-        print(f"--systems: unknown {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
+        print(f"--systems: unknown {', '.join(unknown)} (known: {', '.join(KNOWN_SYSTEMS)})")
         return 2
     doc = run_engines(opts, lambda line: print(line, file=sys.stderr, flush=True))
     print(render_table(doc))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import select
 import socket
 import struct
 import time
@@ -69,6 +70,7 @@ class BlockingConnection:
         self._header_view = memoryview(self._header)
         self._drop = memoryview(bytearray(DROP_BYTES))
         self._posted: set[int] = set()
+        self._poller: select.poll | None = None
         self._timeout_s = 0.0
         self._set_timeout(timeout_s)
         self.broken = False
@@ -177,10 +179,13 @@ class BlockingConnection:
 
     # --- receiving ------------------------------------------------------------------------
 
-    def receive(self, calls: Sequence[Call], deadline: float) -> None:
+    def receive(self, calls: Sequence[Call], deadline: float, *, poll_s: float = 0.0) -> None:
         """Read responses until every call in ``calls`` has one (others — posted requests —
         are dropped). A call whose response could not be taken gets ``error``; a broken stream
-        raises TransportError or DeadlineExceededError (the connection is then ``broken``)."""
+        raises TransportError or DeadlineExceededError (the connection is then ``broken``).
+        ``poll_s``: first :meth:`busy_poll` that long."""
+        if poll_s > 0:
+            self.busy_poll(poll_s)
         waiting = {c.request_id: c for c in calls}
         while waiting:
             header = self._read_header(deadline)
@@ -218,9 +223,26 @@ class BlockingConnection:
             self._posted.discard(header.request_id)
             sock.recv_into(view, HEADER_SIZE, socket.MSG_DONTWAIT)  # all here (peeked)
 
-    def exchange(self, calls: Sequence[Call], deadline: float, *, trace: bytes = b"") -> None:
+    def busy_poll(self, seconds: float) -> bool:
+        """Spin, without sleeping, until the socket is readable or ``seconds`` have passed:
+        whether it is. An answer that arrives meanwhile is taken without the scheduler waking
+        this thread (on a VM whose idle vCPUs halt, that wake-up is most of a short round
+        trip); the price is this thread's CPU for as long as it spins."""
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = select.poll()
+            poller.register(self._sock, select.POLLIN)
+        end = time.perf_counter() + seconds
+        while not poller.poll(0):
+            if time.perf_counter() >= end:
+                return False
+        return True
+
+    def exchange(
+        self, calls: Sequence[Call], deadline: float, *, trace: bytes = b"", poll_s: float = 0.0
+    ) -> None:
         self.send(calls, deadline, trace=trace)
-        self.receive(calls, deadline)
+        self.receive(calls, deadline, poll_s=poll_s)
 
     def drain(self, deadline: float) -> None:
         """Read the responses of every posted request."""

@@ -20,6 +20,7 @@ from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.proto.wire import Op, Status
 from kvpool.transports import open_blocking
+from kvpool.transports.blocking import BlockingConnection
 from kvpool.transports.calls import Call
 from kvpool.transports.shm import ShmBlockingConnection, shm_supported
 
@@ -128,6 +129,43 @@ def test_the_client_over_tcp_and_shared_memory(cluster: LocalCluster, transport:
         assert all(isinstance(c, ShmBlockingConnection) == (transport == "shm") for c in conns)
     with Client(cluster.master_addresses, timeout_s=5.0, transport="tcp") as other:
         assert other.batch_get(list(blocks)) == list(blocks.values())  # the same blocks
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])
+def test_a_busy_polling_client_spins_for_reads_and_lookups_only(
+    cluster: LocalCluster, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    polled: list[str] = []
+    busy_poll = BlockingConnection.busy_poll
+
+    def spy(conn: BlockingConnection, seconds: float) -> bool:
+        polled.append(conn.address)
+        assert seconds == 0.002
+        return busy_poll(conn, seconds)
+
+    monkeypatch.setattr(BlockingConnection, "busy_poll", spy)
+    blocks = {f"poll-{transport}/{n}": os.urandom(n) for n in (1, 4096, 2 * MIB)}
+    keys = list(blocks)
+    with Client(
+        cluster.master_addresses,
+        timeout_s=5.0,
+        transport=transport,
+        busy_poll_us=2000,
+        lookup_cache_size=0,
+    ) as kv:
+        assert kv.batch_put(blocks) == [True] * len(blocks)
+        assert kv.put(keys[0], blocks[keys[0]])
+        assert polled == [], "a put waits for its stage and its commit asleep"
+        assert kv.batch_get(keys) == list(blocks.values())
+        assert kv.get(keys[2]) == blocks[keys[2]]
+        assert kv.batch_exists([*keys, "poll/absent"]) == [True, True, True, False]
+        assert kv.prefix_match([*keys, "poll/absent", keys[0]]) == 3
+        assert polled, "reads and lookups spin before they sleep"
+        rpc_ports = {f"tcp://{members_of(a).rpc_address}" for a in cluster.master_addresses}
+        assert rpc_ports & set(polled), "a lookup's answer is awaited spinning"
+        assert set(polled) - rpc_ports, "a node's answer to a read is awaited spinning"
+        assert kv.remove(keys[0])
+        assert kv.get(keys[0]) is None
 
 
 def scheme_blocks(tag: str) -> dict[str, bytes]:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvpool import AsyncClient, Client
+from kvpool.client.core import ClientCore
 from kvpool.client.settings import make_config
 from kvpool.config import ClientConfig
 from kvpool.errors import ConfigError
@@ -105,3 +106,23 @@ def test_an_async_client_serves_metrics_when_asked() -> None:
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as response:
         return str(response.read().decode())
+
+
+def test_an_async_client_says_it_does_not_busy_poll() -> None:
+    said: list[tuple[str, str]] = []
+
+    class Log:
+        def warning(self, event: str, **fields: Any) -> None:
+            said.append((event, fields["setting"]))
+
+        def __getattr__(self, _name: str) -> Callable[..., None]:
+            return lambda *_args, **_fields: None
+
+    async def build(**settings: Any) -> None:
+        core = ClientCore(make_config(MASTERS, **settings), logger=Log())
+        await core.close()
+
+    asyncio.run(build())
+    assert said == []
+    asyncio.run(build(busy_poll_us=300))
+    assert said == [("client_setting_ignored", "busy_poll_us")]

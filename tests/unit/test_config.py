@@ -131,3 +131,11 @@ def test_client_config_checks_its_values() -> None:
         load_config(ClientConfig, env={}, overrides={"replicas": 0, "timeout_s": 0, "masters": ""})
     for name in ("replicas", "timeout_s", "masters"):
         assert name in info.value.message
+
+
+@pytest.mark.parametrize("bad", [-1, 10_001])
+def test_a_client_busy_poll_outside_its_range_is_refused(bad: int) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(ClientConfig, env={}, overrides={"busy_poll_us": bad})
+    assert "busy_poll_us: must be between 0 and 10000" in info.value.message
+    assert load_config(ClientConfig, env={}, overrides={"busy_poll_us": 300}).busy_poll_us == 300

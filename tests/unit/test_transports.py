@@ -241,6 +241,28 @@ def test_a_silent_peer_costs_one_deadline_and_breaks_the_connection() -> None:
         listener.close()
 
 
+def test_a_busy_poll_ends_when_the_answer_arrives_or_when_its_time_is_up(node: Node) -> None:
+    conn = open_blocking(node.address("tcp"), 2.0)
+    try:
+        # Nothing on the way: it spins the whole time, then says so (the thread was busy, not
+        # asleep: its CPU time grew by about as much).
+        cpu, started = time.thread_time(), time.monotonic()
+        assert conn.busy_poll(0.05) is False
+        assert 0.05 <= time.monotonic() - started < 0.5
+        assert time.thread_time() - cpu >= 0.025
+        # An answer on the way ends it early, and the exchange that polled reads it whole.
+        put(conn, "poll/a", b"x" * 1000)
+        sink = memoryview(bytearray(1000))
+        get = Call(Op.GET, b"poll/a", write_id=1, sink=sink)
+        started = time.monotonic()
+        conn.exchange([get], time.monotonic() + 2.0, poll_s=5.0)
+        assert time.monotonic() - started < 2.0
+        assert get.status == Status.OK
+        assert bytes(sink) == b"x" * 1000
+    finally:
+        conn.close()
+
+
 # --- shared memory ---------------------------------------------------------------------------
 
 

@@ -164,10 +164,14 @@ def test_storage_metrics_for_sglang(sglang_cluster: LocalCluster) -> None:
         store.close()
 
 
-def test_batch_exists_is_the_leading_run_of_hits(sglang_cluster: LocalCluster) -> None:
+@pytest.mark.parametrize("busy_poll_us", [0, 500])
+def test_batch_exists_is_the_leading_run_of_hits(
+    sglang_cluster: LocalCluster, busy_poll_us: int
+) -> None:
     pool = host_pool("page_first")
-    store = backend(sglang_cluster, pool)
+    store = backend(sglang_cluster, pool, busy_poll_us=busy_poll_us)
     try:
+        assert store._client.config.busy_poll_us == busy_poll_us
         keys = hashes(6)
         fill(pool, range(6))
         stored = [keys[0], keys[1], keys[2], keys[4]]
