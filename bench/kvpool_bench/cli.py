@@ -137,6 +137,14 @@ def _parser() -> argparse.ArgumentParser:
         "AsyncClient on the first, when there is one]",
     )
     b.add_argument(
+        "--kvpool-busy-poll-us",
+        type=int,
+        default=0,
+        metavar="US",
+        help="also measure every kvpool.Client with the client setting busy_poll_us=US, as "
+        "kvpool-...-busy-poll [0: not]",
+    )
+    b.add_argument(
         "--kvpool-in-memory", action="store_true", help="masters keep the index in memory only"
     )
     b.add_argument("--dir", help="keep logs and data here [a temp dir, removed]")

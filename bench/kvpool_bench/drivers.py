@@ -367,10 +367,16 @@ class KvpoolAsyncDriver:
 
 
 def make_kvpool_driver(
-    masters: Sequence[str], *, transport: str | None, timeout_s: float, api: str
+    masters: Sequence[str],
+    *,
+    transport: str | None,
+    timeout_s: float,
+    api: str,
+    busy_poll_us: int = 0,
 ) -> Driver:
     """The kvpool driver: ``api`` "sync" drives ``kvpool.Client``, "async" drives
-    ``kvpool.AsyncClient`` (an error where this kvpool has none)."""
+    ``kvpool.AsyncClient`` (an error where this kvpool has none); ``busy_poll_us``: the
+    ``Client`` setting (measured as ``kvpool-...-busy-poll``)."""
     import kvpool
 
     name = "kvpool" if transport is None else f"kvpool-{transport}"
@@ -387,7 +393,13 @@ def make_kvpool_driver(
         )
     from kvpool.client.sync import Client
 
-    client = Client(list(masters), **_client_kwargs(Client, timeout_s, transport))
+    kwargs = _client_kwargs(Client, timeout_s, transport)
+    if busy_poll_us:
+        kwargs["busy_poll_us"] = busy_poll_us  # a client without it refuses: never mislabeled
+        name += "-busy-poll"
+        settings = [f"transport={transport!r}"] if transport else []
+        suffix = f"({', '.join([*settings, f'busy_poll_us={busy_poll_us}'])})"
+    client = Client(list(masters), **kwargs)
     return KvpoolDriver(client, name=name, label="kvpool.Client" + suffix)
 
 

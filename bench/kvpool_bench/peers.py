@@ -103,6 +103,9 @@ class PeersOptions:
     kvpool_api: str = "auto"
     """auto: kvpool.Client on every transport, and kvpool.AsyncClient on the first one when
     there is one; sync, async: only that client; both: both on every transport."""
+    kvpool_busy_poll_us: int = 0
+    """Above 0: every kvpool.Client measured is measured again with this ``busy_poll_us``
+    (as ``kvpool-<transport>-busy-poll``)."""
     mooncake_segment_bytes: int = 1 << 30
     gc_freeze: bool = False
     """The client processes freeze what survives a slow full collection (kvpool.gctune)."""
@@ -155,6 +158,8 @@ class PeersOptions:
             errors.append(f"peers: a subset of {','.join(PEERS)}")
         if self.kvpool_api not in KVPOOL_APIS:
             errors.append(f"kvpool api: one of {', '.join(KVPOOL_APIS)}")
+        if self.kvpool_busy_poll_us < 0:
+            errors.append("kvpool busy_poll_us: must not be negative")
         return errors
 
 
@@ -289,21 +294,24 @@ class PeersBench:
                 pairs.append((t, "sync"))
             if api in ("async", "both") or (api == "auto" and i == 0 and features["async_client"]):
                 pairs.append((t, "async"))
-        for t, kind in pairs:
+        poll = self.opts.kvpool_busy_poll_us
+        runs = [(t, kind, 0) for t, kind in pairs]
+        runs += [(t, kind, poll) for t, kind in pairs if poll and kind == "sync"]
+        for t, kind, busy_poll_us in runs:
             name = ("kvpool" if t is None else f"kvpool-{t}") + (
                 "-async" if kind == "async" else ""
             )
-            state = SystemState(
-                name,
-                "kvpool",
-                spec={
-                    "kind": "kvpool",
-                    "masters": masters,
-                    "transport": t,
-                    "timeout_s": self.opts.timeout_s,
-                    "api": kind,
-                },
-            )
+            spec: dict[str, Any] = {
+                "kind": "kvpool",
+                "masters": masters,
+                "transport": t,
+                "timeout_s": self.opts.timeout_s,
+                "api": kind,
+            }
+            if busy_poll_us:
+                name += "-busy-poll"
+                spec["busy_poll_us"] = busy_poll_us
+            state = SystemState(name, "kvpool", spec=spec)
             if kind == "async" and not features["async_client"]:
                 state.fail("this kvpool has no AsyncClient")
             self.systems[name] = state

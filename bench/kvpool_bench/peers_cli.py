@@ -43,6 +43,7 @@ def options_from_args(args: Any) -> PeersOptions:
     if args.kvpool_transports:
         overrides["kvpool_transports"] = tuple(_csv(args.kvpool_transports))
     overrides["kvpool_api"] = args.kvpool_api
+    overrides["kvpool_busy_poll_us"] = getattr(args, "kvpool_busy_poll_us", 0) or 0
     overrides["kvpool_masters"] = args.kvpool_masters
     overrides["kvpool_nodes"] = args.kvpool_nodes
     overrides["kvpool_in_memory"] = args.kvpool_in_memory

@@ -215,6 +215,7 @@ class Worker:
                 transport=spec.get("transport"),
                 timeout_s=float(spec["timeout_s"]),
                 api=spec.get("api", "sync"),
+                busy_poll_us=int(spec.get("busy_poll_us", 0)),
             )
         if kind == "redis":
             return RedisDriver(spec["host"], int(spec["port"]), timeout_s=float(spec["timeout_s"]))

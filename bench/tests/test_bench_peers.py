@@ -119,8 +119,11 @@ def test_quick_run_measures_everything_and_verifies_every_byte(tmp_path: Path) -
 def test_quick_hand_off_and_engine_modes_report_their_numbers(tmp_path: Path) -> None:
     """The two modes of one writer and one reader process, in quick form, on the default
     cluster (3 masters): a kvpool hand-off miss would break the read-after-ack guarantee."""
-    proc, doc = _quick_run(tmp_path, "--modes", "hand-off,engine")
+    proc, doc = _quick_run(tmp_path, "--modes", "hand-off,engine", "--kvpool-busy-poll-us", "300")
     measured = [n for n, s in doc["systems"].items() if s["status"] == "measured"]
+    # every kvpool.Client measured twice: as it comes, and spinning for its answers
+    assert {"kvpool-tcp-busy-poll", "kvpool-tcp"} <= set(measured)
+    assert not any(n.endswith("-async-busy-poll") for n in doc["systems"])
     sizes = doc["options"]["sizes"]
     assert not doc["cells"]  # no other mode ran
     assert {(c["system"], c["size_bytes"]) for c in doc["handoffs"]} == {
