@@ -15,7 +15,11 @@ exactly-once retries) in a compact byte form, :func:`encode_result` / :func:`dec
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from typing import TypeAlias, assert_never, cast
 
 from google.protobuf.message import DecodeError
@@ -500,6 +504,12 @@ _TAG_CLAIM_REPLICAS = 7
 _TAG_CHANGE_REPLICAS = 8
 _TAG_SET_PINS = 9
 _TAG_SET_DRAINING = 10
+_TAG_COMMIT_PUTS_PACKED = 11
+_TAG_REMOVE_KEYS_PACKED = 12
+_PUTS_HEAD = struct.Struct("<QQ?I")  # revision, ring version, stale ring, outcomes
+_REMOVE_HEAD = struct.Struct("<QQ?II")  # revision, prefix removed, more, keys, blocks
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+_LITTLE_ENDIAN = sys.byteorder == "little"
 _U32_U64 = struct.Struct("<IQ")
 _BOOL_U64 = struct.Struct("<?Q")
 _U64 = struct.Struct("<Q")
@@ -507,9 +517,131 @@ _U64_U64 = struct.Struct("<QQ")
 _BOOL_BOOL_U64 = struct.Struct("<??Q")
 
 
+def _array_bytes(code: str, values: Iterable[int]) -> bytes:
+    """``values`` as little-endian ``array(code)`` items (OverflowError when one does not fit)."""
+    packed = array(code, values)
+    if not _LITTLE_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _take_array(code: str, data: bytes, at: int, count: int) -> tuple[list[int], int]:
+    """``count`` little-endian ``array(code)`` items of ``data`` from ``at``, and the offset
+    after them."""
+    taken = array(code)
+    end = at + taken.itemsize * count
+    if end > len(data):
+        raise ValueError("a stored result is cut short")
+    taken.frombytes(data[at:end])
+    if not _LITTLE_ENDIAN:
+        taken.byteswap()
+    return taken.tolist(), end
+
+
+def _runs(flat: list[int], counts: bytes) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = []
+    at = 0
+    for n in counts:
+        out.append(tuple(flat[at : at + n]))
+        at += n
+    return out
+
+
+def _pack_commit_puts(result: CommitPutsResult) -> bytes:
+    """Columns of fixed-width little-endian fields: ~5x faster than the protobuf form for a
+    large batch, which every master stores for every commit it applies (ValueError or
+    OverflowError where a value does not fit: the caller stores the protobuf form then)."""
+    outs = result.outcomes
+    replicas = [o.replicas for o in outs]
+    superseded = [o.superseded_replicas for o in outs]
+    head = _PUTS_HEAD.pack(result.revision, result.ring_version, result.stale_ring, len(outs))
+    return b"".join(
+        (
+            bytes((_TAG_COMMIT_PUTS_PACKED,)),
+            head,
+            bytes([o.status for o in outs]),
+            _array_bytes("Q", [o.version for o in outs]),
+            _array_bytes("Q", [o.superseded_write_id for o in outs]),
+            bytes(map(len, replicas)),
+            _array_bytes("Q", chain.from_iterable(replicas)),
+            bytes(map(len, superseded)),
+            _array_bytes("Q", chain.from_iterable(superseded)),
+        )
+    )
+
+
+def _unpack_commit_puts(body: bytes) -> CommitPutsResult:
+    revision, ring_version, stale_ring, n = _PUTS_HEAD.unpack_from(body)
+    at = _PUTS_HEAD.size
+    statuses = body[at : at + n]
+    versions, at = _take_array("Q", body, at + n, n)
+    superseded_ids, at = _take_array("Q", body, at, n)
+    replica_counts = body[at : at + n]
+    flat, at = _take_array("Q", body, at + n, sum(replica_counts))
+    superseded_counts = body[at : at + n]
+    superseded_flat, at = _take_array("Q", body, at + n, sum(superseded_counts))
+    if at != len(body) or len(statuses) != n:
+        raise ValueError("a stored CommitPuts result has trailing or missing bytes")
+    outcomes = tuple(
+        map(
+            PutOutcome,
+            statuses,
+            versions,
+            _runs(flat, replica_counts),
+            superseded_ids,
+            _runs(superseded_flat, superseded_counts),
+        )
+    )
+    return CommitPutsResult(outcomes, revision, ring_version, stale_ring)
+
+
+def _pack_remove_keys(result: RemoveKeysResult) -> bytes:
+    """As :func:`_pack_commit_puts`, for a removal's result."""
+    blocks = result.blocks
+    keys = [b.key.encode("utf-8") for b in blocks]
+    replicas = [b.replicas for b in blocks]
+    head = _REMOVE_HEAD.pack(
+        result.revision, result.prefix_removed, result.more, len(result.removed), len(blocks)
+    )
+    return b"".join(
+        (
+            bytes((_TAG_REMOVE_KEYS_PACKED,)),
+            head,
+            bytes(result.removed),
+            _array_bytes("Q", [b.write_id for b in blocks]),
+            _array_bytes(_U32, map(len, keys)),
+            b"".join(keys),
+            bytes(map(len, replicas)),
+            _array_bytes("Q", chain.from_iterable(replicas)),
+        )
+    )
+
+
+def _unpack_remove_keys(body: bytes) -> RemoveKeysResult:
+    revision, prefix_removed, more, n_removed, n = _REMOVE_HEAD.unpack_from(body)
+    at = _REMOVE_HEAD.size
+    removed = tuple(map(bool, body[at : at + n_removed]))
+    write_ids, at = _take_array("Q", body, at + n_removed, n)
+    key_lengths, at = _take_array(_U32, body, at, n)
+    keys = []
+    for length in key_lengths:
+        keys.append(body[at : at + length].decode("utf-8"))
+        at += length
+    replica_counts = body[at : at + n]
+    flat, at = _take_array("Q", body, at + n, sum(replica_counts))
+    if at != len(body) or len(removed) != n_removed:
+        raise ValueError("a stored Remove result has trailing or missing bytes")
+    blocks = tuple(map(RemovedBlock, keys, write_ids, _runs(flat, replica_counts)))
+    return RemoveKeysResult(removed, blocks, revision, prefix_removed, more)
+
+
 def encode_result(result: Result) -> bytes:
     """A stored form of a simple command's result (batches and errors are never stored)."""
     if isinstance(result, CommitPutsResult):
+        try:
+            return _pack_commit_puts(result)
+        except (ValueError, OverflowError):
+            pass  # a value past the packed form's fields: the protobuf form below
         resp = master_pb2.CommitPutsResponse(
             revision=result.revision,
             stale_ring=result.stale_ring,
@@ -525,6 +657,10 @@ def encode_result(result: Result) -> bytes:
             )
         return bytes([_TAG_COMMIT_PUTS]) + resp.SerializeToString(deterministic=True)
     if isinstance(result, RemoveKeysResult):
+        try:
+            return _pack_remove_keys(result)
+        except (ValueError, OverflowError):
+            pass
         rr = master_pb2.RemoveResponse(
             removed=result.removed,
             revision=result.revision,
@@ -563,6 +699,10 @@ def encode_result(result: Result) -> bytes:
 
 def decode_result(data: bytes) -> Result:
     tag, body = data[0], data[1:]
+    if tag == _TAG_COMMIT_PUTS_PACKED:
+        return _unpack_commit_puts(body)
+    if tag == _TAG_REMOVE_KEYS_PACKED:
+        return _unpack_remove_keys(body)
     if tag == _TAG_COMMIT_PUTS:
         resp = master_pb2.CommitPutsResponse.FromString(body)
         return CommitPutsResult(

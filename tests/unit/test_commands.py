@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import MalformedRequestError, UnavailableError
-from kvpool.proto.v1 import raft_pb2
+from kvpool.proto.v1 import master_pb2, raft_pb2
 from kvpool.raft_master.commands import (
     FORMAT_VERSION,
     PUT_COMMITTED,
@@ -147,6 +147,8 @@ stored_results: st.SearchStrategy[Result] = st.one_of(
                 st.sampled_from([PUT_COMMITTED, PUT_NO_LIVE_REPLICA]),
                 u64,
                 st.lists(u32, max_size=3).map(tuple),
+                u64,
+                st.lists(u32, max_size=3).map(tuple),
             ),
             max_size=4,
         ).map(tuple),
@@ -161,6 +163,8 @@ stored_results: st.SearchStrategy[Result] = st.one_of(
             st.builds(RemovedBlock, keys, u64, st.lists(u32, max_size=3).map(tuple)), max_size=3
         ).map(tuple),
         u64,
+        u64,
+        st.booleans(),
     ),
     st.builds(DropReplicasResult, u32, u64),
     st.builds(RegisterMemberResult, u32, u64),
@@ -173,6 +177,40 @@ stored_results: st.SearchStrategy[Result] = st.one_of(
 @given(stored_results)
 def test_stored_results_round_trip(result: Result) -> None:
     assert decode_result(encode_result(result)) == result
+
+
+def test_large_results_are_stored_packed_and_what_does_not_fit_as_protobuf() -> None:
+    outcomes = tuple(PutOutcome(PUT_COMMITTED, 10**12 + i, (3, 4), i, (5,)) for i in range(256))
+    result = CommitPutsResult(outcomes, 77, 5)
+    stored = encode_result(result)
+    assert stored[0] == 11  # the packed form: fixed-width columns, not protobuf
+    assert decode_result(stored) == result
+    removal = RemoveKeysResult(
+        (True, False), (RemovedBlock("kv1/é", 2**64 - 1, (1, 2)),), 9, 3, True
+    )
+    assert encode_result(removal)[0] == 12
+    assert decode_result(encode_result(removal)) == removal
+    # 256 replicas do not fit the packed form's one-byte count: stored as protobuf, whole
+    wide = CommitPutsResult((PutOutcome(PUT_COMMITTED, 1, tuple(range(256))),), 1, 1)
+    assert encode_result(wide)[0] == 1
+    assert decode_result(encode_result(wide)) == wide
+    with pytest.raises(ValueError, match="cut short"):
+        decode_result(stored[:-1])
+
+
+def test_results_stored_by_an_earlier_release_still_read() -> None:
+    """Snapshots keep the dedupe table: the protobuf forms stored before the packed ones
+    (tags 1 and 2) must keep decoding."""
+    puts = master_pb2.CommitPutsResponse(revision=8, ring_version=2, stale_ring=False)
+    puts.results.add(status=PUT_COMMITTED, version=5, replicas=[1, 2], superseded_write_id=3)
+    assert decode_result(bytes([1]) + puts.SerializeToString()) == CommitPutsResult(
+        (PutOutcome(PUT_COMMITTED, 5, (1, 2), 3, ()),), 8, 2
+    )
+    removed = master_pb2.RemoveResponse(removed=[True], revision=4, prefix_removed=1, more=True)
+    removed.blocks.add(key="a/b", write_id=6, replicas=[2])
+    assert decode_result(bytes([2]) + removed.SerializeToString()) == RemoveKeysResult(
+        (True,), (RemovedBlock("a/b", 6, (2,)),), 4, 1, True
+    )
 
 
 def test_batch_results_are_never_stored_whole() -> None:
