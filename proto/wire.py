@@ -60,11 +60,9 @@ response naming both versions, then the connection is closed.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvpool.proto import PROTOCOL_VERSION
@@ -136,8 +134,10 @@ class FrameError(ValueError):
     """A frame that cannot be parsed: wrong magic, wrong version, bad lengths."""
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
+    """A frame's header, as :func:`unpack_header` reads it (a named tuple: every frame makes
+    one, and a tuple is made several times faster than a frozen dataclass)."""
+
     op: int
     status: int = Status.OK
     request_id: int = 0
@@ -226,17 +226,17 @@ def unpack_header(buf: bytes | bytearray | memoryview) -> Header:
     elif key_len > MAX_KEY_BYTES:
         raise FrameError(f"key length {key_len} above the limit of {MAX_KEY_BYTES} bytes")
     return Header(
-        op=op,
-        status=status,
-        request_id=request_id,
-        write_id=write_id,
-        version=block_version,
-        payload_len=payload_len,
-        checksum=checksum,
-        key_len=key_len,
-        flags=flags,
-        protocol_version=version,
-        ext=ext,
+        op,
+        status,
+        request_id,
+        write_id,
+        block_version,
+        payload_len,
+        checksum,
+        key_len,
+        flags,
+        version,
+        ext,
     )
 
 
@@ -246,8 +246,7 @@ def split_trace(header: Header, key: bytes) -> tuple[Header, bytes]:
     if not header.ext & EXT_TRACED:
         return header, key
     return (
-        dataclasses.replace(
-            header,
+        header._replace(
             key_len=header.key_len - TRACE_CONTEXT_SIZE,
             ext=header.ext & ~EXT_TRACED,
             trace=key[:TRACE_CONTEXT_SIZE],

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import socket
 import threading
@@ -100,7 +99,7 @@ class FakeNodeProtocol(FrameServerProtocol):
                 reason = MissReason.ABSENT
                 if any(k == key for k, _ in node.blocks):
                     reason = MissReason.WRONG_VERSION
-                self.send(dataclasses.replace(reply, status=Status.MISS, flags=reason))
+                self.send(reply._replace(status=Status.MISS, flags=reason))
                 return
             data = block.data
             if node.corrupt and data:
