@@ -117,10 +117,12 @@ class FrameReader:
             self._grow()  # the last read filled what it was offered: more is waiting
         elif self._end == len(self._scratch):
             self._compact()
-        if self._peek and self._start == self._end:
+        if self._peek and self._start == self._end and self._header is None:
             # After a large payload (and on a new connection), read the next header alone: if
             # a large payload follows it, that goes straight into its destination instead of
             # through scratch. Small frames turn this off (one read then takes many of them).
+            # Only between frames: the rest of a payload is never read a header's size at a
+            # time.
             self._offered = 0
             return self._view[self._end : self._end + PEEK_BYTES]
         self._offered = len(self._scratch) - self._end
@@ -237,9 +239,10 @@ class FrameReader:
             if self._filled == header.payload_len:
                 self._finish()
                 continue
-            # Scratch is drained and the payload is not complete.
+            # Scratch is drained and the payload is not complete. A large payload's rest goes
+            # straight into its destination, however little of it the header's read left.
             self._start = self._end = 0
-            if self._sink is not None and header.payload_len - self._filled >= DIRECT_THRESHOLD:
+            if self._sink is not None and header.payload_len >= DIRECT_THRESHOLD:
                 self._direct = True
             break
         if self._start == self._end:
