@@ -380,7 +380,8 @@ def make_kvpool_driver(
     import kvpool
 
     name = "kvpool" if transport is None else f"kvpool-{transport}"
-    suffix = f"(transport={transport!r})" if transport else ""
+    settings = [f"transport={transport!r}"] if transport else []
+    suffix = f"({', '.join(settings)})" if settings else ""
     if api == "async":
         async_cls = getattr(kvpool, "AsyncClient", None)
         if async_cls is None:
@@ -397,7 +398,6 @@ def make_kvpool_driver(
     if busy_poll_us:
         kwargs["busy_poll_us"] = busy_poll_us  # a client without it refuses: never mislabeled
         name += "-busy-poll"
-        settings = [f"transport={transport!r}"] if transport else []
         suffix = f"({', '.join([*settings, f'busy_poll_us={busy_poll_us}'])})"
     client = Client(list(masters), **kwargs)
     return KvpoolDriver(client, name=name, label="kvpool.Client" + suffix)
