@@ -14,8 +14,10 @@ responses (matched by request id, in any order) until those it was given are ans
 read and dropped on the way to later ones. One thread at a time per connection (the client keeps
 one per thread and node). A connection that timed out or lost step is ``broken``: close it.
 
-Deadlines are kernel receive/send timeouts (``SO_RCVTIMEO``/``SO_SNDTIMEO``, set only when they
-change much), checked against the call's deadline between reads, so no extra ``poll`` per read.
+Deadlines are kernel receive/send timeouts (``SO_RCVTIMEO``/``SO_SNDTIMEO``), checked against the
+call's deadline before each frame and between the reads of one, so no extra ``poll`` per read.
+The option is set again only when it would let a read run more than :data:`LATE_S` past the
+deadline or end it over a quarter early; one that ends early is retried for what is left.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ DROP_BYTES = 256 * 1024
 _TIMEVAL = struct.Struct("@ll")
 MAX_ALLOC_BYTES = 1 << 30
 """Largest response payload taken into a fresh buffer when no sink was given."""
+LATE_S = 0.01
+"""How far past a call's deadline a kernel time-out may be left to run (rather than set again:
+two ``setsockopt`` calls)."""
 
 
 class BlockingConnection:
@@ -96,8 +101,8 @@ class BlockingConnection:
 
     def _set_timeout(self, timeout_s: float) -> None:
         timeout_s = max(0.001, timeout_s)
-        if abs(timeout_s - self._timeout_s) <= 0.25 * self._timeout_s:
-            return
+        if 0.75 * timeout_s <= self._timeout_s <= timeout_s + LATE_S:
+            return  # ends at most LATE_S late; one that ends early is retried (_retry_in_time)
         sec = int(timeout_s)
         raw = _TIMEVAL.pack(sec, int((timeout_s - sec) * 1e6))
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, raw)
@@ -110,6 +115,19 @@ class BlockingConnection:
             self.broken = True
             raise DeadlineExceededError(f"{self.address}: out of time")
         self._set_timeout(remaining)
+
+    def _retry_in_time(self, error: OSError, deadline: float) -> bool:
+        """Whether a read or write that failed with ``error`` is to be tried again: a kernel
+        time-out set a little shorter than what was left of the deadline (time is left), the
+        option then set to exactly that."""
+        if not isinstance(error, BlockingIOError | TimeoutError):
+            return False
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        self._timeout_s = 0.0
+        self._set_timeout(remaining)
+        return True
 
     def _broken_by(self, error: OSError | None, doing: str) -> KVPoolError:
         """The typed error for a ``send`` or ``receive`` that failed with ``error`` (None: the
@@ -162,6 +180,8 @@ class BlockingConnection:
             try:
                 sent = sock.sendmsg(batch)
             except OSError as e:
+                if self._retry_in_time(e, deadline):
+                    continue
                 raise self._broken_by(e, "send") from None
             if sent == total:
                 views = views[512:]
@@ -253,6 +273,7 @@ class BlockingConnection:
 
     def _read_header(self, deadline: float) -> Header:
         view = self._header_view
+        self._check(deadline)  # a frame read before this one (a posted answer) took time
         self._recv_into(view, deadline)
         if bytes(view[:4]) != MAGIC:
             self.broken = True
@@ -385,6 +406,8 @@ class BlockingConnection:
             try:
                 n = sock.recvmsg_into(batch)[0]
             except OSError as e:
+                if self._retry_in_time(e, deadline):
+                    continue
                 raise self._broken_by(e, "receive") from None
             if n == 0:
                 raise self._broken_by(None, "receive")
@@ -420,6 +443,8 @@ class BlockingConnection:
             try:
                 n = sock.recv_into(view[got:] if got else view)
             except OSError as e:
+                if self._retry_in_time(e, deadline):
+                    continue
                 raise self._broken_by(e, "receive") from None
             if n == 0:
                 raise self._broken_by(None, "receive")
