@@ -343,7 +343,7 @@ class SyncCommitter(_Committer):
     ) -> CommitAnswer:
         job = CommitJob(ring_version, entries, deadline)
         if len(entries) >= self._batcher.alone():  # a full request of its own: no waiting
-            self._send([job])
+            self._send([job], deadline)
             return _answer(job)
         with self._lock:
             self._batcher.queue.append(job)
@@ -368,25 +368,27 @@ class SyncCommitter(_Committer):
                     self._batcher.queue.remove(job)
                 self._hand_over()
             raise DeadlineExceededError("commit: no time left to send")
-        self._lead()
+        self._lead(deadline)
         return _answer(job)
 
-    def _lead(self) -> None:
-        """Send the next request (which holds this thread's job, the oldest), then hand over."""
+    def _lead(self, deadline: float) -> None:
+        """Send the next request (which holds this thread's job, the oldest) under this thread's
+        ``deadline``, then hand over."""
         with self._lock:
             jobs = self._batcher.take()
         if jobs:
-            self._send(jobs)
+            self._send(jobs, deadline)
         with self._lock:
             self._hand_over()
         for job in jobs:
             job.done.set()
 
-    def _send(self, jobs: list[CommitJob]) -> None:
-        """One request for ``jobs``, under the latest of their deadlines; each job gets its
-        share of the answer, or the error (every one of them: nothing is lost silently)."""
+    def _send(self, jobs: list[CommitJob], deadline: float) -> None:
+        """One request for ``jobs`` under the sending thread's ``deadline`` (a later one of a
+        job riding along would hold the sender past its own); each job gets its share of the
+        answer, or the error (every one of them: nothing is lost silently)."""
         try:
-            response = self._call(CommitBatcher.request(jobs), max(j.deadline for j in jobs))
+            response = self._call(CommitBatcher.request(jobs), deadline)
         except BaseException as e:
             for job in jobs:
                 job.error = e
