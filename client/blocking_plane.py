@@ -43,6 +43,7 @@ from kvpool.client.plans import (
     NodeStage,
     PutItem,
     ReadItem,
+    handled_barrier,
     ref_calls,
     refs_by_node,
 )
@@ -400,13 +401,18 @@ class BlockingDataPlane:
         self, op: Op, refs: list[BlockRef], deadline: float, *, wait: bool = True
     ) -> None:
         """PUBLISH or DELETE (failures are ignored). ``wait=False``: the answers are not waited
-        for — read and dropped on the way to a later answer on the same connection."""
+        for — read and dropped on the way to a later answer on the same connection. A PUBLISH
+        waited for is waited for until the node has *handled* it (:func:`handled_barrier`),
+        not until the node's check with the index answers it."""
         groups = refs_by_node(refs)
         sent = []
         for address, group in groups.items():
             calls = ref_calls(op, group)
             try:
                 conn = self.connection(address, deadline)
+                if wait and op is Op.PUBLISH:
+                    conn.send(calls, deadline, posted=True)
+                    calls = [handled_barrier()]
                 conn.send(calls, deadline, posted=not wait)
             except KVPoolError:
                 continue

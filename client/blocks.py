@@ -43,6 +43,7 @@ from kvpool.client.plans import (
     NodeStage,
     PutItem,
     ReadItem,
+    handled_barrier,
     new_write_ids,
     node_error,
     ref_calls,
@@ -305,7 +306,7 @@ class DataPlane:
         serves a staged block to a read naming its write id, so a read need not wait for the
         PUBLISH either) unless ``wait``; failures are ignored (the node asks the index about
         staged blocks it holds too long)."""
-        if wait:
+        if wait:  # until each node has handled them (handled_barrier)
             await self._send_all(Op.PUBLISH, refs, deadline)
             return
         loop = asyncio.get_running_loop()
@@ -333,9 +334,13 @@ class DataPlane:
         groups = refs_by_node(refs)
 
         async def group(address: str, group_refs: list[BlockRef]) -> None:
+            calls = ref_calls(op, group_refs)
             try:
                 conn = await self._pool.get(address, timeout_s=timeout_s)
-                await conn.exchange(ref_calls(op, group_refs), deadline - loop.time())
+                if op is Op.PUBLISH:
+                    conn.notify(calls)
+                    calls = [handled_barrier()]
+                await conn.exchange(calls, deadline - loop.time())
             except KVPoolError:
                 return
 

@@ -719,3 +719,14 @@ def refs_by_node(refs: Iterable[BlockRef]) -> dict[str, list[BlockRef]]:
 def ref_calls(op: Op, refs: list[BlockRef]) -> list[Call]:
     """PUBLISH or DELETE frames for committed or removed blocks."""
     return [Call(op, r.key_bytes, write_id=r.write_id, version=r.version) for r in refs]
+
+
+def handled_barrier() -> Call:
+    """A PING sent behind PUBLISH frames on the same connection: its answer says the node has
+    handled them. A node handles a PUBLISH as it reads it — the write it replaces there leaves
+    the table, and the new block becomes readable by content (``BlockStore.retire_older``) —
+    and answers it only once the index has confirmed the write (a Lookup on the leader,
+    ``store_node/publish_check.py``). A put that replaces a write on a node waits for the
+    former, not the latter: a round trip to the node instead of one through it to the leader,
+    and not a whole deadline when that node cannot reach the masters."""
+    return Call(Op.PING)

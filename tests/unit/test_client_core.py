@@ -180,6 +180,8 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
         self.calls: dict[str, int] = {}
         self.requests: list[Any] = []
         self.seen: dict[bytes, Any] = {}
+        self.report_superseded = False
+        """Name the write each commit replaces, and where it was (as the real index does)."""
         self.applied_revision: int | None = None  # None: caught up; else a lagging view
 
     def _count(self, method: str, request: Any) -> None:
@@ -209,11 +211,13 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
             old = self.index.get(e.key)
             version = (old.version if old else 0) + 1
             self.index[e.key] = Entry(version, e.write_id, e.size_bytes, e.checksum, kept)
-            results.append(
-                master_pb2.PutResult(
-                    status=master_pb2.PUT_STATUS_COMMITTED, version=version, replicas=kept
-                )
+            result = master_pb2.PutResult(
+                status=master_pb2.PUT_STATUS_COMMITTED, version=version, replicas=kept
             )
+            if old is not None and self.report_superseded:
+                result.superseded_write_id = old.write_id
+                result.superseded_replicas.extend(old.replicas)
+            results.append(result)
         response = master_pb2.CommitPutsResponse(
             results=results, revision=self.revision, ring_version=self.ring_version
         )

@@ -33,6 +33,7 @@ from kvpool.mastercall import MasterRouting, no_rpc_port
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import Op, Status
 from kvpool.store_node.data_server import DataConnection
+from kvpool.store_node.publish_check import IndexVersions
 from kvpool.store_node.shm_server import ShmConnection
 from kvpool.transports import host_id
 from kvpool.transports.calls import Call
@@ -276,6 +277,52 @@ def test_concurrent_puts_of_one_client_share_commit_requests(cluster: Cluster) -
         assert results == [True] * 40
         assert cluster.master.calls["CommitPuts"] < 30  # 40 puts, fewer requests
         assert kv.get("w3/4") == bytes([3]) * 100
+
+
+class _MastersOutOfReach:
+    """A node's way to the masters when it is cut from them: no answer until the deadline."""
+
+    async def call(
+        self, method: str, request: Any, *, deadline: float, leader_only: bool = False
+    ) -> Any:
+        await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
+        raise UnavailableError(f"{method}: no master answered")
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_an_overwrite_on_a_node_cut_from_the_masters_returns_at_once(
+    cluster: Cluster, kind: str
+) -> None:
+    """A put that replaces a write on the same node waits until that node has handled its
+    PUBLISH (the old block leaves there), not for the PUBLISH's answer, which waits for the
+    node's check with the index: a whole deadline when the node cannot reach the masters. A
+    reader holding the old entry still never reads the old value."""
+    cluster.master.report_superseded = True
+    old, new = b"old" * 100, b"new" * 100
+    versions = [IndexVersions(_MastersOutOfReach(), timeout_s=30.0) for _ in cluster.nodes]
+    try:
+        with Client([cluster.address], timeout_s=3.0) as reader:
+            with Client([cluster.address], timeout_s=3.0) as writer:
+                assert writer.put("k", old)
+            assert reader.get("k") == old  # its entry is cached now
+            for node, v in zip(cluster.nodes, versions, strict=True):
+                node.server.versions = v
+            started = time.monotonic()
+            if kind == "sync":
+                with Client([cluster.address], timeout_s=3.0) as writer:
+                    assert writer.put("k", new)
+            else:
+
+                async def overwrite() -> None:
+                    async with AsyncClient([cluster.address], timeout_s=3.0) as awriter:
+                        assert await awriter.put("k", new)
+
+                asyncio.run(overwrite())
+            assert time.monotonic() - started < 1.5  # not the 3 s deadline
+            assert reader.get("k", strict=True) == new
+    finally:
+        for node, v in zip(cluster.nodes, versions, strict=True):
+            node.run(v.close())
 
 
 def test_the_commit_batcher_groups_by_ring_version_and_size() -> None:
