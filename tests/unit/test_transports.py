@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -243,26 +244,41 @@ def test_a_silent_peer_costs_one_deadline_and_breaks_the_connection() -> None:
         listener.close()
 
 
+@contextlib.contextmanager
+def _one_peer(answer: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A tcp address whose first connection is served by ``answer`` (in a thread)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        sock, _ = listener.accept()
+        accepted.append(sock)
+        answer(sock)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        thread.join(5)
+        for sock in accepted:
+            sock.close()
+        listener.close()
+
+
 def test_a_posted_answer_arriving_late_does_not_extend_the_deadline() -> None:
     """A receive that reads and drops a posted answer (a PUBLISH not waited for) on the way
     still ends at its deadline: the kernel time-out is set again for what is left before the
     next frame (it was armed in full for each, and a 1 s put took 2 s in the chaos suite)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
 
-    def peer() -> None:
-        sock, _ = listener.accept()
-        accepted.append(sock)
-        head = sock.recv(HEADER_SIZE, socket.MSG_WAITALL)
-        posted = unpack_header(head)
+    def answer(sock: socket.socket) -> None:
+        posted = unpack_header(sock.recv(HEADER_SIZE, socket.MSG_WAITALL))
         sock.recv(posted.key_len, socket.MSG_WAITALL)
         time.sleep(0.35)  # answers the posted request only, shortly before the deadline
         sock.sendall(Header(op=Op.PUBLISH, request_id=posted.request_id).pack())
 
-    thread = threading.Thread(target=peer, daemon=True)
-    thread.start()
-    try:
-        conn = open_blocking(f"tcp://127.0.0.1:{listener.getsockname()[1]}", 1.0)
+    with _one_peer(answer) as address:
+        conn = open_blocking(address, 1.0)
         started = time.monotonic()
         deadline = started + 0.4
         conn.send([Call(Op.PUBLISH, b"k", write_id=1)], deadline, posted=True)
@@ -270,40 +286,24 @@ def test_a_posted_answer_arriving_late_does_not_extend_the_deadline() -> None:
             conn.exchange([Call(Op.PING)], deadline)
         assert time.monotonic() - started < 0.4 + 0.1
         conn.close()
-    finally:
-        thread.join(5)
-        for sock in accepted:
-            sock.close()
-        listener.close()
 
 
 def test_a_kernel_time_out_a_little_shorter_than_the_deadline_is_waited_out() -> None:
     """The socket's time-out is left as it is when it is near what the call has left; when it
     is shorter, an answer that comes after it but before the deadline is still taken."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
 
-    def peer() -> None:
-        sock, _ = listener.accept()
-        accepted.append(sock)
+    def answer(sock: socket.socket) -> None:
         asked = unpack_header(sock.recv(HEADER_SIZE, socket.MSG_WAITALL))
-        time.sleep(0.26)  # after the socket's 0.2 s, before the call's 0.3 s
+        time.sleep(0.26)  # after the socket's 0.25 s, before the call's 0.3 s
         sock.sendall(Header(op=Op.PING, request_id=asked.request_id).pack())
 
-    thread = threading.Thread(target=peer, daemon=True)
-    thread.start()
-    try:
-        conn = open_blocking(f"tcp://127.0.0.1:{listener.getsockname()[1]}", 0.25)
+    with _one_peer(answer) as address:
+        conn = open_blocking(address, 0.25)
         ping = Call(Op.PING)
         conn.exchange([ping], time.monotonic() + 0.3)
         assert ping.status == Status.OK
         assert not conn.broken
         conn.close()
-    finally:
-        thread.join(5)
-        for sock in accepted:
-            sock.close()
-        listener.close()
 
 
 def test_a_busy_poll_ends_when_the_answer_arrives_or_when_its_time_is_up(node: Node) -> None:
