@@ -100,9 +100,13 @@ class BlockingConnection:
     # --- time limits ----------------------------------------------------------------------
 
     def _set_timeout(self, timeout_s: float) -> None:
-        timeout_s = max(0.001, timeout_s)
         if 0.75 * timeout_s <= self._timeout_s <= timeout_s + LATE_S:
             return  # ends at most LATE_S late; one that ends early is retried (_retry_in_time)
+        self._arm(timeout_s)
+
+    def _arm(self, timeout_s: float) -> None:
+        """Set the kernel time-outs of both directions to ``timeout_s`` (at least 1 ms)."""
+        timeout_s = max(0.001, timeout_s)
         sec = int(timeout_s)
         raw = _TIMEVAL.pack(sec, int((timeout_s - sec) * 1e6))
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, raw)
@@ -125,8 +129,7 @@ class BlockingConnection:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        self._timeout_s = 0.0
-        self._set_timeout(remaining)
+        self._arm(remaining)
         return True
 
     def _broken_by(self, error: OSError | None, doing: str) -> KVPoolError:
