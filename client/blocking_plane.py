@@ -43,8 +43,7 @@ from kvpool.client.plans import (
     NodeStage,
     PutItem,
     ReadItem,
-    handled_barrier,
-    ref_calls,
+    ref_rounds,
     refs_by_node,
 )
 from kvpool.client.rounds import (
@@ -402,22 +401,22 @@ class BlockingDataPlane:
     ) -> None:
         """PUBLISH or DELETE (failures are ignored). ``wait=False``: the answers are not waited
         for — read and dropped on the way to a later answer on the same connection. A PUBLISH
-        waited for is waited for until the node has *handled* it (:func:`handled_barrier`),
-        not until the node's check with the index answers it."""
+        waited for is waited for until the node has *handled* it (:func:`ref_rounds`), not
+        until the node's check with the index answers it."""
         groups = refs_by_node(refs)
         sent = []
         for address, group in groups.items():
-            calls = ref_calls(op, group)
+            posted, awaited = ref_rounds(op, group, wait)
             try:
                 conn = self.connection(address, deadline)
-                if wait and op is Op.PUBLISH:
-                    conn.send(calls, deadline, posted=True)
-                    calls = [handled_barrier()]
-                conn.send(calls, deadline, posted=not wait)
+                if posted:
+                    conn.send(posted, deadline, posted=True)
+                if awaited:
+                    conn.send(awaited, deadline)
             except KVPoolError:
                 continue
-            if wait:
-                sent.append((address, conn, calls))
+            if awaited:
+                sent.append((address, conn, awaited))
         for address, conn, calls in sent:
             try:
                 conn.receive(calls, deadline)

@@ -43,10 +43,10 @@ from kvpool.client.plans import (
     NodeStage,
     PutItem,
     ReadItem,
-    handled_barrier,
     new_write_ids,
     node_error,
     ref_calls,
+    ref_rounds,
     refs_by_node,
 )
 from kvpool.client.rounds import (
@@ -306,7 +306,7 @@ class DataPlane:
         serves a staged block to a read naming its write id, so a read need not wait for the
         PUBLISH either) unless ``wait``; failures are ignored (the node asks the index about
         staged blocks it holds too long)."""
-        if wait:  # until each node has handled them (handled_barrier)
+        if wait:  # until each node has handled them (ref_rounds)
             await self._send_all(Op.PUBLISH, refs, deadline)
             return
         loop = asyncio.get_running_loop()
@@ -334,13 +334,11 @@ class DataPlane:
         groups = refs_by_node(refs)
 
         async def group(address: str, group_refs: list[BlockRef]) -> None:
-            calls = ref_calls(op, group_refs)
+            posted, awaited = ref_rounds(op, group_refs, wait=True)
             try:
                 conn = await self._pool.get(address, timeout_s=timeout_s)
-                if op is Op.PUBLISH:
-                    conn.notify(calls)
-                    calls = [handled_barrier()]
-                await conn.exchange(calls, deadline - loop.time())
+                conn.notify(posted)  # the awaited frames follow them on this connection
+                await conn.exchange(awaited, deadline - loop.time())
             except KVPoolError:
                 return
 

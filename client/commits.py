@@ -154,7 +154,7 @@ def superseded(
 ) -> tuple[list[BlockRef], bool]:
     """The replaced writes' blocks to DELETE (on every member the index had them on), and
     whether a replaced write sits on a member the new one is published to — where the PUBLISH
-    replaces it too, so the put waits until that node has handled it (``plans.handled_barrier``)
+    replaces it too, so the put waits until that node has handled it (``plans.ref_rounds``)
     — not for its answer, which waits for the index. The DELETE goes there as well: the
     PUBLISH may find nothing to publish (a remove of the key deleted the new write first) and
     the exact (key, replaced write id) is never wanted again. Once the put returns no node

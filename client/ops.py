@@ -410,7 +410,7 @@ def put_flow(
         if after.publish:
             # Not waited for (a node serves a staged block to a read naming its write id),
             # unless it replaces an older write there: then until that node has handled it
-            # (plans.handled_barrier), not for its answer.
+            # (plans.ref_rounds), not for its answer.
             yield Publish(after.publish, after.wait_publish)
         if after.delete:
             yield Delete(after.delete, min(deadline, clock() + DELETE_WAIT_S))

@@ -721,12 +721,20 @@ def ref_calls(op: Op, refs: list[BlockRef]) -> list[Call]:
     return [Call(op, r.key_bytes, write_id=r.write_id, version=r.version) for r in refs]
 
 
-def handled_barrier() -> Call:
-    """A PING sent behind PUBLISH frames on the same connection: its answer says the node has
-    handled them. A node handles a PUBLISH as it reads it — the write it replaces there leaves
-    the table, and the new block becomes readable by content (``BlockStore.retire_older``) —
-    and answers it only once the index has confirmed the write (a Lookup on the leader,
-    ``store_node/publish_check.py``). A put that replaces a write on a node waits for the
-    former, not the latter: a round trip to the node instead of one through it to the leader,
-    and not a whole deadline when that node cannot reach the masters."""
-    return Call(Op.PING)
+def ref_rounds(op: Op, refs: list[BlockRef], wait: bool) -> tuple[list[Call], list[Call]]:
+    """The frames of a PUBLISH or DELETE round to one node: those sent without waiting for
+    their answers, and those whose answers are waited for. Not ``wait``: all posted. A DELETE
+    waited for: its own answers (the node deletes as it reads the frame). A PUBLISH waited for
+    is posted with a PING behind it on the same connection, and the PING is waited for: a
+    node handles a PUBLISH as it reads it — the write it replaces there leaves the table, and
+    the new block becomes readable by content (``BlockStore.retire_older``) — but answers it
+    only once the index has confirmed the write (a Lookup on the leader,
+    ``store_node/publish_check.py``). A put that replaces a write on a node needs the former,
+    not the latter: a round trip to the node instead of one through it to the leader, and not
+    a whole deadline when that node cannot reach the masters."""
+    calls = ref_calls(op, refs)
+    if not wait:
+        return calls, []
+    if op is Op.PUBLISH:
+        return calls, [Call(Op.PING)]
+    return [], calls

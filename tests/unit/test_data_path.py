@@ -39,6 +39,7 @@ from kvpool.transports import host_id
 from kvpool.transports.calls import Call
 from kvpool.transports.shm import shm_supported
 from tests.unit.test_client_core import FakeCluster
+from tests.unit.test_hostile_input import FakeIndex
 from tests.unit.test_transports import Node
 
 MIB = 1 << 20
@@ -279,16 +280,6 @@ def test_concurrent_puts_of_one_client_share_commit_requests(cluster: Cluster) -
         assert kv.get("w3/4") == bytes([3]) * 100
 
 
-class _MastersOutOfReach:
-    """A node's way to the masters when it is cut from them: no answer until the deadline."""
-
-    async def call(
-        self, method: str, request: Any, *, deadline: float, leader_only: bool = False
-    ) -> Any:
-        await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
-        raise UnavailableError(f"{method}: no master answered")
-
-
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_an_overwrite_on_a_node_cut_from_the_masters_returns_at_once(
     cluster: Cluster, kind: str
@@ -299,7 +290,9 @@ def test_an_overwrite_on_a_node_cut_from_the_masters_returns_at_once(
     reader holding the old entry still never reads the old value."""
     cluster.master.report_superseded = True
     old, new = b"old" * 100, b"new" * 100
-    versions = [IndexVersions(_MastersOutOfReach(), timeout_s=30.0) for _ in cluster.nodes]
+    masters = FakeIndex()
+    masters.cut = True
+    versions = [IndexVersions(masters, timeout_s=30.0) for _ in cluster.nodes]
     try:
         with Client([cluster.address], timeout_s=3.0) as reader:
             with Client([cluster.address], timeout_s=3.0) as writer:

@@ -231,6 +231,8 @@ class FakeIndex:
         self.entries: dict[str, tuple[int, int]] = {}
         self.calls = 0
         self.down = False
+        self.cut = False
+        """No answer until the deadline (the node cut from the masters), then none."""
 
     async def call(
         self, method: str, request: Any, *, deadline: float, leader_only: bool = False
@@ -238,7 +240,9 @@ class FakeIndex:
         assert method == "Lookup"
         assert leader_only
         self.calls += 1
-        if self.down:
+        if self.cut:
+            await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
+        if self.down or self.cut:
             raise UnavailableError("no master")
         response = master_pb2.LookupResponse()
         for key in request.keys:
