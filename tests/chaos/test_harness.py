@@ -36,6 +36,7 @@ from kvpool.chaos.proxy import LinkBehaviour, LinkProxy
 from kvpool.chaos.runs import RUN_DIR
 from kvpool.launcher.cluster import ClusterError, pid_runs_kvpool
 from kvpool.launcher.probe import probe_masters
+from tests.signals import CTRL_C_REACHES
 
 pytestmark = pytest.mark.chaos
 
@@ -350,7 +351,7 @@ def test_the_nemesis_injects_and_heals_every_kind_of_fault(tmp_path: Path) -> No
         assert all(h.cluster.is_running(n) for n in [*h.master_names, *h.node_names])
 
 
-HARNESS_CHILD = """
+HARNESS_CHILD = CTRL_C_REACHES + """
 import json, sys, time
 from kvpool.chaos.harness import ChaosHarness
 with ChaosHarness(sys.argv[1], masters=1, nodes=1, log_level="warning") as h, h.handle_signals():
@@ -364,7 +365,9 @@ def test_a_signal_to_the_runner_stops_every_process_and_removes_the_network(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
     runner = subprocess.Popen(
-        [sys.executable, "-c", HARNESS_CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HARNESS_CHILD, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     started: dict[str, Any] = {"run_id": "", "pids": []}
     try:

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool.client.sync import Client
 from kvpool.launcher.cluster import LocalCluster
 from kvpool.tracing import TRACE_FILE_ENV
+from tests.signals import interruptible_module
 
 pytestmark = pytest.mark.integration
 
@@ -318,8 +319,11 @@ def test_status_shows_tiers_and_hit_rate_and_watch_stops_on_ctrl_c(
     assert node["tiers"][0]["capacity_bytes"] == 64 * 2**20
     assert node["tiers"][0]["blocks"] >= 1
     assert 0 < node["hit_rate"] <= 1
-    watch = subprocess.Popen(
-        [*cli, "--watch", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    watch = subprocess.Popen(  # ctrl-c ends the watch (as a user at a terminal would)
+        interruptible_module("kvpool", *cli[3:], "--watch", "0.3"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         time.sleep(3)
