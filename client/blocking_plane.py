@@ -19,7 +19,8 @@ from __future__ import annotations
 import select
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from opentelemetry.trace import SpanKind
@@ -29,13 +30,13 @@ from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
 from kvpool.client.links import (
     Dial,
     NodeOffer,
-    advance,
     conn_arena,
     hello_call,
     node_read,
     open_flow,
     read_hello,
 )
+from kvpool.client.ops import drive
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
     BlockRef,
@@ -133,11 +134,9 @@ class BlockingDataPlane:
 
     def _open(self, address: str, timeout_s: float) -> BlockingConnection:
         """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says."""
-        flow: Generator[Dial, Any, BlockingConnection] = open_flow(self._links, address)
-        step = advance(flow, None)
-        while isinstance(step, Dial):
-            step = advance(flow, self._dial(step, timeout_s))
-        return step
+        dial = partial(self._dial, timeout_s=timeout_s)
+        conn: BlockingConnection = drive(open_flow(self._links, address), dial)
+        return conn
 
     def _dial(
         self, dial: Dial, timeout_s: float

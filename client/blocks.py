@@ -21,8 +21,8 @@ times out while receiving closes its connection, and so does a read that is canc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from functools import partial
 
 from kvpool import tracing
 from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
@@ -30,13 +30,13 @@ from kvpool.client.links import (
     Dial,
     Links,
     NodeOffer,
-    advance,
     conn_arena,
     hello_call,
     node_read,
     open_flow,
     read_hello,
 )
+from kvpool.client.ops import drive_async
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
     BlockRef,
@@ -120,11 +120,9 @@ class DataPlane:
 
     async def _open(self, address: str, timeout_s: float) -> FrameConnection:
         """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says."""
-        flow: Generator[Dial, Any, FrameConnection] = open_flow(self._links, address)
-        step = advance(flow, None)
-        while isinstance(step, Dial):
-            step = advance(flow, await self._dial(step, timeout_s))
-        return step
+        dial = partial(self._dial, timeout_s=timeout_s)
+        conn: FrameConnection = await drive_async(open_flow(self._links, address), dial)
+        return conn
 
     async def _dial(
         self, dial: Dial, timeout_s: float

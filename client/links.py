@@ -13,7 +13,7 @@ offered is remembered per client (thread-safe), so later connections skip the HE
 connection is made — HELLO or the offer remembered, shared memory or TCP, falling back or asking
 again when the shared memory cannot be reached — is :func:`open_flow`, written once: it says
 which connection to open next (:class:`Dial`) and takes what opening it gave, and each shell
-carries the dials out with its own I/O (:func:`advance` steps it).
+carries the dials out with its own I/O.
 """
 
 from __future__ import annotations
@@ -184,25 +184,26 @@ class Link(Protocol):
     def close(self) -> None: ...
 
 
-C = TypeVar("C")
+T = TypeVar("T")
 
 
 def open_flow(links: Links, address: str) -> Generator[Dial, Any, Any]:
     """How a connection to the data address ``address`` is made: the node's shared memory where
     it offers it and the transport setting allows, else the address's own transport.
 
-    Yields each connection to open; a :class:`Dial` is answered with the connection (a ``hello``
-    one with the connection and the node's :class:`NodeOffer`), or with the KVPoolError opening
-    it raised — raised here, where the flow decides: a shared memory that cannot be reached is
+    Yields each connection to open (:func:`~kvpool.client.ops.drive` carries it out); a
+    :class:`Dial` is answered with the connection (a ``hello`` one with the connection and the
+    node's :class:`NodeOffer`), or with the KVPoolError opening it raised — raised here, where
+    the flow decides: a shared memory that cannot be reached is
     given up for TCP or asked about again (:meth:`Links.shm_failed`); any other failure ends the
     flow. Returns the connection to use, its ``features`` set; a connection it does not return
     it closes (the answers' ``close`` and ``features``, :class:`Link`, are all it touches)."""
     if not address.startswith(("tcp://", "inproc://")):
-        return (yield Dial(address))
+        return _opened((yield Dial(address)))
     offer = links.offer(address)
     first: Link | None = None
     if offer is None:
-        first, offer = yield Dial(address, hello=True)
+        first, offer = _opened((yield Dial(address, hello=True)))
         links.learn(address, offer)
     for _attempt in range(2):
         try:
@@ -214,7 +215,7 @@ def open_flow(links: Links, address: str) -> Generator[Dial, Any, Any]:
         if not shm:
             break
         try:
-            conn: Link = yield Dial(shm)
+            conn: Link = _opened((yield Dial(shm)))
         except KVPoolError as e:
             try:
                 fallback = links.shm_failed(address, offer, e, remembered=first is None)
@@ -223,7 +224,7 @@ def open_flow(links: Links, address: str) -> Generator[Dial, Any, Any]:
                     first.close()
                 raise
             if fallback is None:  # remembered from before the node restarted, maybe: ask again
-                first, offer = yield Dial(address, hello=True)
+                first, offer = _opened((yield Dial(address, hello=True)))
                 links.learn(address, offer)
                 continue
             offer = fallback
@@ -233,21 +234,16 @@ def open_flow(links: Links, address: str) -> Generator[Dial, Any, Any]:
             first.close()
         return conn
     if first is None:
-        first = yield Dial(address)
+        first = _opened((yield Dial(address)))
     first.features = offered_features(offer)
     return first
 
 
-def advance(flow: Generator[Dial, Any, C], answer: object) -> Dial | C:
-    """Step ``flow`` with ``answer`` (a KVPoolError is raised in it, at the dial that asked):
-    its next :class:`Dial`, or the connection it returns. Start it with ``None``."""
-    try:
-        if isinstance(answer, KVPoolError):
-            return flow.throw(answer)
-        return flow.send(answer)
-    except StopIteration as done:
-        result: C = done.value
-        return result
+def _opened(answer: T) -> T:
+    """What a dial was answered with: raised here when it is the KVPoolError opening raised."""
+    if isinstance(answer, KVPoolError):
+        raise answer
+    return answer
 
 
 def conn_arena(conn: object) -> Arena | None:

@@ -154,37 +154,23 @@ class Header(NamedTuple):
     def pack(self) -> bytes:
         """The header's bytes, followed by the trace context when the header has one (so that
         ``header.pack() + key`` is always the frame's start)."""
-        if self.trace:
-            return (
-                HEADER.pack(
-                    MAGIC,
-                    self.protocol_version,
-                    self.op,
-                    self.status,
-                    self.request_id,
-                    self.write_id,
-                    self.version,
-                    self.payload_len,
-                    self.checksum,
-                    self.key_len + len(self.trace),
-                    self.flags,
-                    self.ext | EXT_TRACED,
-                )
-                + self.trace
+        trace = self.trace
+        return (
+            HEADER.pack(
+                MAGIC,
+                self.protocol_version,
+                self.op,
+                self.status,
+                self.request_id,
+                self.write_id,
+                self.version,
+                self.payload_len,
+                self.checksum,
+                self.key_len + len(trace),
+                self.flags,
+                (self.ext | EXT_TRACED) if trace else self.ext,
             )
-        return HEADER.pack(
-            MAGIC,
-            self.protocol_version,
-            self.op,
-            self.status,
-            self.request_id,
-            self.write_id,
-            self.version,
-            self.payload_len,
-            self.checksum,
-            self.key_len,
-            self.flags,
-            self.ext,
+            + trace
         )
 
 

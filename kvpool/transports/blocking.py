@@ -40,8 +40,6 @@ from kvpool.errors import (
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.wire import (
     COUNT,
-    EXT_TRACED,
-    HEADER,
     HEADER_SIZE,
     MAGIC,
     MAX_ERROR_MESSAGE_BYTES,
@@ -158,7 +156,7 @@ class BlockingConnection:
         for call in calls:
             rid = next(self._ids)
             call.request_id = rid
-            views.append(_frame_head(call, trace) + call.key)
+            views.append(call.request_header(trace).pack() + call.key)
             if len(call.payload):
                 views.append(call.payload)
             if posted:
@@ -170,7 +168,7 @@ class BlockingConnection:
         views: list[bytes | bytearray | memoryview] = []
         for call in calls:
             call.request_id = next(self._ids)
-            views.append(_frame_head(call) + call.key)
+            views.append(call.request_header().pack() + call.key)
             if len(call.payload):
                 views.append(call.payload)
         self._sendall(views, deadline)
@@ -454,41 +452,6 @@ class BlockingConnection:
             got += n
             if got < want:
                 self._check(deadline)
-
-
-def _frame_head(call: Call, trace: bytes = b"") -> bytes:
-    if trace:
-        return (
-            HEADER.pack(
-                MAGIC,
-                PROTOCOL_VERSION,
-                call.op,
-                0,
-                call.request_id,
-                call.write_id,
-                call.version,
-                len(call.payload),
-                call.checksum,
-                len(call.key) + len(trace),
-                call.flags,
-                EXT_TRACED,
-            )
-            + trace
-        )
-    return HEADER.pack(
-        MAGIC,
-        PROTOCOL_VERSION,
-        call.op,
-        0,
-        call.request_id,
-        call.write_id,
-        call.version,
-        len(call.payload),
-        call.checksum,
-        len(call.key),
-        call.flags,
-        0,
-    )
 
 
 def _format(addr: object) -> str:

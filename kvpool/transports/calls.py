@@ -60,6 +60,20 @@ class Call:
         self.records: list[tuple[int, ...]] = []  # table records, when ``table`` is set
         self.error: Exception | None = None  # this call's response could not be taken
 
+    def request_header(self, trace: bytes = b"") -> Header:
+        """The request frame's header (``request_id`` set), with the trace context ``trace``."""
+        return Header(
+            trace=trace,
+            op=self.op,
+            request_id=self.request_id,
+            write_id=self.write_id,
+            version=self.version,
+            payload_len=len(self.payload),
+            checksum=self.checksum,
+            key_len=len(self.key),
+            flags=self.flags,
+        )
+
     @property
     def status(self) -> int:
         return self.header.status if self.header is not None else -1

@@ -206,7 +206,7 @@ class FrameConnection:
             )
             self._pending[request_id] = pending
             waits.append((call, request_id, pending))
-            stream.send(_call_header(call, request_id, trace), call.key, call.payload)
+            stream.send(call.request_header(trace), call.key, call.payload)
         try:
             async with asyncio.timeout(timeout_s):
                 for call, _, pending in waits:
@@ -248,7 +248,7 @@ class FrameConnection:
         for call in calls:
             request_id = next(self._ids)
             call.request_id = request_id
-            stream.send(_call_header(call, request_id), call.key, call.payload)
+            stream.send(call.request_header(), call.key, call.payload)
 
     def _abandon(self, request_id: int, why: str) -> None:
         """The caller gives up on a request. If its response payload is being written into the
@@ -356,20 +356,6 @@ class TcpConnection(FrameConnection):
             raise
         conn.attach(sock)
         return conn
-
-
-def _call_header(call: Call, request_id: int, trace: bytes = b"") -> Header:
-    return Header(
-        trace=trace,
-        op=call.op,
-        request_id=request_id,
-        write_id=call.write_id,
-        version=call.version,
-        payload_len=len(call.payload),
-        checksum=call.checksum,
-        key_len=len(call.key),
-        flags=call.flags,
-    )
 
 
 async def connect_tcp(host: str, port: int, *, address: str, timeout_s: float) -> socket.socket:

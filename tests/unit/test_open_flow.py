@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.client.links import Dial, Links, NodeOffer, advance, open_flow
+from kvpool.client.links import Dial, Links, NodeOffer, open_flow
+from kvpool.client.ops import drive
 from kvpool.errors import DeadlineExceededError, KVPoolError, TransportError
 
 NODE = "tcp://10.0.0.7:7400"
@@ -44,10 +45,7 @@ def run(
         return got
 
     flow: Generator[Dial, Any, FakeConn] = open_flow(links, address)
-    step = advance(flow, None)
-    while isinstance(step, Dial):
-        step = advance(flow, dial(step))
-    return step, dials, opened
+    return drive(flow, dial), dials, opened
 
 
 def node(offer: NodeOffer, shm: Callable[[], object] | None = None) -> Callable[[Dial], object]:
