@@ -351,13 +351,14 @@ def test_the_nemesis_injects_and_heals_every_kind_of_fault(tmp_path: Path) -> No
         assert all(h.cluster.is_running(n) for n in [*h.master_names, *h.node_names])
 
 
-HARNESS_CHILD = CTRL_C_REACHES + """
+HARNESS = """
 import json, sys, time
 from kvpool.chaos.harness import ChaosHarness
 with ChaosHarness(sys.argv[1], masters=1, nodes=1, log_level="warning") as h, h.handle_signals():
     print("READY", json.dumps({"run_id": h.run_id, "pids": h.started_pids()}), flush=True)
     time.sleep(120)
 """
+HARNESS_CHILD = f"{CTRL_C_REACHES}\n{HARNESS}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
