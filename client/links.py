@@ -147,9 +147,6 @@ class Links:
         offer = self._offers.get(address)
         return offer is not None and bool(offer.shm_address) and self.transport != "tcp"
 
-    def wants_hello(self, address: str) -> bool:
-        return address.startswith("tcp://") and self.transport != "tcp"
-
     def shm_for(self, address: str, offer: NodeOffer) -> str:
         """The ``shm://`` address to use for ``address`` ("" for TCP); TransportError when
         the client insists on shared memory and the node cannot give it."""

@@ -79,19 +79,10 @@ class FrameReader:
         self.frames = 0
 
     @property
-    def in_frame(self) -> bool:
-        """True while a frame's payload is partly received (its sink is being written)."""
-        return self._header is not None
-
-    @property
     def busy(self) -> bool:
         """True while part of a frame (header, key or payload) has arrived and the rest has
         not: the peer owes bytes."""
         return self._header is not None or self._end > self._start
-
-    @property
-    def current_request_id(self) -> int | None:
-        return self._header.request_id if self._header is not None else None
 
     @property
     def scratch_bytes(self) -> int:

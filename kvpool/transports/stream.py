@@ -130,11 +130,6 @@ class FrameStream:
         return self._closed or self._close_when_flushed
 
     @property
-    def queued_bytes(self) -> int:
-        """Bytes handed to :meth:`send` that the kernel has not taken yet."""
-        return self._queued_total - self._sent_total
-
-    @property
     def socket(self) -> socket.socket:
         return self._sock
 
