@@ -1,10 +1,12 @@
 """The synchronous client's data plane: block frames to store nodes in the calling thread.
 
 One :class:`~kvpool.transports.blocking.BlockingConnection` per thread and node (TCP, or the
-node's shared memory where it offers it); the same per-node plans and judging as the event-loop
-data plane (:mod:`kvpool.client.blocks`, :mod:`kvpool.client.plans`). Kernel socket timeouts
-bound each read and write; a connection that timed out is closed, so no late byte can land in a
-caller's buffer after the call returned (nothing reads that socket again).
+node's shared memory where it offers it); an ended thread's are kept for the next thread, up to
+``connections_per_node`` idle per node (:mod:`kvpool.transports.threads`). The same per-node
+plans and judging as the event-loop data plane (:mod:`kvpool.client.blocks`,
+:mod:`kvpool.client.plans`). Kernel socket timeouts bound each read and write; a connection that
+timed out is closed, so no late byte can land in a caller's buffer after the call returned
+(nothing reads that socket again).
 
 Hedged reads (:mod:`kvpool.client.hedge`): after sending a round, the plane waits (``poll``) for
 the nodes to start answering; the keys of nodes still silent after the hedge delay are also
@@ -17,7 +19,6 @@ it may take only the hedge delay.
 from __future__ import annotations
 
 import select
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -59,10 +60,11 @@ from kvpool.client.rounds import (
 )
 from kvpool.client.spans import read_attributes
 from kvpool.client.state import ClientState
-from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
+from kvpool.errors import DeadlineExceededError, KVPoolError
 from kvpool.proto.wire import Op
 from kvpool.transports import open_blocking
 from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.threads import ThreadConnections
 
 
 class BlockingDataPlane:
@@ -84,53 +86,27 @@ class BlockingDataPlane:
         self._on_node_failed = on_node_failed
         self._connect_timeout_s = connect_timeout_s
         self._poll_s = core.config.busy_poll_us / 1e6  # before a read's answer
-        self._local = threading.local()
-        self._all: set[BlockingConnection] = set()
-        self._lock = threading.Lock()
-        self._closed = False
+        self._conns = ThreadConnections(core.config.connections_per_node)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            conns, self._all = self._all, set()
-        for conn in conns:
-            conn.close()
+        self._conns.close()
 
     # --- connections ----------------------------------------------------------------------
 
-    def _conns(self) -> dict[str, BlockingConnection]:
-        conns: dict[str, BlockingConnection] | None = getattr(self._local, "conns", None)
-        if conns is None:
-            conns = {}
-            self._local.conns = conns
-        return conns
-
     def connection(self, address: str, deadline: float) -> BlockingConnection:
-        conns = self._conns()
-        conn = conns.get(address)
-        if conn is not None and not conn.broken and not conn.closed:
-            return conn
-        if conn is not None:
-            self.discard(address, conn)
-        timeout_s = min(deadline - time.monotonic(), self._connect_timeout_s)
-        if timeout_s <= 0:
-            raise DeadlineExceededError(f"{address}: no time left to connect")
-        conn = self._open(address, timeout_s)
-        with self._lock:
-            if self._closed:
-                conn.close()
-                raise UnavailableError("this kvpool client is closed")
-            self._all.add(conn)
-        conns[address] = conn
+        """This thread's connection to ``address`` (:class:`ThreadConnections`), opened if
+        it has none."""
+        conn = self._conns.get(address)
+        if conn is None:
+            timeout_s = min(deadline - time.monotonic(), self._connect_timeout_s)
+            if timeout_s <= 0:
+                raise DeadlineExceededError(f"{address}: no time left to connect")
+            conn = self._open(address, timeout_s)
+            self._conns.add(address, conn)
         return conn
 
     def discard(self, address: str, conn: BlockingConnection) -> None:
-        conns = self._conns()
-        if conns.get(address) is conn:
-            del conns[address]
-        with self._lock:
-            self._all.discard(conn)
-        conn.close()
+        self._conns.discard(address, conn)
 
     def _open(self, address: str, timeout_s: float) -> BlockingConnection:
         """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says."""

@@ -584,7 +584,11 @@ class ClientConfig(SecurityConfig):
     timeout_s: float = opt(2.0, "deadline of every call", "duration")
     replicas: int = opt(1, "replicas written per block")
     max_value_size: int = opt(64 << 20, "largest value accepted by put", "size")
-    connections_per_node: int = opt(2, "data-plane connections pooled per node")
+    connections_per_node: int = opt(
+        2,
+        "data-plane connections pooled per node (the sync client: besides each thread's own,"
+        " those kept from threads that ended)",
+    )
     max_tier: str = opt(
         "", "slowest tier a get accepts: gpu, cpu or ssd (empty: any); slower is a miss"
     )

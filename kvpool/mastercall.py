@@ -46,6 +46,7 @@ from kvpool.transports.auth import authenticate_blocking
 from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
 from kvpool.transports.calls import Call
 from kvpool.transports.tcp import ConnectionPool, FrameConnection, open_tcp_address
+from kvpool.transports.threads import ThreadConnections
 
 FAILED_HOLD_S = 1.0
 """How long a master whose call failed (down, paused, unreachable) is not asked again while
@@ -523,8 +524,7 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
         busy_poll_s: float = 0.0,
     ) -> None:
         super().__init__(routing, attempt_timeout_s, security, create_sync_channel)
-        self._local = threading.local()  # .conns: rpc address -> this thread's connection
-        self._rpc_conns: set[BlockingConnection] = set()
+        self._rpc_conns = ThreadConnections(max_idle=2)  # RPC address -> connection
         self.busy_poll_s = busy_poll_s
 
     def _perform(self, io: Io, poll_s: float = 0.0) -> Any:
@@ -534,17 +534,14 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
             return self._grpc(io, unary_sync)
         else:
             deadline = time.monotonic() + io.timeout_s
-            conns: dict[str, BlockingConnection] = self._local.__dict__.setdefault("conns", {})
-            conn = conns.get(io.rpc)
-            if conn is None or conn.broken or conn.closed:
-                conn = conns[io.rpc] = self._open_rpc(io.rpc, io.timeout_s, deadline)
+            conn = self._rpc_conns.get(io.rpc)
+            if conn is None:
+                conn = self._open_rpc(io.rpc, io.timeout_s, deadline)
+                self._rpc_conns.add(io.rpc, conn)
             try:
                 conn.exchange([io.call], deadline, trace=tracing.frame_trace(), poll_s=poll_s)
             except KVPoolError:
-                conns.pop(io.rpc, None)
-                with self._lock:
-                    self._rpc_conns.discard(conn)
-                conn.close()
+                self._rpc_conns.discard(io.rpc, conn)
                 raise
         return None
 
@@ -559,11 +556,6 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
         conn = BlockingConnection(sock, f"tcp://{rpc}", timeout_s=timeout_s)
         if tracing.STATE.enabled:
             conn.features = _rpc_features(conn, deadline)
-        with self._lock:
-            if self._closed:
-                conn.close()
-                raise UnavailableError("this kvpool client is closed")
-            self._rpc_conns.add(conn)
         return conn
 
     def call(self, method: str, request: Any, *, deadline: float, leader_only: bool = False) -> Any:
@@ -582,11 +574,9 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
         with self._lock:
             self._closed = True
             channels, self._channels, self._stubs = self._channels, {}, {}
-            conns, self._rpc_conns = self._rpc_conns, set()
         for channel in channels.values():
             channel.close()
-        for conn in conns:
-            conn.close()
+        self._rpc_conns.close()
 
 
 READ_METHODS = frozenset({"Lookup", "PrefixMatch", "GetMembers"})

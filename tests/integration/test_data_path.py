@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,11 +125,50 @@ def test_the_client_over_tcp_and_shared_memory(cluster: LocalCluster, transport:
             buf = bytearray(len(value))
             assert kv.get_into(key, buf) == len(value)
             assert buf == value
-        conns = list(kv._data._conns().values())
+        conns = list(kv._data._conns.of_this_thread().values())
         assert conns
         assert all(isinstance(c, ShmBlockingConnection) == (transport == "shm") for c in conns)
     with Client(cluster.master_addresses, timeout_s=5.0, transport="tcp") as other:
         assert other.batch_get(list(blocks)) == list(blocks.values())  # the same blocks
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])
+def test_a_thread_per_request_reuses_the_connections_of_threads_that_ended(
+    cluster: LocalCluster, transport: str
+) -> None:
+    """An engine that starts a thread per request: the connections of ended threads serve the
+    next ones (no descriptor or node connection left behind per thread), a few at once too."""
+    blocks = {f"per-thread/{transport}/{i}": os.urandom(8192 + i) for i in range(8)}
+    without = open_fds()
+    with Client(cluster.master_addresses, timeout_s=5.0, transport=transport) as kv:
+        assert kv.batch_put(blocks) == [True] * len(blocks)
+        wrong: list[str] = []
+
+        def request(key: str) -> None:
+            if kv.get(key) != blocks[key]:
+                wrong.append(key)
+
+        def wave(keys: list[str]) -> None:
+            threads = [threading.Thread(target=request, args=(key,)) for key in keys]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+
+        for _ in range(10):  # 40 threads, four at a time
+            wave(list(blocks)[4:])
+        assert wrong == []
+        # What is open: this thread's connections and those ended threads left idle, two per
+        # node and per master at most, however many threads came and went (before: one
+        # connection per thread to each node it read from and to the master it asked).
+        assert open_fds() - without < 40  # 40 threads
+        assert len(kv._data._conns) <= 3 * len(cluster.node_names)
+        assert len(kv._masters._rpc_conns) <= 3 * len(cluster.master_addresses)
+    assert kv.closed
 
 
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])

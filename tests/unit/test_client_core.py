@@ -984,12 +984,14 @@ def test_a_client_dropped_without_close_is_collected_and_closes_its_connections(
 ) -> None:
     kv = Client([cluster.master_address], timeout_s=2.0)
     assert kv.put("dropped", b"v")
-    data = kv._data
+    conns = kv._data._conns
+    assert len(conns) >= 1
     alive = weakref.ref(kv)
     del kv
     gc.collect()
     assert alive() is None  # nothing the client made holds the client
-    assert data._closed
+    assert len(conns) == 0  # closed, every one
+    assert conns._closed
 
 
 def test_many_threads_share_one_client(client: Client) -> None:
