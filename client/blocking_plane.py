@@ -63,7 +63,7 @@ from kvpool.client.state import ClientState
 from kvpool.errors import DeadlineExceededError, KVPoolError
 from kvpool.proto.wire import Op
 from kvpool.transports import open_blocking
-from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.blocking import BlockingConnection, time_left
 from kvpool.transports.threads import ThreadConnections
 
 
@@ -109,17 +109,18 @@ class BlockingDataPlane:
         self._conns.discard(address, conn)
 
     def _open(self, address: str, timeout_s: float) -> BlockingConnection:
-        """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says."""
-        dial = partial(self._dial, timeout_s=timeout_s)
+        """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says, in
+        ``timeout_s`` for all its steps."""
+        dial = partial(self._dial, deadline=time.monotonic() + timeout_s)
         conn: BlockingConnection = drive(open_flow(self._links, address), dial)
         return conn
 
     def _dial(
-        self, dial: Dial, timeout_s: float
+        self, dial: Dial, deadline: float
     ) -> BlockingConnection | tuple[BlockingConnection, NodeOffer] | KVPoolError:
         try:
-            conn = open_blocking(dial.address, timeout_s, self._token)
-            return (conn, _hello(conn, timeout_s)) if dial.hello else conn
+            conn = open_blocking(dial.address, time_left(deadline), self._token)
+            return (conn, _hello(conn, time_left(deadline))) if dial.hello else conn
         except KVPoolError as e:
             return e
 

@@ -21,6 +21,7 @@ times out while receiving closes its connection, and so does a read that is canc
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -66,6 +67,7 @@ from kvpool.errors import (
 )
 from kvpool.proto.wire import Op
 from kvpool.transports import open_connection
+from kvpool.transports.blocking import time_left
 from kvpool.transports.tcp import ConnectionPool, FrameConnection, Response
 
 __all__ = [
@@ -119,17 +121,18 @@ class DataPlane:
     # --- connections ----------------------------------------------------------------------
 
     async def _open(self, address: str, timeout_s: float) -> FrameConnection:
-        """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says."""
-        dial = partial(self._dial, timeout_s=timeout_s)
+        """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says, in
+        ``timeout_s`` for all its steps."""
+        dial = partial(self._dial, deadline=time.monotonic() + timeout_s)
         conn: FrameConnection = await drive_async(open_flow(self._links, address), dial)
         return conn
 
     async def _dial(
-        self, dial: Dial, timeout_s: float
+        self, dial: Dial, deadline: float
     ) -> FrameConnection | tuple[FrameConnection, NodeOffer] | KVPoolError:
         try:
-            conn = await open_connection(dial.address, timeout_s, self._token)
-            return (conn, await _hello(conn, timeout_s)) if dial.hello else conn
+            conn = await open_connection(dial.address, time_left(deadline), self._token)
+            return (conn, await _hello(conn, time_left(deadline))) if dial.hello else conn
         except KVPoolError as e:
             return e
 

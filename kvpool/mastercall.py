@@ -43,7 +43,7 @@ from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.proto.wire import Op, Status
 from kvpool.security import NO_SECURITY, Security
 from kvpool.transports.auth import authenticate_blocking
-from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking
+from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking, time_left
 from kvpool.transports.calls import Call
 from kvpool.transports.tcp import ConnectionPool, FrameConnection, open_tcp_address
 from kvpool.transports.threads import ThreadConnections
@@ -461,9 +461,10 @@ class MasterClient(_MasterCaller[grpc.aio.Channel]):
         self.routing.leader = address
 
     async def _open_rpc(self, address: str, timeout_s: float) -> FrameConnection:
+        deadline = time.monotonic() + timeout_s
         conn = await open_tcp_address(address, timeout_s, self.security.token)
         if tracing.STATE.enabled:
-            conn.features = await _rpc_features_async(conn, timeout_s)
+            conn.features = await _rpc_features_async(conn, time_left(deadline))
         return conn
 
     async def _perform(self, io: Io) -> Any:
@@ -473,9 +474,10 @@ class MasterClient(_MasterCaller[grpc.aio.Channel]):
             return await self._grpc(io, unary)
         else:
             target = f"tcp://{io.rpc}"
+            deadline = time.monotonic() + io.timeout_s  # for connecting and the exchange
             try:
                 conn = await self._rpc_pool.get(target, timeout_s=io.timeout_s)
-                await conn.exchange([io.call], io.timeout_s, trace=tracing.frame_trace())
+                await conn.exchange([io.call], time_left(deadline), trace=tracing.frame_trace())
             except KVPoolError:
                 self._rpc_pool.discard(target)
                 raise
@@ -549,11 +551,11 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
         host, _, port = rpc.rpartition(":")
         sock = connect_tcp_blocking(host.strip("[]"), int(port), address=rpc, timeout_s=timeout_s)
         try:
-            authenticate_blocking(sock, self.security.token, f"tcp://{rpc}", timeout_s)
+            authenticate_blocking(sock, self.security.token, f"tcp://{rpc}", time_left(deadline))
         except KVPoolError:
             sock.close()
             raise
-        conn = BlockingConnection(sock, f"tcp://{rpc}", timeout_s=timeout_s)
+        conn = BlockingConnection(sock, f"tcp://{rpc}", timeout_s=time_left(deadline))
         if tracing.STATE.enabled:
             conn.features = _rpc_features(conn, deadline)
         return conn

@@ -480,6 +480,13 @@ def connecting(address: str, sock: socket.socket | None = None) -> Iterator[None
         raise
 
 
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 1 ms: the steps of opening a
+    connection (connect, AUTH, HELLO) share one deadline, and a step begun after it has passed
+    times out at once with its own typed error."""
+    return max(0.001, deadline - time.monotonic())
+
+
 def connect_tcp_blocking(host: str, port: int, *, address: str, timeout_s: float) -> socket.socket:
     """A connected blocking TCP socket, tuned (typed errors on failure)."""
     from kvpool.transports.stream import tune_socket

@@ -40,7 +40,7 @@ import numpy as np
 from kvpool.errors import DeadlineExceededError, TransportError
 from kvpool.proto.wire import HEADER_SIZE
 from kvpool.transports.auth import auth_frame, read_answer, read_answer_blocking
-from kvpool.transports.blocking import BlockingConnection, connecting
+from kvpool.transports.blocking import BlockingConnection, connecting, time_left
 from kvpool.transports.tcp import FrameConnection
 
 PREAMBLE = struct.Struct("<4sQ16s")
@@ -302,11 +302,13 @@ class ShmTransport:
     ) -> BlockingConnection:
         name = parse_shm_address(address)
         sock = _unix_socket()
+        deadline = time.monotonic() + timeout_s
         with connecting(address, sock):
             sock.settimeout(max(0.001, timeout_s))
             sock.connect("\0" + name)
-            arena = _take_offer_blocking(sock, token, address, timeout_s)
-        return ShmBlockingConnection(sock, address, arena, timeout_s)
+            sock.settimeout(time_left(deadline))
+            arena = _take_offer_blocking(sock, token, address, time_left(deadline))
+        return ShmBlockingConnection(sock, address, arena, time_left(deadline))
 
 
 def _libc_madvise() -> Callable[[int, int, int], int] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,12 @@ from kvpool.proto.wire import (
     version_mismatch_message,
 )
 from kvpool.transports.auth import authenticate, blocking_connection
-from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking, connecting
+from kvpool.transports.blocking import (
+    BlockingConnection,
+    connect_tcp_blocking,
+    connecting,
+    time_left,
+)
 from kvpool.transports.calls import Call, parse_table
 from kvpool.transports.stream import FrameStream
 from kvpool.transports.stream import tune_socket as stream_tune_socket
@@ -348,9 +354,10 @@ class TcpConnection(FrameConnection):
     ) -> TcpConnection:
         address = f"tcp://{host}:{port}"
         conn = cls(address)
+        deadline = time.monotonic() + timeout_s
         sock = await connect_tcp(host, port, address=address, timeout_s=timeout_s)
         try:
-            await authenticate(sock, token, address, timeout_s)
+            await authenticate(sock, token, address, time_left(deadline))
         except BaseException:
             sock.close()
             raise
@@ -452,5 +459,6 @@ class TcpTransport:
         self, address: str, timeout_s: float, token: bytes = b""
     ) -> BlockingConnection:
         host, port = parse_tcp_address(address)
+        deadline = time.monotonic() + timeout_s
         sock = connect_tcp_blocking(host, port, address=address, timeout_s=timeout_s)
-        return blocking_connection(sock, token, address, timeout_s)
+        return blocking_connection(sock, token, address, time_left(deadline))

@@ -75,6 +75,9 @@ class FakeNodeProtocol(FrameServerProtocol):
         if node.silent:
             return  # a node that accepts frames and never answers
         reply = Header(op=header.op, request_id=header.request_id, write_id=header.write_id)
+        if header.op in (Op.AUTH, Op.HELLO) and node.opening_delay_s:  # slow to admit
+            asyncio.get_running_loop().call_later(node.opening_delay_s, self.send, reply)
+            return
         ident = (key, header.write_id)
         if header.op == Op.PUT:
             data = bytes(payload) if payload is not None else b""
@@ -132,6 +135,7 @@ class FakeNode:
     wrong_header_checksum: bool = False
     no_space: bool = False
     delay_s: float = 0.0
+    opening_delay_s: float = 0.0  # before answering AUTH and HELLO
     port: int = 0
     server: asyncio.Server | None = None
 
@@ -680,6 +684,50 @@ def test_node_that_never_answers_costs_one_deadline(
     start = time.monotonic()
     assert kv.put("other", b"y") is False
     assert time.monotonic() - start < 0.8
+
+
+def test_opening_a_connection_is_bounded_by_the_calls_deadline_not_once_per_step(
+    client_factory: Callable[..., Client], cluster: FakeCluster
+) -> None:
+    # A connection is opened in steps (connect, AUTH, HELLO); each once had the whole time-out,
+    # so a node slow to admit (a lossy link, an overloaded node) cost a call twice its deadline.
+    token = "s3cret-s3cret-s3cret"
+    kv = client_factory(timeout_s=0.5, cluster_token=token)
+    assert kv.put("blk", b"x" * 4096)
+    kv.close()
+    kv = client_factory(timeout_s=0.5, cluster_token=token)
+    for node in cluster.nodes:
+        node.opening_delay_s = 0.45
+    start = time.monotonic()
+    assert kv.get("blk") is None  # AUTH answered at 0.45 s, HELLO would be at 0.9 s
+    elapsed = time.monotonic() - start
+    assert elapsed < 0.5 + 0.2, f"the get took {elapsed:.2f}s with a 0.5 s deadline"
+
+
+def test_the_async_core_opens_a_connection_within_the_calls_deadline(
+    cluster: FakeCluster,
+) -> None:
+    async def main() -> None:
+        config = make_config(
+            [cluster.master_address], timeout_s=0.5, cluster_token="s3cret-s3cret-s3cret"
+        )
+        core = ClientCore(config)
+        try:
+            assert await core.put("blk", b"x" * 4096)
+        finally:
+            await core.close()
+        for node in cluster.nodes:
+            node.opening_delay_s = 0.45
+        core = ClientCore(config)
+        try:
+            start = time.monotonic()
+            assert await core.get("blk") is None
+            elapsed = time.monotonic() - start
+        finally:
+            await core.close()
+        assert elapsed < 0.5 + 0.2, f"the get took {elapsed:.2f}s with a 0.5 s deadline"
+
+    asyncio.run(main())
 
 
 def test_node_down_on_put_keeps_the_other_replica(
