@@ -108,6 +108,10 @@ class BlockingDataPlane:
     def discard(self, address: str, conn: BlockingConnection) -> None:
         self._conns.discard(address, conn)
 
+    def lend_this_threads(self) -> None:
+        """This thread's connections go to the next thread that needs one (a warm-up's)."""
+        self._conns.lend_this_threads()
+
     def _open(self, address: str, timeout_s: float) -> BlockingConnection:
         """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says, in
         ``timeout_s`` for all its steps."""

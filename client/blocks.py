@@ -136,6 +136,10 @@ class DataPlane:
         except KVPoolError as e:
             return e
 
+    async def connect(self, address: str, timeout_s: float) -> None:
+        """Open the pool's connections to ``address`` now (a warm-up's)."""
+        await self._pool.fill(address, timeout_s=timeout_s)
+
     async def _connect(
         self, address: str, member: MemberInfo, timeout_s: float
     ) -> FrameConnection | KVPoolError:

@@ -198,6 +198,37 @@ class Query(Generic[T]):
     leader_only: bool = False
 
 
+WARM_UP_LOOKUP = master_pb2.LookupRequest(keys=["kvpool/warm-up"], internal=True)
+"""A warm-up's lookup: it finds the leader (lookups and commits go there); ``internal``: not
+counted as an engine's read."""
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUp:
+    """What ``warm_up`` opened: a call to a master (``masters``: "" once one answered and the
+    ring is loaded, else why none did) and a data connection to every node of the ring
+    (``nodes``: node id -> "" when open, else why not). Nothing in it is needed later: a call
+    opens what is missing, so a failed warm-up costs only the first calls' time."""
+
+    masters: str
+    nodes: dict[str, str]
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        """A master answered and every node's connection is open."""
+        return not self.masters and not any(self.nodes.values())
+
+    def summary(self) -> str:
+        """One line for a log."""
+        if self.masters:
+            return f"no master answered in {self.elapsed_s:.3f}s: {self.masters}"
+        failed = {n: why for n, why in self.nodes.items() if why}
+        text = f"{len(self.nodes) - len(failed)} of {len(self.nodes)} node(s) connected"
+        text += f" in {self.elapsed_s:.3f}s"
+        return text + "".join(f"; {n}: {why}" for n, why in sorted(failed.items()))
+
+
 class Removed(NamedTuple):
     """A remove's answer, once the replicas named in ``refs`` have been told to drop the bytes
     (best effort, within DELETE_WAIT_S)."""

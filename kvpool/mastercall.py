@@ -560,6 +560,10 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
             conn.features = _rpc_features(conn, deadline)
         return conn
 
+    def lend_this_threads(self) -> None:
+        """This thread's RPC connections go to the next thread that needs one (a warm-up's)."""
+        self._rpc_conns.lend_this_threads()
+
     def call(self, method: str, request: Any, *, deadline: float, leader_only: bool = False) -> Any:
         """As :meth:`MasterClient.call`, in this thread (``deadline``: ``time.monotonic()``)."""
         call = MasterCall(self._plan(method, deadline, leader_only), request, time.monotonic)

@@ -219,6 +219,9 @@ class MooncakeDistributedStore:
         except KVPoolError as e:
             client.close()
             return error_code(e)
+        report = client.warm_up()  # the nodes' connections, now: setup is where Mooncake dials
+        if not report.ok:
+            self._log.warning("mooncake_setup_warm_up_incomplete", detail=report.summary())
         self.close()
         with self._lock:
             self._masters, self._timeout_s, self._hostname = masters, timeout_s, str(local_hostname)

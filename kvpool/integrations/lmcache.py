@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvpool.errors import ConfigError, InvalidArgumentError, KVPoolError
-from kvpool.integrations.settings import StoreSettings, read_settings
+from kvpool.integrations.settings import StoreSettings, read_settings, warm_up
 from kvpool.keys import canonical_dtype, namespace
 from kvpool.logs import get_logger
 
@@ -146,6 +146,7 @@ class KVPoolRemoteConnector(RemoteConnector):  # type: ignore[misc]
                 note="another backend of this LMCache configuration serves these masters",
             )
         else:
+            warm_up(self._client, _LOG)
             _LOG.info(
                 "lmcache_connector_ready", masters=list(settings.masters), key_prefix=self._prefix
             )

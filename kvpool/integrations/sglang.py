@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvpool.client.sync import Client
+from kvpool.integrations.settings import warm_up
 from kvpool.integrations.sglang_config import BackendSettings, parse_settings
 from kvpool.integrations.sglang_layout import (
     MHA_COMPONENTS,
@@ -90,6 +91,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         self.model_name = storage_config.model_name if storage_config else None
         self._client = client or self.settings.make_client()
         self._own_client = client is None
+        if self._own_client:
+            warm_up(self._client, self._log, tp_rank=self.tp_rank)
         self._scheme: KeyScheme | None = None
         self._regions: list[Region] = []
         self.registered_pools: dict[Any, Any] = {}

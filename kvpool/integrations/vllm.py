@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError
-from kvpool.integrations.settings import StoreSettings, read_settings
+from kvpool.integrations.settings import StoreSettings, read_settings, warm_up
 from kvpool.integrations.vllm_blocks import PagedLayout, paged_layout
 from kvpool.integrations.vllm_plan import BlockTransfer, SchedulerPlanner, StepPlan
 from kvpool.integrations.vllm_worker import Transfers
@@ -169,6 +169,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 retry_after_s=self._settings.retry_after_s,
                 logger=_LOG,
             )
+            warm_up(self._client, _LOG, role=str(role))  # the workers move the bytes
         _LOG.info(
             "kv_connector_ready",
             role=str(role),

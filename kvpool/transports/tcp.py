@@ -420,6 +420,13 @@ class ConnectionPool:
         self._next[address] = i + 1
         return conns[i % len(conns)]
 
+    async def fill(self, address: str, *, timeout_s: float) -> None:
+        """Open connections to ``address`` until the pool holds its size of them, within
+        ``timeout_s`` (a warm-up's)."""
+        deadline = time.monotonic() + timeout_s
+        for _ in range(self._size):
+            await self.get(address, timeout_s=time_left(deadline))
+
     def discard(self, address: str) -> None:
         for conn in self._conns.pop(address, []):
             conn.abort("discarded")

@@ -85,6 +85,17 @@ class ThreadConnections:
         for conn in conns:
             conn.close()
 
+    def lend_this_threads(self) -> None:
+        """This thread's connections become ones any thread may take (as if it had ended, but
+        none is closed: those over ``max_idle`` stay this thread's)."""
+        conns = self._mine()
+        with self._lock:
+            for address, conn in list(conns.items()):
+                idle = self._idle.setdefault(address, [])
+                if len(idle) < self._max_idle and not conn.broken and not conn.closed:
+                    idle.append(conn)
+                    del conns[address]
+
     def of_this_thread(self) -> dict[str, BlockingConnection]:
         """This thread's connections, by address (a copy)."""
         return dict(self._mine())

@@ -172,6 +172,31 @@ def test_a_thread_per_request_reuses_the_connections_of_threads_that_ended(
 
 
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])
+def test_warm_up_opens_what_the_first_calls_of_any_thread_use(
+    cluster: LocalCluster, transport: str
+) -> None:
+    blocks = {f"warm/{transport}/{i}": os.urandom(4096 + i) for i in range(16)}
+    with Client(cluster.master_addresses, timeout_s=5.0) as writer:
+        assert writer.batch_put(blocks) == [True] * len(blocks)
+    with Client(cluster.master_addresses, timeout_s=5.0, transport=transport) as kv:
+        report = kv.warm_up()
+        assert report.ok, report.summary()
+        assert set(report.nodes) == set(cluster.node_names)
+        opened = len(kv._data._conns), len(kv._masters._rpc_conns)
+        assert opened[0] == len(cluster.node_names)
+        assert kv._data._conns.of_this_thread() == {}  # lent: any thread takes them
+        got: dict[str, bytes | None] = {}
+        keys = list(blocks)
+        reader = threading.Thread(
+            target=lambda: got.update(zip(keys, kv.batch_get(keys), strict=True))
+        )
+        reader.start()
+        reader.join(30)
+        assert got == blocks
+        assert (len(kv._data._conns), len(kv._masters._rpc_conns)) == opened  # none opened
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])
 def test_a_busy_polling_client_spins_for_reads_and_lookups_only(
     cluster: LocalCluster, transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -730,6 +730,67 @@ def test_the_async_core_opens_a_connection_within_the_calls_deadline(
     asyncio.run(main())
 
 
+def test_warm_up_connects_every_node_and_another_threads_calls_use_those_connections(
+    client_factory: Callable[..., Client], cluster: FakeCluster
+) -> None:
+    kv = client_factory()
+    report = kv.warm_up()
+    assert report.ok, report.summary()
+    assert report.nodes == {"node-1": "", "node-2": ""}
+    assert "2 of 2 node(s) connected" in report.summary()
+    assert [len(node.conns) for node in cluster.nodes] == [1, 1]
+
+    def work() -> None:
+        for i in range(8):
+            assert kv.put(f"k{i}", b"v%d" % i)
+            assert kv.get(f"k{i}") == b"v%d" % i
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join(10)
+    assert {key for node in cluster.nodes for _, key in node.ops} >= {"k0", "k7"}
+    assert [len(node.conns) for node in cluster.nodes] == [1, 1]  # no connection opened
+    kv.close()
+    with pytest.raises(UnavailableError):
+        kv.warm_up()
+
+
+def test_warm_up_says_which_node_it_could_not_reach_and_does_not_raise(
+    client_factory: Callable[..., Client], cluster: FakeCluster
+) -> None:
+    cluster.stop_node(cluster.nodes[1])  # the index still lists it
+    report = client_factory(timeout_s=0.5).warm_up()
+    assert not report.ok
+    assert report.nodes["node-1"] == ""
+    assert report.nodes["node-2"]  # why not
+    assert "1 of 2 node(s) connected" in report.summary()
+    assert "node-2" in report.summary()
+
+
+def test_the_async_core_warms_up_its_pool(cluster: FakeCluster) -> None:
+    async def main() -> None:
+        config = make_config([cluster.master_address], timeout_s=1.0, connections_per_node=2)
+        core = ClientCore(config)
+        try:
+            report = await core.warm_up()
+            assert report.ok, report.summary()
+            assert set(report.nodes) == {"node-1", "node-2"}
+            # The pool, full (a connection without HELLO is open before the node's loop has
+            # seen it: give it a moment).
+            for _ in range(100):
+                if [len(node.conns) for node in cluster.nodes] == [2, 2]:
+                    break
+                await asyncio.sleep(0.01)
+            assert [len(node.conns) for node in cluster.nodes] == [2, 2]
+            for i in range(8):
+                assert await core.put(f"k{i}", b"v")
+            assert [len(node.conns) for node in cluster.nodes] == [2, 2]
+        finally:
+            await core.close()
+
+    asyncio.run(main())
+
+
 def test_node_down_on_put_keeps_the_other_replica(
     client_factory: Callable[..., Client], cluster: FakeCluster
 ) -> None:
@@ -825,6 +886,13 @@ def test_unreachable_masters_fail_within_the_deadline() -> None:
         kv = Client([f"127.0.0.1:{free_port()}", silent_master], timeout_s=0.5)
         assert time.monotonic() - start < 0.2  # the constructor does not dial
         try:
+            start = time.monotonic()
+            report = kv.warm_up()
+            assert time.monotonic() - start < 0.5 + 0.3
+            assert report.masters
+            assert not report.ok
+            assert report.nodes == {}
+            assert report.summary().startswith("no master answered")
             for call in (
                 lambda: kv.put("k", b"v"),
                 lambda: kv.get("k"),

@@ -116,3 +116,18 @@ def test_close_closes_every_connection_and_refuses_new_ones() -> None:
     release.set()
     thread.join(10)
     assert after.closed
+
+
+def test_a_lent_connection_serves_another_thread_and_none_over_max_idle_is_lent() -> None:
+    conns = ThreadConnections(max_idle=1)
+    first, second = conn("warm"), conn("mine")
+    conns.add(A, first)
+    conns.lend_this_threads()
+    assert conns.of_this_thread() == {}
+    assert in_thread(lambda: conns.get(A)) is first  # taken over; that thread ended: idle again
+    conns.add(B, second)
+    in_thread(lambda: conns.add(B, conn("other")))  # ended: its connection fills B's idle slot
+    conns.lend_this_threads()
+    assert conns.of_this_thread() == {B: second}  # B's one idle slot is taken: kept, not closed
+    assert not second.closed
+    assert len(conns) == 3
