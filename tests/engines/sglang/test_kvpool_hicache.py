@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -143,6 +144,30 @@ def test_pages_round_trip_byte_exact(sglang_cluster: LocalCluster, layout: str, 
         for i in range(8):
             assert page_bytes(pool, 8 + i) == page_bytes(pool, i), f"page {i} differs"
         assert store.batch_set_v1(keys, indices(range(8))) == [True] * 8  # already stored
+    finally:
+        store.close()
+
+
+def test_the_store_connects_while_sglang_creates_it_for_its_storage_threads(
+    sglang_cluster: LocalCluster,
+) -> None:
+    pool = host_pool("page_first")
+    store = backend(sglang_cluster, pool)
+    try:
+        conns = store._client._data._conns
+        assert len(conns) == len(sglang_cluster.node_names)  # one per node, before any page
+        keys = hashes(4)
+        fill(pool, range(4))
+        results: list[Any] = []
+        worker = threading.Thread(  # SGLang calls a store from its own storage threads
+            target=lambda: results.extend(
+                [store.batch_set_v1(keys, indices(range(4))), store.batch_exists(keys)]
+            )
+        )
+        worker.start()
+        worker.join(30)
+        assert results == [[True] * 4, 4]
+        assert len(conns) == len(sglang_cluster.node_names)  # that thread opened none
     finally:
         store.close()
 
