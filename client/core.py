@@ -112,37 +112,38 @@ class ClientCore(ClientState):
 
     # --- the API --------------------------------------------------------------------------
 
-    async def warm_up(self, timeout_s: float | None = None) -> WarmUp:
+    async def warm_up(self, timeout_s: float | None = None, *, nodes: bool = True) -> WarmUp:
         """Open now what the first calls would otherwise pay for: as :meth:`Client.warm_up
         <kvpool.client.fastpath.SyncPath.warm_up>` (the masters' channel and RPC connection,
-        the ring, a pooled connection to every node); never raises for the cluster's state."""
+        the ring, and with ``nodes`` the pool's connections to every node); never raises for
+        the cluster's state."""
         if self._closed:
             raise UnavailableError("this kvpool client is closed")
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + (self.config.timeout_s if timeout_s is None else timeout_s)
-        nodes: dict[str, str] = {}
+        opened: dict[str, str] = {}
         try:
             await self._masters.call("Lookup", WARM_UP_LOOKUP, deadline=deadline)  # the leader
             answer: master_pb2.GetMembersResponse = await self._masters.call(
                 "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
             )
         except KVPoolError as e:
-            return WarmUp(str(e) or type(e).__name__, nodes, loop.time() - start)
+            return WarmUp(str(e) or type(e).__name__, opened, loop.time() - start)
         self.members_answered(answer, loop.time())
-        members = self._placement.members
-        opened = await asyncio.gather(
+        members = self._placement.members if nodes else []
+        results = await asyncio.gather(
             *(
                 self._data.connect(m.data_address, max(0.001, deadline - loop.time()))
                 for m in members
             ),
             return_exceptions=True,
         )
-        for member, result in zip(members, opened, strict=True):
+        for member, result in zip(members, results, strict=True):
             if isinstance(result, BaseException) and not isinstance(result, KVPoolError):
                 raise result
-            nodes[member.node_id] = str(result) or type(result).__name__ if result else ""
-        return WarmUp("", nodes, loop.time() - start)
+            opened[member.node_id] = str(result) or type(result).__name__ if result else ""
+        return WarmUp("", opened, loop.time() - start)
 
     async def put(self, key: str, value: BytesLike, *, strict: bool | None = None) -> bool:
         """Store one block. True once committed to the index (and published)."""

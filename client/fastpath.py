@@ -83,18 +83,19 @@ class SyncPath(ClientState):
 
     # --- the API --------------------------------------------------------------------------
 
-    def warm_up(self, timeout_s: float | None = None) -> WarmUp:
+    def warm_up(self, timeout_s: float | None = None, *, nodes: bool = True) -> WarmUp:
         """Open now what the first calls would otherwise pay for (tens of milliseconds on a
-        fresh client): the masters' channel and RPC connection, the ring, and a connection to
-        every node — the node's shared memory mapped where it offers it. Another thread's
-        first call takes these connections over. Never raises for the cluster's state (the
-        answer says what could not be opened, within ``timeout_s``, default the client's);
-        UnavailableError once the client is closed."""
+        fresh client): the masters' channel and RPC connection, the ring, and (``nodes``) a
+        connection to every node — the node's shared memory mapped where it offers it; a
+        client that only asks the index (a scheduler's prefix matches) wants ``nodes=False``.
+        Another thread's first call takes these connections over. Never raises for the
+        cluster's state (the answer says what could not be opened, within ``timeout_s``,
+        default the client's); UnavailableError once the client is closed."""
         if self._closed:
             raise UnavailableError("this kvpool client is closed")
         start = time.monotonic()
         deadline = start + (self.config.timeout_s if timeout_s is None else timeout_s)
-        nodes: dict[str, str] = {}
+        opened: dict[str, str] = {}
         try:
             # The leader answers lookups and commits: find it (and its RPC port), then the ring.
             self._masters.call("Lookup", WARM_UP_LOOKUP, deadline=deadline)
@@ -102,17 +103,17 @@ class SyncPath(ClientState):
                 "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
             )
         except KVPoolError as e:
-            return WarmUp(str(e) or type(e).__name__, nodes, time.monotonic() - start)
+            return WarmUp(str(e) or type(e).__name__, opened, time.monotonic() - start)
         self.members_answered(answer, time.monotonic())
-        for member in self._placement.members:
+        for member in self._placement.members if nodes else ():
             try:
                 self._data.connection(member.data_address, deadline)
-                nodes[member.node_id] = ""
+                opened[member.node_id] = ""
             except KVPoolError as e:
-                nodes[member.node_id] = str(e) or type(e).__name__
+                opened[member.node_id] = str(e) or type(e).__name__
         self._data.lend_this_threads()
         self._masters.lend_this_threads()
-        return WarmUp("", nodes, time.monotonic() - start)
+        return WarmUp("", opened, time.monotonic() - start)
 
     def put(self, key: str, value: BytesLike, *, strict: bool | None = None) -> bool:
         """Store ``value`` under ``key``: True once committed; False on failure (strict raises).

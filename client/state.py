@@ -223,6 +223,8 @@ class WarmUp:
         """One line for a log."""
         if self.masters:
             return f"no master answered in {self.elapsed_s:.3f}s: {self.masters}"
+        if not self.nodes:
+            return f"a master answered in {self.elapsed_s:.3f}s; no node connection opened"
         failed = {n: why for n, why in self.nodes.items() if why}
         text = f"{len(self.nodes) - len(failed)} of {len(self.nodes)} node(s) connected"
         text += f" in {self.elapsed_s:.3f}s"

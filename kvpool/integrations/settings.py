@@ -56,11 +56,11 @@ class StoreSettings:
         )
 
 
-def warm_up(client: Client, log: Any, **context: Any) -> None:
+def warm_up(client: Client, log: Any, *, nodes: bool = True, **context: Any) -> None:
     """Open ``client``'s connections now, while the engine starts, so that its first request
     does not pay for them (tens of milliseconds, more over shared memory); what could not be
-    opened is logged, and the calls open it later."""
-    report = client.warm_up()
+    opened is logged, and the calls open it later. ``nodes=False``: the masters' only."""
+    report = client.warm_up(nodes=nodes)
     event = "kvpool_warmed_up" if report.ok else "kvpool_warm_up_incomplete"
     (log.info if report.ok else log.warning)(event, detail=report.summary(), **context)
 

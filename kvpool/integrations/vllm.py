@@ -160,6 +160,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 clock=time.monotonic,
                 on_store_failure=lambda why: _LOG.warning("kv_store_failed", op="match", error=why),
             )
+            warm_up(self._client, _LOG, nodes=False, role=str(role))  # it asks the index only
         else:
             self._transfers = Transfers(
                 self._client,
@@ -169,7 +170,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 retry_after_s=self._settings.retry_after_s,
                 logger=_LOG,
             )
-            warm_up(self._client, _LOG, role=str(role))  # the workers move the bytes
+            warm_up(self._client, _LOG, role=str(role))  # a worker moves the bytes
         _LOG.info(
             "kv_connector_ready",
             role=str(role),

@@ -755,6 +755,22 @@ def test_warm_up_connects_every_node_and_another_threads_calls_use_those_connect
         kv.warm_up()
 
 
+def test_a_warm_up_for_the_index_only_opens_no_node_connection(
+    client_factory: Callable[..., Client], cluster: FakeCluster
+) -> None:
+    kv = client_factory()
+    before = dict(cluster.master.calls)
+    report = kv.warm_up(nodes=False)
+    assert report.ok, report.summary()
+    assert report.nodes == {}
+    assert "no node connection opened" in report.summary()
+    calls = {m: n - before.get(m, 0) for m, n in cluster.master.calls.items()}
+    # The leader found by a Lookup, then the ring (a GetMembers more: learning that this
+    # master has no RPC port); nothing else asked.
+    assert {m: n for m, n in calls.items() if n} == {"Lookup": 1, "GetMembers": 2}
+    assert [len(node.conns) for node in cluster.nodes] == [0, 0]
+
+
 def test_warm_up_says_which_node_it_could_not_reach_and_does_not_raise(
     client_factory: Callable[..., Client], cluster: FakeCluster
 ) -> None:
