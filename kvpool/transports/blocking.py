@@ -28,7 +28,8 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from kvpool.errors import (
     DeadlineExceededError,
@@ -51,6 +52,8 @@ from kvpool.proto.wire import (
     version_mismatch_message,
 )
 from kvpool.transports.calls import Call
+
+T = TypeVar("T")
 
 DROP_BYTES = 256 * 1024
 _TIMEVAL = struct.Struct("@ll")
@@ -404,12 +407,7 @@ class BlockingConnection:
         i, offset = 0, 0
         while i < len(views):
             batch = [views[i][offset:] if offset else views[i], *views[i + 1 : i + 256]]
-            try:
-                n = sock.recvmsg_into(batch)[0]
-            except OSError as e:
-                if self._retry_in_time(e, deadline):
-                    continue
-                raise self._broken_by(e, "receive") from None
+            n = self._receive(sock.recvmsg_into, batch, deadline)[0]
             if n == 0:
                 raise self._broken_by(None, "receive")
             while n:
@@ -423,6 +421,16 @@ class BlockingConnection:
                     n = 0
             if i < len(views):
                 self._check(deadline)
+
+    def _receive(self, recv: Callable[[Any], T], into: Any, deadline: float) -> T:
+        """``recv(into)`` on the socket, tried again while a kernel time-out ends before the
+        deadline (:meth:`_retry_in_time`); any other failure breaks the connection."""
+        while True:
+            try:
+                return recv(into)
+            except OSError as e:
+                if not self._retry_in_time(e, deadline):
+                    raise self._broken_by(e, "receive") from None
 
     def _recv_new(self, size: int, deadline: float) -> memoryview:
         view = memoryview(bytearray(size))
@@ -441,12 +449,7 @@ class BlockingConnection:
         got = 0
         want = view.nbytes
         while got < want:
-            try:
-                n = sock.recv_into(view[got:] if got else view)
-            except OSError as e:
-                if self._retry_in_time(e, deadline):
-                    continue
-                raise self._broken_by(e, "receive") from None
+            n = self._receive(sock.recv_into, view[got:] if got else view, deadline)
             if n == 0:
                 raise self._broken_by(None, "receive")
             got += n
