@@ -74,7 +74,7 @@ class BlockingConnection:
         self._ids = itertools.count(1)
         self._header = bytearray(HEADER_SIZE)
         self._header_view = memoryview(self._header)
-        self._drop = memoryview(bytearray(DROP_BYTES))
+        self._drop: memoryview | None = None  # made by the first skip (up to DROP_BYTES)
         self._posted: set[int] = set()
         self._poller: select.poll | None = None
         self._timeout_s = 0.0
@@ -439,6 +439,8 @@ class BlockingConnection:
 
     def _skip(self, size: int, deadline: float) -> None:
         drop = self._drop
+        if drop is None or len(drop) < min(size, DROP_BYTES):  # as large as skips have been
+            drop = self._drop = memoryview(bytearray(min(max(size, 4096), DROP_BYTES)))
         while size:
             n = min(size, len(drop))
             self._recv_into(drop[:n], deadline)

@@ -109,7 +109,9 @@ class ThreadConnections:
         mine: _Mine | None = getattr(self._local, "mine", None)
         if mine is None:
             mine = self._local.mine = _Mine()
-            weakref.finalize(mine, self._thread_ended, mine.conns).atexit = False
+            # Not self._thread_ended: the registry would keep this object (and every thread's
+            # connections) alive as long as the thread lives — for the main thread, forever.
+            weakref.finalize(mine, _thread_ended, weakref.ref(self), mine.conns).atexit = False
         return mine.conns
 
     def _thread_ended(self, conns: dict[str, BlockingConnection]) -> None:
@@ -124,3 +126,15 @@ class ThreadConnections:
                     idle.append(conn)
         for conn in extra:
             conn.close()
+
+
+def _thread_ended(
+    owner: weakref.ref[ThreadConnections], conns: dict[str, BlockingConnection]
+) -> None:
+    """A thread's connections, once it has ended (or its :class:`ThreadConnections` is gone)."""
+    connections = owner()
+    if connections is not None:
+        connections._thread_ended(conns)
+        return
+    for conn in conns.values():
+        conn.close()

@@ -3,7 +3,9 @@ thread's connections when it ends (no sockets: fake connections)."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -131,3 +133,16 @@ def test_a_lent_connection_serves_another_thread_and_none_over_max_idle_is_lent(
     assert conns.of_this_thread() == {B: second}  # B's one idle slot is taken: kept, not closed
     assert not second.closed
     assert len(conns) == 3
+
+
+def test_connections_a_living_thread_used_are_freed_with_them() -> None:
+    # The main thread never ends: what it used must go when the connections object does (a
+    # process that makes and closes clients one after another kept every one before).
+    conns = ThreadConnections(max_idle=2)
+    mine = conn("main")
+    conns.add(A, mine)
+    gone = weakref.ref(conns)
+    del conns
+    gc.collect()
+    assert gone() is None
+    assert mine.closed
