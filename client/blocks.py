@@ -68,6 +68,7 @@ from kvpool.errors import (
 from kvpool.proto.wire import Op
 from kvpool.transports import open_connection
 from kvpool.transports.blocking import time_left
+from kvpool.transports.shm import Arena
 from kvpool.transports.tcp import ConnectionPool, FrameConnection, Response
 
 __all__ = [
@@ -136,9 +137,10 @@ class DataPlane:
         except KVPoolError as e:
             return e
 
-    async def connect(self, address: str, timeout_s: float) -> None:
-        """Open the pool's connections to ``address`` now (a warm-up's)."""
-        await self._pool.fill(address, timeout_s=timeout_s)
+    async def connect(self, address: str, timeout_s: float) -> Arena | None:
+        """Open the pool's connections to ``address`` now (a warm-up's); the node's shared
+        memory when they use it."""
+        return conn_arena(await self._pool.fill(address, timeout_s=timeout_s))
 
     async def _connect(
         self, address: str, member: MemberInfo, timeout_s: float

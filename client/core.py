@@ -139,10 +139,18 @@ class ClientCore(ClientState):
             ),
             return_exceptions=True,
         )
+        arenas = []
         for member, result in zip(members, results, strict=True):
-            if isinstance(result, BaseException) and not isinstance(result, KVPoolError):
-                raise result
-            opened[member.node_id] = str(result) or type(result).__name__ if result else ""
+            if isinstance(result, BaseException):
+                if not isinstance(result, KVPoolError):
+                    raise result
+                opened[member.node_id] = str(result) or type(result).__name__
+            else:
+                opened[member.node_id] = ""
+                arenas.append(result)
+        for arena in arenas:  # a shared memory's page tables, filled before the first calls
+            if arena is not None:
+                await loop.run_in_executor(None, arena.wait_prefaulted, deadline - loop.time())
         return WarmUp("", opened, loop.time() - start)
 
     async def put(self, key: str, value: BytesLike, *, strict: bool | None = None) -> bool:

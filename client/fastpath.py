@@ -30,6 +30,7 @@ from kvpool import tracing
 from kvpool.client import state as state_module
 from kvpool.client.blocking_plane import BlockingDataPlane
 from kvpool.client.commits import CommitAnswer, PutReceipt, SyncCommitter, put_entries
+from kvpool.client.links import conn_arena
 from kvpool.client.ops import (
     DELETE_WAIT_S,
     Commit,
@@ -105,12 +106,16 @@ class SyncPath(ClientState):
         except KVPoolError as e:
             return WarmUp(str(e) or type(e).__name__, opened, time.monotonic() - start)
         self.members_answered(answer, time.monotonic())
+        arenas = []
         for member in self._placement.members if nodes else ():
             try:
-                self._data.connection(member.data_address, deadline)
+                arenas.append(conn_arena(self._data.connection(member.data_address, deadline)))
                 opened[member.node_id] = ""
             except KVPoolError as e:
                 opened[member.node_id] = str(e) or type(e).__name__
+        for arena in arenas:  # a shared memory's page tables, filled before the first calls
+            if arena is not None:
+                arena.wait_prefaulted(deadline - time.monotonic())
         self._data.lend_this_threads()
         self._masters.lend_this_threads()
         return WarmUp("", opened, time.monotonic() - start)

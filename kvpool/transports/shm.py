@@ -118,6 +118,12 @@ class Arena:
             done += length
             self.prefaulted_bytes = done
 
+    def wait_prefaulted(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the page tables to be filled (a warm-up's: the filling
+        competes for CPU with the first calls); whether they are."""
+        self._prefault.join(max(0.0, timeout_s))
+        return not self._prefault.is_alive()
+
     def extent(self, offset: int, size: int) -> memoryview:
         if offset < 0 or size < 0 or offset + size > self.size:
             raise TransportError(f"extent [{offset}, {offset + size}) outside the arena")

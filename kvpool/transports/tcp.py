@@ -420,12 +420,14 @@ class ConnectionPool:
         self._next[address] = i + 1
         return conns[i % len(conns)]
 
-    async def fill(self, address: str, *, timeout_s: float) -> None:
+    async def fill(self, address: str, *, timeout_s: float) -> FrameConnection:
         """Open connections to ``address`` until the pool holds its size of them, within
-        ``timeout_s`` (a warm-up's)."""
+        ``timeout_s`` (a warm-up's); one of them."""
         deadline = time.monotonic() + timeout_s
-        for _ in range(self._size):
+        conn = await self.get(address, timeout_s=timeout_s)
+        for _ in range(self._size - 1):
             await self.get(address, timeout_s=time_left(deadline))
+        return conn
 
     def discard(self, address: str) -> None:
         for conn in self._conns.pop(address, []):

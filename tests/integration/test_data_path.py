@@ -21,6 +21,7 @@ from kvpool.launcher.cluster import LocalCluster
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.proto.wire import Op, Status
 from kvpool.transports import open_blocking
+from kvpool.transports import shm as shm_transport
 from kvpool.transports.blocking import BlockingConnection
 from kvpool.transports.calls import Call
 from kvpool.transports.shm import ShmBlockingConnection, shm_supported
@@ -185,6 +186,10 @@ def test_warm_up_opens_what_the_first_calls_of_any_thread_use(
         opened = len(kv._data._conns), len(kv._masters._rpc_conns)
         assert opened[0] == len(cluster.node_names)
         assert kv._data._conns.of_this_thread() == {}  # lent: any thread takes them
+        if transport == "shm":  # the arenas' page tables are filled before the first calls
+            arenas = list(shm_transport._ARENAS.values())
+            assert arenas
+            assert all(arena.wait_prefaulted(0) for arena in arenas)
         got: dict[str, bytes | None] = {}
         keys = list(blocks)
         reader = threading.Thread(
@@ -194,6 +199,23 @@ def test_warm_up_opens_what_the_first_calls_of_any_thread_use(
         reader.join(30)
         assert got == blocks
         assert (len(kv._data._conns), len(kv._masters._rpc_conns)) == opened  # none opened
+
+
+@NEEDS_SHM
+def test_an_async_clients_warm_up_maps_and_fills_the_nodes_shared_memory(
+    cluster: LocalCluster,
+) -> None:
+    async def main() -> None:
+        async with AsyncClient(cluster.master_addresses, timeout_s=5.0, transport="shm") as kv:
+            report = await kv.warm_up()
+            assert report.ok, report.summary()
+            arenas = list(shm_transport._ARENAS.values())
+            assert len(arenas) == len(cluster.node_names)
+            assert all(arena.wait_prefaulted(0) for arena in arenas)
+            assert await kv.put("warm/async/shm", b"v" * 4096)
+            assert await kv.get("warm/async/shm") == b"v" * 4096
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])
