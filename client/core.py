@@ -129,7 +129,7 @@ class ClientCore(ClientState):
                 "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
             )
         except KVPoolError as e:
-            return WarmUp(str(e) or type(e).__name__, opened, loop.time() - start)
+            return WarmUp(WarmUp.why(e), opened, loop.time() - start)
         self.members_answered(answer, loop.time())
         members = self._placement.members if nodes else []
         results = await asyncio.gather(
@@ -144,7 +144,7 @@ class ClientCore(ClientState):
             if isinstance(result, BaseException):
                 if not isinstance(result, KVPoolError):
                     raise result
-                opened[member.node_id] = str(result) or type(result).__name__
+                opened[member.node_id] = WarmUp.why(result)
             else:
                 opened[member.node_id] = ""
                 arenas.append(result)

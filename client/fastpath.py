@@ -104,7 +104,7 @@ class SyncPath(ClientState):
                 "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
             )
         except KVPoolError as e:
-            return WarmUp(str(e) or type(e).__name__, opened, time.monotonic() - start)
+            return WarmUp(WarmUp.why(e), opened, time.monotonic() - start)
         self.members_answered(answer, time.monotonic())
         arenas = []
         for member in self._placement.members if nodes else ():
@@ -112,7 +112,7 @@ class SyncPath(ClientState):
                 arenas.append(conn_arena(self._data.connection(member.data_address, deadline)))
                 opened[member.node_id] = ""
             except KVPoolError as e:
-                opened[member.node_id] = str(e) or type(e).__name__
+                opened[member.node_id] = WarmUp.why(e)
         for arena in arenas:  # a shared memory's page tables, filled before the first calls
             if arena is not None:
                 arena.wait_prefaulted(deadline - time.monotonic())

@@ -214,6 +214,11 @@ class WarmUp:
     nodes: dict[str, str]
     elapsed_s: float
 
+    @staticmethod
+    def why(error: KVPoolError) -> str:
+        """How a failure reads in a warm-up's answer."""
+        return f"{type(error).__name__}: {error.message}"
+
     @property
     def ok(self) -> bool:
         """A master answered and every node's connection is open."""

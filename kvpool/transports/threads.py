@@ -44,19 +44,25 @@ class ThreadConnections:
         or None: open one and :meth:`add` it. A broken or closed one is dropped on the way."""
         conns = self._mine()
         conn = conns.get(address)
-        if conn is not None and not conn.broken and not conn.closed:
+        if conn is not None and _usable(conn):
             return conn
         if conn is not None:
             self.discard(address, conn)
+        dead = []
         with self._lock:
             idle = self._idle.get(address)
             while idle:
                 conn = idle.pop()
-                if not conn.broken and not conn.closed:
+                if _usable(conn):
                     conns[address] = conn
-                    return conn
+                    break
                 self._all.discard(conn)
-        return None
+                dead.append(conn)
+            else:
+                conn = None
+        for gone in dead:
+            gone.close()
+        return conn
 
     def add(self, address: str, conn: BlockingConnection) -> None:
         """``conn``, just opened, is this thread's connection to ``address`` (once closed:
@@ -88,13 +94,7 @@ class ThreadConnections:
     def lend_this_threads(self) -> None:
         """This thread's connections become ones any thread may take (as if it had ended, but
         none is closed: those over ``max_idle`` stay this thread's)."""
-        conns = self._mine()
-        with self._lock:
-            for address, conn in list(conns.items()):
-                idle = self._idle.setdefault(address, [])
-                if len(idle) < self._max_idle and not conn.broken and not conn.closed:
-                    idle.append(conn)
-                    del conns[address]
+        self._to_idle(self._mine(), close_rest=False)
 
     def of_this_thread(self) -> dict[str, BlockingConnection]:
         """This thread's connections, by address (a copy)."""
@@ -109,23 +109,30 @@ class ThreadConnections:
         mine: _Mine | None = getattr(self._local, "mine", None)
         if mine is None:
             mine = self._local.mine = _Mine()
-            # Not self._thread_ended: the registry would keep this object (and every thread's
+            # Not a bound method: the registry would keep this object (and every thread's
             # connections) alive as long as the thread lives — for the main thread, forever.
             weakref.finalize(mine, _thread_ended, weakref.ref(self), mine.conns).atexit = False
         return mine.conns
 
-    def _thread_ended(self, conns: dict[str, BlockingConnection]) -> None:
+    def _to_idle(self, conns: dict[str, BlockingConnection], *, close_rest: bool) -> None:
+        """Move a thread's usable ``conns`` to the idle pool, up to ``max_idle`` per address
+        (none once closed); the rest are closed (``close_rest``) or left in ``conns``."""
         extra = []
         with self._lock:
-            for address, conn in conns.items():
+            for address, conn in list(conns.items()):
                 idle = self._idle.setdefault(address, [])
-                if self._closed or conn.broken or conn.closed or len(idle) >= self._max_idle:
+                if not self._closed and _usable(conn) and len(idle) < self._max_idle:
+                    idle.append(conn)
+                    del conns[address]
+                elif close_rest:
                     self._all.discard(conn)
                     extra.append(conn)
-                else:
-                    idle.append(conn)
         for conn in extra:
             conn.close()
+
+
+def _usable(conn: BlockingConnection) -> bool:
+    return not conn.broken and not conn.closed
 
 
 def _thread_ended(
@@ -134,7 +141,7 @@ def _thread_ended(
     """A thread's connections, once it has ended (or its :class:`ThreadConnections` is gone)."""
     connections = owner()
     if connections is not None:
-        connections._thread_ended(conns)
+        connections._to_idle(conns, close_rest=True)
         return
     for conn in conns.values():
         conn.close()
