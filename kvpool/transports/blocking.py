@@ -44,14 +44,13 @@ from kvpool.proto.wire import (
     HEADER_SIZE,
     MAGIC,
     MAX_ERROR_MESSAGE_BYTES,
-    MGET_RECORD,
     FrameError,
     Header,
     Status,
     unpack_header,
     version_mismatch_message,
 )
-from kvpool.transports.calls import Call
+from kvpool.transports.calls import Call, table_head_size, table_rest
 
 T = TypeVar("T")
 
@@ -333,73 +332,27 @@ class BlockingConnection:
 
     def _take_table(self, call: Call, header: Header, deadline: float) -> None:
         """A table response: count and records (one read), then (MGET) every hit's bytes,
-        scattered by one ``recvmsg_into`` into the callers' buffers, or into one fresh buffer
-        shared by the hits that have none."""
-        record = call.table
-        assert record is not None
+        scattered by ``recvmsg_into`` into the views :func:`hit_views` names."""
         size = header.payload_len
-        if call.sinks is None:  # the count says how many
-            head = self._recv_new(COUNT.size, deadline)
-            (count,) = COUNT.unpack_from(head)
-            table = self._recv_new(min(size - COUNT.size, record.size * count), deadline)
-        else:
-            count = len(call.sinks)
-            if COUNT.size + record.size * count > size:
-                self.broken = True
-                raise TransportError(f"{self.address}: response table shorter than asked")
-            head = self._recv_new(COUNT.size + record.size * count, deadline)
-            table = head[COUNT.size :]
-            if COUNT.unpack_from(head)[0] != count:
-                self.broken = True
-                raise TransportError(f"{self.address}: response table of the wrong count")
-        if table.nbytes != record.size * count:
-            self.broken = True
-            raise TransportError(f"{self.address}: response table truncated")
-        call.records = list(record.iter_unpack(table))
-        left = size - COUNT.size - table.nbytes
-        if record is MGET_RECORD and call.sinks is not None:
-            left -= self._scatter_hits(call, left, deadline)
-        if left:
-            self.broken = True
-            raise TransportError(f"{self.address}: {left} bytes after a response table")
-
-    def _scatter_hits(self, call: Call, left: int, deadline: float) -> int:
-        assert call.sinks is not None
-        sinks = call.sinks
-        datas: list[memoryview | None] = []
-        spill_bytes = 0
-        total = 0
-        for rec, sink in zip(call.records, sinks, strict=True):
-            if rec[0] != Status.OK:
-                continue
-            n = rec[3]
-            total += n
-            if sink is None or sink.nbytes != n:
-                spill_bytes += n
-        if total > left:
-            self.broken = True
-            raise TransportError(f"{self.address}: MGET data shorter than its table")
-        spill = memoryview(bytearray(spill_bytes)) if spill_bytes else None
-        views: list[memoryview] = []
-        pos = 0
-        for rec, sink in zip(call.records, sinks, strict=True):
-            if rec[0] != Status.OK:
-                datas.append(None)
-                continue
-            n = rec[3]
-            if sink is not None and sink.nbytes == n:
-                view = sink
-                datas.append(sink)
+        head_size = table_head_size(call)
+        try:
+            if head_size is None:  # the count says how many
+                if size < COUNT.size:
+                    raise FrameError("response table shorter than its count")
+                head = self._recv_new(COUNT.size, deadline)
+                (count,) = COUNT.unpack_from(head)
+                assert call.table is not None
+                rest = min(size - COUNT.size, call.table.size * count)
+                head = memoryview(bytes(head) + bytes(self._recv_new(rest, deadline)))
+            elif head_size > size:
+                raise FrameError("response table shorter than asked")
             else:
-                assert spill is not None
-                view = spill[pos : pos + n]
-                pos += n
-                datas.append(view if sink is None else None)  # a wrong size is dropped
-            if n:
-                views.append(view)
+                head = self._recv_new(head_size, deadline)
+            views = table_rest(call, head, size - head.nbytes)
+        except FrameError as e:
+            self.broken = True
+            raise TransportError(f"{self.address}: {e}") from None
         self._recv_scatter(views, deadline)
-        call.sinks = datas
-        return total
 
     def _recv_scatter(self, views: list[memoryview], deadline: float) -> None:
         """Fill ``views`` in order from the stream, many per ``recvmsg_into``."""

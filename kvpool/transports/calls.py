@@ -84,41 +84,78 @@ class Call:
         return bytes(self.data).decode("utf-8", "replace")
 
 
-def parse_table(call: Call, payload: memoryview) -> None:
-    """Fill ``call.records`` from a whole table response (and, for MGET, each hit's bytes:
-    copied into its sink when one of the right size was given, else a view of ``payload``).
-    FrameError when the table does not match the request."""
+def table_head_size(call: Call) -> int | None:
+    """Bytes of a table response's count and records, when the request says how many records
+    come back (a table call with ``sinks``: one per key); None when only the count can say."""
     record = call.table
     assert record is not None
-    if payload.nbytes < COUNT.size:
+    return None if call.sinks is None else COUNT.size + record.size * len(call.sinks)
+
+
+def parse_records(call: Call, head: memoryview) -> int:
+    """Fill ``call.records`` from the start of a table response (``head``: at least its count and
+    records): the bytes they took. FrameError when the table does not match the request."""
+    record = call.table
+    assert record is not None
+    if head.nbytes < COUNT.size:
         raise FrameError("response table shorter than its count")
-    (count,) = COUNT.unpack_from(payload)
+    (count,) = COUNT.unpack_from(head)
     if call.sinks is not None and count != len(call.sinks):
         raise FrameError(f"response table of {count} records for {len(call.sinks)} requests")
-    end = COUNT.size + record.size * count
-    if end > payload.nbytes:
+    end: int = COUNT.size + record.size * int(count)
+    if end > head.nbytes:
         raise FrameError("response table truncated")
-    call.records = list(record.iter_unpack(payload[COUNT.size : end]))
-    if record is not MGET_RECORD or call.sinks is None:
-        return
+    call.records = list(record.iter_unpack(head[COUNT.size : end]))
+    return end
+
+
+def hit_views(call: Call, left: int) -> list[memoryview]:
+    """Where the bytes after an MGET table go (``call.records`` parsed; ``left`` of them), in
+    order: each hit's caller buffer when it has one of the hit's size, else a piece of one
+    fresh buffer shared by such hits. ``call.sinks`` becomes what holds each record's bytes
+    (None for a miss, and for a hit whose buffer has another size: it is dropped). Both
+    transports receive straight into these views: the bytes are copied once, by the kernel.
+    FrameError when the hits do not take exactly ``left`` bytes."""
+    sinks = call.sinks
+    assert sinks is not None
+    assert call.table is MGET_RECORD
+    spill_bytes = total = 0
+    for rec, sink in zip(call.records, sinks, strict=True):
+        if rec[0] == Status.OK:
+            total += rec[3]
+            if sink is None or sink.nbytes != rec[3]:
+                spill_bytes += rec[3]
+    if total != left:
+        raise FrameError(f"MGET data of {left} bytes for a table of {total}")
+    spill = memoryview(bytearray(spill_bytes)) if spill_bytes else None
     datas: list[memoryview | None] = []
-    pos = end
-    for rec, sink in zip(call.records, call.sinks, strict=True):
+    views: list[memoryview] = []
+    pos = 0
+    for rec, sink in zip(call.records, sinks, strict=True):
         if rec[0] != Status.OK:
             datas.append(None)
             continue
-        size = rec[3]
-        if pos + size > payload.nbytes:
-            raise FrameError("MGET data shorter than its table")
-        piece = payload[pos : pos + size]
-        pos += size
-        if sink is not None and sink.nbytes == size:
-            sink[:] = piece
+        n = rec[3]
+        if sink is not None and sink.nbytes == n:
+            view = sink
             datas.append(sink)
-        elif sink is None:
-            datas.append(piece)
         else:
-            datas.append(None)
-    if pos != payload.nbytes:
-        raise FrameError(f"{payload.nbytes - pos} bytes after the MGET data")
+            assert spill is not None
+            view = spill[pos : pos + n]
+            pos += n
+            datas.append(view if sink is None else None)  # a wrong size is dropped
+        if n:
+            views.append(view)
     call.sinks = datas
+    return views
+
+
+def table_rest(call: Call, head: memoryview, left: int) -> list[memoryview]:
+    """After a table response's ``head`` (:func:`table_head_size` bytes): its records parsed,
+    and the views for the ``left`` bytes that follow (MGET hits; no other table has any)."""
+    parse_records(call, head)
+    if call.table is MGET_RECORD and call.sinks is not None:
+        return hit_views(call, left)
+    if left:
+        raise FrameError(f"{left} bytes after a response table")
+    return []

@@ -19,6 +19,7 @@ for the cyclic garbage collector (which a node may have frozen, :mod:`kvpool.gct
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvpool.proto import PROTOCOL_VERSION
@@ -44,9 +45,10 @@ INITIAL_SCRATCH_BYTES = 4096
 
 
 class FrameHandler(Protocol):
-    def frame_sink(self, header: Header, key: bytes) -> memoryview | None:
+    def frame_sink(self, header: Header, key: bytes) -> memoryview | Scatter | None:
         """Where the payload of this frame goes: a writable view of exactly ``payload_len``
-        bytes, or None to discard it (``frame_received`` then gets ``None``)."""
+        bytes, a :class:`Scatter` (``frame_received`` then gets its ``first``), or None to
+        discard it (``frame_received`` then gets ``None``)."""
 
     def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
         """A whole frame arrived; ``payload`` is the sink given for it (now filled)."""
@@ -56,6 +58,39 @@ class FrameHandler(Protocol):
 
     def bad_frame(self, error: FrameError) -> None:
         """The peer sent something that is not a frame. The reader stops; close the connection."""
+
+
+class Scatter:
+    """A payload received in pieces, for a handler that learns where its rest goes from its
+    first bytes (a table response, whose records say where each hit's bytes go): ``first`` is
+    filled, then ``rest(left)`` names the views that take the ``left`` bytes after it, in order,
+    each filled straight from the socket. ``rest`` raises FrameError when they cannot take
+    exactly ``left`` bytes; it is asked once, even when nothing follows ``first``."""
+
+    __slots__ = ("_next", "_rest", "_views", "first")
+
+    def __init__(self, first: memoryview, rest: Callable[[int], list[memoryview]]) -> None:
+        self.first = first
+        self._rest = rest
+        self._views: list[memoryview] | None = None
+        self._next = 0
+
+    def advance(self, left: int) -> memoryview:
+        """The next view to fill, once those before it are full; ``left``: bytes to come."""
+        if self._views is None:
+            self._views = [v for v in self._rest(left) if v.nbytes]
+        if self._next == len(self._views):
+            raise FrameError(f"{left} bytes more than the response's table says")
+        view = self._views[self._next]
+        self._next += 1
+        return view
+
+    def complete(self) -> None:
+        """The whole payload arrived: FrameError when it was shorter than the table says."""
+        if self._views is None:
+            self._views = [v for v in self._rest(0) if v.nbytes]
+        if self._next != len(self._views):
+            raise FrameError("a response shorter than its table says")
 
 
 class FrameReader:
@@ -69,8 +104,10 @@ class FrameReader:
         # The frame whose payload is being received:
         self._header: Header | None = None
         self._key = b""
-        self._sink: memoryview | None = None
-        self._filled = 0
+        self._sink: memoryview | None = None  # where the payload (a Scatter: this piece) goes
+        self._filled = 0  # payload bytes received
+        self._scatter: Scatter | None = None
+        self._piece_at = 0  # the payload offset of the sink's first byte (a Scatter's piece)
         self._direct = False  # payload remainder goes straight into the sink
         self._peek = True  # between frames, read only a header's worth (see get_buffer)
         self._offered = 0  # bytes of scratch the last get_buffer offered
@@ -95,6 +132,7 @@ class FrameReader:
         self.stopped = True
         self._handler = None
         self._header, self._key, self._sink, self._filled = None, b"", None, 0
+        self._scatter = None
         self._direct = False
         self._scratch = bytearray()
         self._view = memoryview(self._scratch)
@@ -103,7 +141,7 @@ class FrameReader:
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._direct:
             assert self._sink is not None
-            return self._sink[self._filled :]
+            return self._sink[self._filled - self._piece_at :]
         if self._want_grow:
             self._grow()  # the last read filled what it was offered: more is waiting
         elif self._end == len(self._scratch):
@@ -129,6 +167,8 @@ class FrameReader:
                 self._direct = False
                 self._finish()
                 self._parse()
+            elif self._scatter is not None and self._piece_full():
+                self._next_piece()
             return
         if (
             nbytes == self._offered
@@ -208,7 +248,15 @@ class FrameReader:
                 sink = handler.frame_sink(header, key)
                 if self._handler is None:  # the handler closed the connection (release)
                     return
-                if sink is not None and len(sink) != header.payload_len:
+                scatter = None
+                if isinstance(sink, Scatter):
+                    scatter, sink = sink, sink.first
+                    if len(sink) > header.payload_len:
+                        self._stop_with(
+                            FrameError(f"{len(sink)} bytes asked of a {header.payload_len} payload")
+                        )
+                        return
+                elif sink is not None and len(sink) != header.payload_len:
                     self._stop_with(
                         FrameError(
                             f"sink of {len(sink)} bytes for a payload of {header.payload_len}"
@@ -216,34 +264,69 @@ class FrameReader:
                     )
                     return
                 self._header, self._key, self._sink, self._filled = header, key, sink, 0
+                self._scatter, self._piece_at = scatter, 0
                 avail = self._end - self._start
             header = self._header
             need = header.payload_len - self._filled
+            if self._scatter is not None and need:
+                if self._piece_full() and not self._next_piece():
+                    return
+                assert self._sink is not None
+                need = min(need, self._piece_at + len(self._sink) - self._filled)
             take = min(need, avail)
             if take:
                 if self._sink is not None:
-                    self._sink[self._filled : self._filled + take] = self._view[
-                        self._start : self._start + take
-                    ]
+                    at = self._filled - self._piece_at
+                    self._sink[at : at + take] = self._view[self._start : self._start + take]
                 self._start += take
                 self._filled += take
             if self._filled == header.payload_len:
                 self._finish()
                 continue
+            if self._start < self._end:
+                continue  # a Scatter's piece is full: the next one takes the rest
             # Scratch is drained and the payload is not complete. A large payload's rest goes
             # straight into its destination, however little of it the header's read left.
             self._start = self._end = 0
+            if self._scatter is not None and self._piece_full() and not self._next_piece():
+                return
             if self._sink is not None and header.payload_len >= DIRECT_THRESHOLD:
                 self._direct = True
             break
         if self._start == self._end:
             self._start = self._end = 0
 
+    def _piece_full(self) -> bool:
+        assert self._sink is not None
+        return self._filled == self._piece_at + len(self._sink)
+
+    def _next_piece(self) -> bool:
+        """The Scatter's next piece becomes the sink; False (the reader stopped) on a bad one."""
+        assert self._scatter is not None
+        assert self._header is not None
+        try:
+            self._sink = self._scatter.advance(self._header.payload_len - self._filled)
+        except FrameError as e:
+            self._stop_with(e)
+            return False
+        self._piece_at = self._filled
+        return True
+
     def _finish(self) -> None:
         header, key, sink = self._header, self._key, self._sink
         assert header is not None
+        if self._scatter is not None:
+            try:
+                if not self._piece_full():
+                    raise FrameError("a response shorter than its table says")
+                self._scatter.complete()
+            except FrameError as e:
+                self._stop_with(e)
+                return
+            sink = self._scatter.first
         self._peek = header.payload_len >= DIRECT_THRESHOLD
         self._header, self._key, self._sink, self._filled = None, b"", None, 0
+        self._scatter = None
         self.frames += 1
         if self._handler is not None:
             self._handler.frame_received(header, key, sink)

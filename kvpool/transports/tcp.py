@@ -42,7 +42,8 @@ from kvpool.transports.blocking import (
     connecting,
     time_left,
 )
-from kvpool.transports.calls import Call, parse_table
+from kvpool.transports.calls import Call, parse_records, table_head_size, table_rest
+from kvpool.transports.frames import Scatter
 from kvpool.transports.stream import FrameStream
 from kvpool.transports.stream import tune_socket as stream_tune_socket
 
@@ -73,6 +74,8 @@ class _Pending:
     sink: memoryview | None
     alloc: bool = False  # allocate a buffer for a payload of any size on arrival
     started: bool = False  # its response frame is being received
+    table: Call | None = None  # a table call: its response is scattered (Scatter) when it can be
+    scattered: bool = False
 
 
 def tune_socket(sock: socket.socket | None) -> None:
@@ -208,7 +211,10 @@ class FrameConnection:
             call.request_id = request_id
             table = call.table is not None
             pending = _Pending(
-                loop.create_future(), None if table else call.sink, alloc=table or call.sink is None
+                loop.create_future(),
+                None if table else call.sink,
+                alloc=table or call.sink is None,
+                table=call if table else None,
             )
             self._pending[request_id] = pending
             waits.append((call, request_id, pending))
@@ -227,9 +233,13 @@ class FrameConnection:
                         continue
                     call.header = response.header
                     call.data = response.payload
-                    if call.table is not None and response.status == Status.OK:
+                    if (
+                        call.table is not None
+                        and response.status == Status.OK
+                        and not pending.scattered
+                    ):
                         try:
-                            parse_table(call, response.payload or memoryview(b""))
+                            parse_records(call, response.payload or memoryview(b""))
                         except FrameError as e:
                             call.error = TransportError(f"{self.address}: {e}")
         except TimeoutError:
@@ -272,7 +282,7 @@ class FrameConnection:
         )
         self.closed.set()
 
-    def frame_sink(self, header: Header, key: bytes) -> memoryview | None:
+    def frame_sink(self, header: Header, key: bytes) -> memoryview | Scatter | None:
         pending = self._pending.get(header.request_id)
         if header.status not in (Status.OK, Status.MISS):
             if header.payload_len > MAX_ERROR_MESSAGE_BYTES:
@@ -280,6 +290,10 @@ class FrameConnection:
             return memoryview(bytearray(header.payload_len))
         if pending is None or pending.future.done() or header.payload_len == 0:
             return None
+        if pending.table is not None:
+            scatter = self._scatter(pending, pending.table, header.payload_len)
+            if scatter is not None:
+                return scatter
         if pending.alloc and header.payload_len <= MAX_ALLOC_BYTES:
             pending.started = True
             return memoryview(bytearray(header.payload_len))
@@ -289,6 +303,19 @@ class FrameConnection:
             return None
         pending.started = True
         return pending.sink
+
+    @staticmethod
+    def _scatter(pending: _Pending, call: Call, size: int) -> Scatter | None:
+        """A table response read straight into where its parts go: the count and records into
+        a fresh buffer, then each MGET hit's bytes into its caller's buffer (not a fresh one
+        for the whole payload, then copied out: a 32 MiB batch took 1.5 ms more per call);
+        None when the request cannot say how long the table is (then it comes whole)."""
+        head_size = table_head_size(call)
+        if head_size is None or head_size > size:
+            return None
+        head = memoryview(bytearray(head_size))
+        pending.started = pending.scattered = True
+        return Scatter(head, lambda left: table_rest(call, head, left))
 
     def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
         pending = self._pending.get(header.request_id)
