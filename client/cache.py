@@ -6,9 +6,10 @@ cached entry drops it and the get looks the key up again (so a stale entry costs
 round trip, never a wrong answer or a needless miss).
 
 Monotonic per key: an entry replaces a cached one only with a version at least as high (a
-lookup answered before a newer put of this client cannot bring the older write back); the
-client's own commits update entries it holds; a remove leaves a tombstone at its revision so
-that a lookup answered before the remove cannot resurrect the key. Entries live ``ttl_s`` at
+lookup answered before a newer put of this client cannot bring the older write back); what
+this client commits is cached as the index answered the commit, so it reads back its own
+writes without a Lookup; a remove leaves a tombstone at its revision so that a lookup answered
+before the remove cannot resurrect the key. Entries live ``ttl_s`` at
 most, which bounds how long a write by another client on another node can go unseen.
 
 Pure bookkeeping under a lock (a synchronous client's engine threads share it); the clock is
@@ -119,10 +120,10 @@ class LookupCache:
                 table[key] = Cached(entry, revision, now)
 
     def committed(self, key: str, entry: common_pb2.BlockEntry, revision: int) -> None:
-        """This client committed ``entry``: replace a cached older write (a key that is not
-        cached is left out: only keys this client reads are cached)."""
-        if not self.capacity or key not in self._entries:
-            return
+        """This client committed ``entry`` (the index answered at ``revision``): its next
+        read of ``key`` needs no Lookup. (An engine reads back what it wrote — a later turn of
+        the same chat, a prefetch of pages it backed up — more often than anything else; one
+        that never does only cycles entries through the cache, at its capacity and TTL.)"""
         self.store(key, entry, revision)
 
     def drop(self, key: str, write_id: int = 0) -> None:

@@ -12,11 +12,12 @@ median over rounds of each, and after/before. Only the clients differ: the serve
 processes for both.
 
 The cells: a 4 KiB ``get`` with its entry cached and never cached (a fresh client with
-``lookup_cache_size=0``), a 1 MiB ``get_into``, ``batch_get`` and ``batch_get_into`` of
-32 x 64 KiB, a 4 KiB ``put``, ``exists``, the AsyncClient's cached 4 KiB ``get`` and ``put``,
-and (once per round, listed under tcp) the client's own Python per get with the network faked
-away — the data plane, and for a never-cached get the master call too — the best of 5 runs, the
-one cell that does not move with the machine's load.
+``lookup_cache_size=0``), the first ``get`` of a key the client has just put, a 1 MiB
+``get_into``, ``batch_get`` and ``batch_get_into`` of 32 x 64 KiB, a 4 KiB ``put``, ``exists``,
+the AsyncClient's cached 4 KiB ``get`` and ``put``, and (once per round, listed under tcp) the
+client's own Python per get with the network faked away — the data plane, and for a never-cached
+get the master call too — the best of 5 runs, the one cell that does not move with the machine's
+load.
 A revision whose client lacks ``kvpool.Client`` / ``AsyncClient`` cannot be measured.
 """
 
@@ -78,6 +79,13 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
             timed("get 4 KiB, never cached", lambda: uncached.get(next(it)), len(fresh))
         finally:
             uncached.close()
+        samples = []
+        for i in range(max(30, n // 3)):  # read back what it just put, as an engine does
+            assert kv.put(f"{pre}-o{i}", small)
+            t = time.perf_counter()
+            kv.get(f"{pre}-o{i}")
+            samples.append(time.perf_counter() - t)
+        cell("get 4 KiB, its own put, first read", samples)
         buf = bytearray(1 << 20)
         timed("get_into 1 MiB", lambda: kv.get_into(f"{pre}-b", buf), max(20, n // 5))
         timed("batch_get 32 x 64 KiB", lambda: kv.batch_get(keys32), max(20, n // 10))

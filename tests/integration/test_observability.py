@@ -38,8 +38,9 @@ CLIENT_SCRIPT = textwrap.dedent(
     from kvpool.tracing import tracer
 
     masters = sys.argv[1].split(",")
+    with Client(masters, timeout_s=5.0) as writer:  # another engine put it: a lookup to read
+        assert writer.put("obs/key", b"x" * 4096)
     with Client(masters, timeout_s=5.0) as kv:
-        assert kv.put("obs/key", b"x" * 4096)
         kv.get("obs/warm")  # connections and the RPC port learned outside the traced get
         assert kv.get("obs/key") == b"x" * 4096
         assert kv.get("obs/absent") is None
@@ -54,9 +55,10 @@ ASYNC_SCRIPT = textwrap.dedent(
     from kvpool import AsyncClient
 
     async def main():
+        async with AsyncClient(sys.argv[1].split(","), timeout_s=5.0) as writer:
+            assert await writer.put("obs/async", b"a" * 2048)  # read by another client below
         kv = AsyncClient(sys.argv[1].split(","), timeout_s=5.0)
         try:
-            assert await kv.put("obs/async", b"a" * 2048)
             await kv.get("obs/warm-async")
             assert await kv.get("obs/async") == b"a" * 2048
         finally:

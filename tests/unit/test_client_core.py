@@ -506,7 +506,8 @@ def test_put_sends_bytes_to_the_ring_placement_and_publishes(
 def test_read_your_writes_floor_is_sent_with_lookups(client: Client, cluster: FakeCluster) -> None:
     assert client.put("a", b"1")
     assert client.put("b", b"2")
-    assert client.get("a") == b"1"
+    assert client.get("a") == b"1"  # its own write: cached, no lookup
+    assert client.get("c") is None  # a key it never wrote: looked up, at least at its floor
     lookups = [r for m, r in cluster.master.requests if m == "Lookup"]
     assert lookups[-1].min_revision == cluster.master.revision == 2
 

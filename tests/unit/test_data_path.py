@@ -188,11 +188,11 @@ def test_a_cached_key_is_read_without_asking_the_master(cluster: Cluster) -> Non
     with Client([cluster.address], timeout_s=5.0) as kv:
         assert kv.put("hot", b"1" * 100)
         assert kv.get("hot") == b"1" * 100
-        lookups = cluster.master.calls["Lookup"]
+        lookups = cluster.master.calls.get("Lookup", 0)
         for _ in range(5):
             assert kv.get("hot") == b"1" * 100
         assert kv.batch_get(["hot", "hot"]) == [b"1" * 100] * 2
-        assert cluster.master.calls["Lookup"] == lookups
+        assert cluster.master.calls.get("Lookup", 0) == lookups
 
 
 def test_a_stale_cached_entry_costs_a_lookup_never_a_wrong_or_missed_read(cluster: Cluster) -> None:
@@ -200,9 +200,9 @@ def test_a_stale_cached_entry_costs_a_lookup_never_a_wrong_or_missed_read(cluste
         assert writer.put("k", b"old" * 100)
         assert reader.get("k") == b"old" * 100  # now cached
         assert writer.put("k", b"new" * 100)  # the node drops the old write
-        lookups = cluster.master.calls["Lookup"]
+        lookups = cluster.master.calls.get("Lookup", 0)
         assert reader.get("k") == b"new" * 100
-        assert cluster.master.calls["Lookup"] == lookups + 1
+        assert cluster.master.calls.get("Lookup", 0) == lookups + 1
         assert reader.stats["misses"] == 0
         assert writer.remove("k")
         assert reader.get("k") is None  # the cached entry missed, and the index has no key
@@ -212,11 +212,14 @@ def test_a_stale_cached_entry_costs_a_lookup_never_a_wrong_or_missed_read(cluste
 def test_own_puts_and_removes_update_cached_entries(cluster: Cluster) -> None:
     with Client([cluster.address], timeout_s=5.0) as kv:
         assert kv.put("k", b"a")
-        assert kv.get("k") == b"a"
+        assert kv.batch_put({"k2": b"c", "k3": b"d"}) == [True, True]
+        lookups = cluster.master.calls.get("Lookup", 0)
+        assert kv.get("k") == b"a"  # its own writes, never read: no lookup either
+        assert kv.batch_get(["k2", "k3"]) == [b"c", b"d"]
+        assert cluster.master.calls.get("Lookup", 0) == lookups
         assert kv.put("k", b"b")
-        lookups = cluster.master.calls["Lookup"]
         assert kv.get("k") == b"b"  # from the entry the commit answered: no lookup
-        assert cluster.master.calls["Lookup"] == lookups
+        assert cluster.master.calls.get("Lookup", 0) == lookups
         assert kv.remove("k")
         assert kv.get("k") is None
 
@@ -243,8 +246,13 @@ def test_the_cache_rules() -> None:
     assert cache.get("k") is not None
     now[0] = 11.0
     assert cache.get("k") is None  # expired
-    cache.committed("never-read", entry(1, 1), revision=14)
-    assert cache.get("never-read") is None  # only keys this client reads are cached
+    cache.committed("written", entry(1, 1), revision=14)
+    got = cache.get("written")  # this client's own write: read back without a lookup
+    assert got is not None
+    assert got.write_id == 1
+    cache.removed("gone", revision=16)
+    cache.committed("gone", entry(2, 2), revision=15)  # a commit answered before the remove
+    assert cache.get("gone") is None
     for i in range(20):
         cache.store(f"f{i}", entry(1, i + 1), revision=20)
     assert len(cache) <= 8
