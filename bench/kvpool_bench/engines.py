@@ -369,6 +369,13 @@ def render_table(doc: dict[str, Any]) -> str:
                 for label, f in floor.items()
             ),
         ]
+    skipped = [
+        f"{name}: {info['status']}"
+        for name, info in doc.get("systems", {}).items()
+        if isinstance(info, dict) and str(info.get("status", "")).startswith("skipped")
+    ]
+    if skipped:  # a system asked for but not measured: say so, not only leave its rows out
+        lines += ["", *skipped]
     lines += [
         "",
         "x: ratio to mooncake (exists: mooncake's time over this one's; above 1 is faster)",

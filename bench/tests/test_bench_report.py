@@ -383,3 +383,23 @@ def test_engine_rates_are_of_the_whole_flow_and_index_calls_per_batch() -> None:
     assert row["query_p50_us"] == 150.0
     assert row["index_calls_per_batch"] == {"Lookup": 1.0}
     assert row["calls"] == "prefix_match + batch_get_into"
+
+
+def test_the_engines_table_says_which_system_was_skipped_and_why() -> None:
+    from kvpool_bench import engines
+
+    row = {"set_pages_per_s": 2000.0, "exists_us": 180.0, "get_pages_per_s": 6000.0}
+    doc = {
+        "systems": {
+            "mooncake": {
+                "status": "skipped: libibverbs.so.1 missing (apt-get install libibverbs1)"
+            },
+            "kvpool-native-tcp": {"status": "measured"},
+        },
+        "results": {"1MiB": {"kvpool-native-tcp": row}},
+        "verification": {"pages_read": 128, "wrong": 0, "failed": 0},
+    }
+    text = engines.render_table(doc)
+    assert "mooncake: skipped: libibverbs.so.1 missing (apt-get install libibverbs1)" in text
+    assert "kvpool-native-tcp: " not in text  # measured systems are rows, not notes
+    assert " 1MiB kvpool-native-tcp" in text
