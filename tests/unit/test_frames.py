@@ -19,7 +19,7 @@ class Recorder:
         self.mismatch: int | None = None
         self.error: FrameError | None = None
 
-    def frame_sink(self, header: Header, key: bytes) -> memoryview | None:
+    def frame_sink(self, header: Header, key: bytes) -> memoryview | Scatter | None:
         return memoryview(bytearray(header.payload_len)) if self.sinks else None
 
     def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
@@ -111,7 +111,7 @@ class ScatterRecorder(Recorder):
         self._bufs: list[memoryview] = []
         self.honest = honest
 
-    def frame_sink(self, header: Header, key: bytes) -> Scatter | None:
+    def frame_sink(self, header: Header, key: bytes) -> memoryview | Scatter | None:
         head = memoryview(bytearray(8))
 
         def rest(left: int) -> list[memoryview]:
