@@ -140,8 +140,7 @@ def hit_views(call: Call, left: int) -> list[memoryview]:
             view = sink
             datas.append(sink)
         else:
-            assert spill is not None
-            view = spill[pos : pos + n]
+            view = spill[pos : pos + n] if spill is not None else memoryview(b"")  # n == 0
             pos += n
             datas.append(view if sink is None else None)  # a wrong size is dropped
         if n:

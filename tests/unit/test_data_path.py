@@ -168,6 +168,23 @@ def test_the_async_client_reads_back_every_byte(cluster: Cluster, transport: str
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=needs_shm)])
+def test_a_batch_of_empty_values_reads_back_empty(cluster: Cluster, transport: str) -> None:
+    """An MGET answer of hits with no bytes at all (an internal error once: the hits' shared
+    buffer was of zero bytes, so none was made)."""
+    keys = [f"empty/{i}" for i in range(5)]
+    with Client([cluster.address], timeout_s=5.0, transport=transport, strict=True) as kv:
+        assert kv.batch_put([(k, b"") for k in keys]) == [True] * 5
+        assert kv.batch_get([*keys, "absent"]) == [b""] * 5 + [None]
+        assert kv.batch_get_into(keys, [bytearray(0) for _ in keys]) == [0] * 5
+
+    async def scenario() -> None:
+        async with AsyncClient([cluster.address], timeout_s=5.0, transport=transport) as ak:
+            assert await ak.batch_get([*keys, "absent"]) == [b""] * 5 + [None]
+
+    asyncio.run(scenario())
+
+
 async def _compute() -> bytes:
     return b"from a coroutine"
 

@@ -19,14 +19,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.checksum import block_checksum
-from kvpool.proto.wire import FrameError, Header, Op, Status, decode_ids, decode_key_table
+from kvpool.proto.wire import (
+    COUNT,
+    MGET_RECORD,
+    FrameError,
+    Header,
+    Op,
+    Status,
+    decode_ids,
+    decode_key_table,
+)
 from kvpool.raft_master.rpc_port import METHODS
 from kvpool.store_node.block_store import BlockStore
 from kvpool.store_node.cpu_tier import CpuTier
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.eviction import LruPolicy
 from kvpool.store_node.publish_check import IndexVersions
-from kvpool.transports.frames import FrameReader
+from kvpool.transports.calls import Call, table_head_size, table_rest
+from kvpool.transports.frames import FrameReader, Scatter
 from kvpool.transports.limits import IngressLimits
 from kvpool.transports.tcp import TcpConnection
 from tests.fuzzing import hostile, messages
@@ -40,7 +50,7 @@ class Recorder:
         self.frames: list[tuple[Header, bytes, bytes | None]] = []
         self.stopped = ""
 
-    def frame_sink(self, header: Header, key: bytes) -> memoryview | None:
+    def frame_sink(self, header: Header, key: bytes) -> memoryview | Scatter | None:
         if header.payload_len <= 4096:
             return memoryview(bytearray(header.payload_len))
         return None
@@ -187,3 +197,75 @@ def test_atheris_briefly() -> None:
 @pytest.mark.slow
 def test_atheris_long() -> None:
     _atheris(1_000_000)
+
+
+class TableReader(Recorder):
+    """An MGET answer scattered as an event-loop connection does it (``calls.table_rest``)."""
+
+    def __init__(self, call: Call) -> None:
+        super().__init__()
+        self.call = call
+
+    def frame_sink(self, header: Header, key: bytes) -> memoryview | Scatter | None:
+        size = table_head_size(self.call)
+        if size is None or size > header.payload_len:
+            return None
+        head = memoryview(bytearray(size))
+        return Scatter(head, lambda left: table_rest(self.call, head, left))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    records=st.lists(
+        st.tuples(st.sampled_from([Status.OK, Status.MISS]), st.integers(0, 3000)), max_size=6
+    ),
+    sinks=st.lists(st.sampled_from(["none", "fits", "small"]), min_size=6, max_size=6),
+    lie=st.integers(-3, 3),
+    cut=st.integers(1, 97),
+)
+def test_an_mget_answer_of_any_shape_is_scattered_whole_or_stops_the_reader(
+    records: list[tuple[int, int]], sinks: list[str], lie: int, cut: int
+) -> None:
+    """Each hit's bytes land in its caller's buffer (or a fresh one) exactly; an answer whose
+    data is longer or shorter than its table says stops the reader, and nothing raises."""
+    buffers: list[memoryview | None] = []
+    for (_status, size), kind in zip(records, sinks, strict=False):
+        n = {"none": -1, "fits": size, "small": max(0, size - 1)}[kind]
+        buffers.append(None if n < 0 else memoryview(bytearray(n)))
+    call = Call(Op.MGET, table=MGET_RECORD, sinks=buffers)
+    pieces = [
+        bytes([i + 1]) * size if status == Status.OK else b""
+        for i, (status, size) in enumerate(records)
+    ]
+    table = COUNT.pack(len(records)) + b"".join(
+        MGET_RECORD.pack(status, 0, 1, size if status == Status.OK else 0, 0)
+        for status, size in records
+    )
+    data = b"".join(pieces)
+    data = data + b"x" * lie if lie >= 0 else data[:lie]
+    payload = table + data
+    header = Header(op=Op.MGET, status=Status.OK, request_id=1, payload_len=len(payload))
+    rec = TableReader(call)
+    reader = FrameReader(rec, scratch_bytes=64 * 1024)
+    stream = header.pack() + payload
+    for i in range(0, len(stream), cut):
+        if reader.stopped:
+            break
+        reader.feed(stream[i : i + cut])
+    if lie == 0 or (lie < 0 and not data and not any(pieces)):
+        assert not rec.stopped
+        assert len(rec.frames) == 1
+        assert call.sinks is not None
+        for (status, size), piece, buffer, got in zip(
+            records, pieces, buffers, call.sinks, strict=True
+        ):
+            if status != Status.OK or (buffer is not None and buffer.nbytes != size):
+                assert got is None  # a miss, or a buffer of the wrong size: dropped
+            else:
+                assert got is not None
+                assert bytes(got) == piece
+                if buffer is not None:
+                    assert got is buffer
+    else:
+        assert rec.stopped == "bad"
+        assert rec.frames == []
