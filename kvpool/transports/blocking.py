@@ -50,14 +50,12 @@ from kvpool.proto.wire import (
     unpack_header,
     version_mismatch_message,
 )
-from kvpool.transports.calls import Call, table_head_size, table_rest
+from kvpool.transports.calls import MAX_ALLOC_BYTES, Call, table_head_size, table_rest
 
 T = TypeVar("T")
 
 DROP_BYTES = 256 * 1024
 _TIMEVAL = struct.Struct("@ll")
-MAX_ALLOC_BYTES = 1 << 30
-"""Largest response payload taken into a fresh buffer when no sink was given."""
 LATE_S = 0.01
 """How far past a call's deadline a kernel time-out may be left to run (rather than set again:
 two ``setsockopt`` calls)."""
@@ -343,6 +341,8 @@ class BlockingConnection:
                 (count,) = COUNT.unpack_from(head)
                 assert call.table is not None
                 rest = min(size - COUNT.size, call.table.size * count)
+                if rest > MAX_ALLOC_BYTES:
+                    raise FrameError(f"a response table of {count} records")
                 head = memoryview(bytes(head) + bytes(self._recv_new(rest, deadline)))
             elif head_size > size:
                 raise FrameError("response table shorter than asked")

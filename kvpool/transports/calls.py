@@ -8,6 +8,10 @@ from collections.abc import Sequence
 
 from kvpool.proto.wire import COUNT, MGET_RECORD, FrameError, Header, Status
 
+MAX_ALLOC_BYTES = 1 << 30
+"""Most bytes of a response taken into fresh memory, where the caller gave no buffer: an answer
+that declares more is refused before anything is allocated."""
+
 
 class Call:
     """One request and, once answered, its response (``header`` and ``data``)."""
@@ -127,6 +131,8 @@ def hit_views(call: Call, left: int) -> list[memoryview]:
                 spill_bytes += rec[3]
     if total != left:
         raise FrameError(f"MGET data of {left} bytes for a table of {total}")
+    if spill_bytes > MAX_ALLOC_BYTES:
+        raise FrameError(f"MGET hits of {spill_bytes} bytes with no buffer to take them")
     spill = memoryview(bytearray(spill_bytes)) if spill_bytes else None
     datas: list[memoryview | None] = []
     views: list[memoryview] = []

@@ -42,14 +42,18 @@ from kvpool.transports.blocking import (
     connecting,
     time_left,
 )
-from kvpool.transports.calls import Call, parse_records, table_head_size, table_rest
+from kvpool.transports.calls import (
+    MAX_ALLOC_BYTES,
+    Call,
+    parse_records,
+    table_head_size,
+    table_rest,
+)
 from kvpool.transports.frames import Scatter
 from kvpool.transports.stream import FrameStream
 from kvpool.transports.stream import tune_socket as stream_tune_socket
 
 SOCKET_BUFFER_BYTES = 4 * 2**20
-MAX_ALLOC_BYTES = 1 << 30
-"""Largest response payload a request may ask to be allocated on arrival (``alloc=True``)."""
 
 
 @dataclass(slots=True)

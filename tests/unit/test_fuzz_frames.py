@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import subprocess
 import sys
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -269,3 +270,22 @@ def test_an_mget_answer_of_any_shape_is_scattered_whole_or_stops_the_reader(
     else:
         assert rec.stopped == "bad"
         assert rec.frames == []
+
+
+def test_an_mget_answer_declaring_gigabytes_is_refused_before_anything_is_allocated() -> None:
+    """A node's answer says its one hit, which the caller gave no buffer for, is 2 GiB: the
+    reader stops at the table; no 2 GiB buffer is made for bytes that may never come."""
+    call = Call(Op.MGET, table=MGET_RECORD, sinks=[None])
+    size = 2 << 30
+    table = COUNT.pack(1) + MGET_RECORD.pack(Status.OK, 0, 1, size, 0)
+    header = Header(op=Op.MGET, status=Status.OK, request_id=1, payload_len=len(table) + size)
+    rec = TableReader(call)
+    reader = FrameReader(rec)
+    tracemalloc.start()
+    try:
+        reader.feed(header.pack() + table + b"x" * 100)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rec.stopped == "bad"
+    assert peak < 1 << 20

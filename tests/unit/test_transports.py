@@ -371,6 +371,38 @@ def test_a_kernel_time_out_a_little_shorter_than_the_deadline_is_waited_out() ->
         conn.close()
 
 
+def test_an_mget_answer_declaring_gigabytes_breaks_the_blocking_connection() -> None:
+    """A peer's MGET answer whose one hit (no buffer given for it) would take 2 GiB: refused
+    at its table, the connection broken, nothing of that size allocated."""
+
+    def answer(sock: socket.socket) -> None:
+        asked = unpack_header(sock.recv(HEADER_SIZE, socket.MSG_WAITALL))
+        sock.recv(asked.payload_len, socket.MSG_WAITALL)
+        table = COUNT.pack(1) + MGET_RECORD.pack(Status.OK, 0, 1, 2 << 30, 0)
+        header = Header(op=Op.MGET, request_id=asked.request_id, payload_len=len(table) + (2 << 30))
+        sock.sendall(header.pack() + table + b"x" * 1000)
+        time.sleep(0.5)
+
+    with _one_peer(answer) as address:
+        conn = open_blocking(address, 2.0)
+        mget = Call(
+            Op.MGET,
+            payload=encode_key_table([(b"k", 1, 0, 0)]),
+            table=MGET_RECORD,
+            sinks=[None],
+        )
+        tracemalloc.start()
+        try:
+            with pytest.raises(TransportError, match="no buffer"):
+                conn.exchange([mget], time.monotonic() + 2.0)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert conn.broken
+        assert peak < 1 << 20
+        conn.close()
+
+
 def test_a_busy_poll_ends_when_the_answer_arrives_or_when_its_time_is_up(node: Node) -> None:
     conn = open_blocking(node.address("tcp"), 2.0)
     try:
