@@ -256,8 +256,12 @@ class FrameConnection:
                 self._abandon(request_id, "request cancelled while receiving; connection closed")
             raise
         finally:
-            for _, request_id, _ in waits:
+            for _, request_id, pending in waits:
                 self._pending.pop(request_id, None)
+                future = pending.future
+                if future.done() and not future.cancelled():
+                    future.exception()  # a call not awaited because an earlier one raised:
+                    # its error is this one's, not "Future exception was never retrieved"
 
     def notify(self, calls: Sequence[Call]) -> None:
         """Send frames no response is awaited for (``SHM_RELEASE``; PUBLISH/DELETE whose

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
+import socket
 import subprocess
 import sys
+import time
 import tracemalloc
 from typing import Any
 
@@ -20,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.checksum import block_checksum
+from kvpool.errors import KVPoolError
 from kvpool.proto.wire import (
     COUNT,
     MGET_RECORD,
@@ -29,6 +33,7 @@ from kvpool.proto.wire import (
     Status,
     decode_ids,
     decode_key_table,
+    encode_key_table,
 )
 from kvpool.raft_master.rpc_port import METHODS
 from kvpool.store_node.block_store import BlockStore
@@ -36,10 +41,11 @@ from kvpool.store_node.cpu_tier import CpuTier
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.eviction import LruPolicy
 from kvpool.store_node.publish_check import IndexVersions
-from kvpool.transports.calls import Call, table_head_size, table_rest
+from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.calls import MAX_ALLOC_BYTES, Call, table_head_size, table_rest
 from kvpool.transports.frames import FrameReader, Scatter
 from kvpool.transports.limits import IngressLimits
-from kvpool.transports.tcp import TcpConnection
+from kvpool.transports.tcp import FrameConnection, TcpConnection
 from tests.fuzzing import hostile, messages
 from tests.unit.test_hostile_input import FakeIndex
 
@@ -289,3 +295,113 @@ def test_an_mget_answer_declaring_gigabytes_is_refused_before_anything_is_alloca
         tracemalloc.stop()
     assert rec.stopped == "bad"
     assert peak < 1 << 20
+
+
+@st.composite
+def answers(draw: st.DrawFn) -> bytes:
+    """What a broken or hostile node answers a client's three requests (ids 1-3: a GET with a
+    4 KiB buffer, a GET without one, an MGET of two keys, one with a buffer): headers naming
+    those ids or others, any status and length, tables that match or do not, then anything."""
+    out = b""
+    for _ in range(draw(st.integers(1, 4))):
+        request_id = draw(st.sampled_from([1, 2, 3, 3, 7]))
+        status = draw(st.sampled_from([Status.OK, Status.OK, Status.MISS, 1, 9, 255]))
+        if draw(st.booleans()):  # a table
+            count = draw(st.sampled_from([0, 1, 2, 2, 3, 1 << 20]))
+            records = b"".join(
+                MGET_RECORD.pack(
+                    draw(st.sampled_from([Status.OK, Status.MISS, 7])),
+                    0,
+                    1,
+                    draw(st.sampled_from([0, 3, 4096, 1 << 31, U64_MAX])),
+                    0,
+                )
+                for _ in range(min(count, 3))
+            )
+            body = COUNT.pack(count) + records + draw(st.binary(max_size=600))
+        else:
+            body = draw(st.binary(max_size=5000))
+        declared = draw(st.sampled_from([len(body), len(body), 0, len(body) + 1, 1 << 40]))
+        header = Header(op=Op.GET, status=status, request_id=request_id, payload_len=declared)
+        out += header.pack() + body
+    if draw(st.booleans()):
+        out = _cut(out, draw(st.integers(0, len(out))))
+    return out
+
+
+U64_MAX = (1 << 64) - 1
+
+
+def _cut(data: bytes, at: int) -> bytes:
+    return data[:at]
+
+
+def _three_calls() -> list[Call]:
+    return [
+        Call(Op.GET, b"a", write_id=1, sink=memoryview(bytearray(4096))),
+        Call(Op.GET, b"b", write_id=1),
+        Call(
+            Op.MGET,
+            payload=encode_key_table([(b"c", 1, 0, 0), (b"d", 1, 0, 0)]),
+            table=MGET_RECORD,
+            sinks=[memoryview(bytearray(3)), None],
+        ),
+    ]
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.one_of(answers(), hostile()))
+def test_a_blocking_connection_takes_any_answer_and_fails_only_as_kvpool_fails(data: bytes) -> None:
+    """Whatever a node sends back, the client's call ends with its answers or a typed error
+    (never another exception: an engine's thread would take it), and nothing of the size a
+    header merely declares is allocated."""
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(data)
+        theirs.shutdown(socket.SHUT_WR)  # then the end of the stream: nothing waits forever
+        conn = BlockingConnection(ours, "fuzz", timeout_s=1.0)
+        calls = _three_calls()
+        tracemalloc.start()
+        try:
+            conn.exchange(calls, time.monotonic() + 1.0)
+        except KVPoolError:
+            assert conn.broken
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        assert peak < MAX_ALLOC_BYTES
+        for call in calls:
+            if call.data is not None and call.sink is not None and call.header is not None:
+                assert call.data.nbytes in (call.sink.nbytes, call.header.payload_len)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.one_of(answers(), hostile()))
+def test_an_event_loop_connection_takes_any_answer_and_fails_only_as_kvpool_fails(
+    data: bytes,
+) -> None:
+    unhandled: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: unhandled.append(ctx))
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        conn = FrameConnection("fuzz")
+        conn.attach(ours)
+        try:
+            theirs.sendall(data)
+            theirs.shutdown(socket.SHUT_WR)
+            with contextlib.suppress(KVPoolError):
+                await conn.exchange(_three_calls(), 1.0)
+        finally:
+            conn.close()
+            theirs.close()
+            await asyncio.sleep(0)
+        gc.collect()  # a future whose error nobody took says so when it is collected
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert not unhandled, unhandled[0].get("message")
