@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from kvpool import tracing
 from kvpool.errors import (
@@ -675,7 +676,12 @@ def rpc_answer(address: str, method: str, call: Call, routing: MasterRouting) ->
     if call.error is not None:
         raise UnavailableError(f"{address}: {method}: {call.error}")
     if call.status == Status.OK:
-        return RPC_RESPONSES[method].FromString(data)
+        try:
+            return RPC_RESPONSES[method].FromString(data)
+        except DecodeError as e:  # garbled on the way, or not a master: ask another one
+            raise UnavailableError(
+                f"{address}: {method}: an answer that does not decode ({e})"
+            ) from None
     if call.status == Status.RPC_ERROR:
         try:
             doc = json.loads(data)

@@ -442,6 +442,17 @@ def test_a_port_that_drops_the_call_is_forgotten_and_the_next_master_asked(
     assert routing.rpc_of(B) == RPC_B
 
 
+def test_an_answer_that_does_not_decode_moves_on_to_the_next_master(clock: Clock) -> None:
+    """A frame whose body is not the response (garbled on the way): that master failed this
+    attempt, typed (not a protobuf error out of the client), and the next one answers."""
+    masters = Masters(clock)
+    masters.rpc[RPC_A, "Lookup"] = (Status.OK, b"\xff\xff\xff not a LookupResponse")
+    masters.rpc[RPC_B, "Lookup"] = FOUND
+    routing = known_ports(clock)
+    assert masters.call(routing) == FOUND
+    assert where(masters.ios) == [RPC_A, RPC_B]
+
+
 def test_every_port_dropping_the_call_gives_up_with_the_port_named(clock: Clock) -> None:
     masters = Masters(clock)
     masters.rpc[RPC_A, "Lookup"] = TransportError("a:2: connection reset")
