@@ -378,7 +378,7 @@ def test_a_blocking_connection_takes_any_answer_and_fails_only_as_kvpool_fails(d
         theirs.close()
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.one_of(answers(), hostile()))
 def test_an_event_loop_connection_takes_any_answer_and_fails_only_as_kvpool_fails(
     data: bytes,
