@@ -598,7 +598,9 @@ class ClientConfig(SecurityConfig):
         "tcp, or shm (shared memory only)",
     )
     lookup_cache_size: int = opt(
-        65536, "index entries cached by the client (0: every get asks the masters)"
+        65536,
+        "index entries the client keeps, of keys it read or wrote (~380 bytes each; 0: every "
+        "get asks the masters)",
     )
     lookup_cache_ttl_s: float = opt(
         30.0, "longest a cached index entry is used without asking the masters", "duration"
