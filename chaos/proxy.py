@@ -36,6 +36,10 @@ from kvpool.errors import KVPoolError
 
 CHUNK_BYTES = 64 * 1024
 CONTROL_POLL_S = 0.1
+APPLY_WAIT_S = 10.0
+"""How long a caller waits for the proxy to report a new behaviour in force. It re-reads its
+control file every 100 ms, but on two cores busy with a cluster under faults its loop has been
+seen to take over 3 s (a `late-commit` run in CI): a fault applied late is still applied."""
 QUEUE_CHUNKS = 64
 
 
@@ -452,7 +456,7 @@ class LinkProxy:
         self.stop()
         raise ProxyError(f"proxy {self.name} did not start in {timeout_s} s")
 
-    def set(self, behaviour: LinkBehaviour, *, wait_s: float = 3.0) -> None:
+    def set(self, behaviour: LinkBehaviour, *, wait_s: float = APPLY_WAIT_S) -> None:
         """Apply ``behaviour``; returns once the proxy reports it in force (or raises), or at
         once with ``wait_s=0``."""
         problems = behaviour.problems()
