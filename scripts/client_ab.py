@@ -13,7 +13,8 @@ processes for both.
 
 The cells: a 4 KiB ``get`` with its entry cached and never cached (a fresh client with
 ``lookup_cache_size=0``), the first ``get`` of a key the client has just put, a 1 MiB
-``get_into``, ``batch_get`` and ``batch_get_into`` of 32 x 64 KiB, a 4 KiB ``put``, ``exists``,
+``get_into``, a 1 MiB and a 4 MiB ``get``, ``batch_get`` of 32 x 1 MiB, ``batch_get`` and
+``batch_get_into`` of 32 x 64 KiB, a 4 KiB ``put``, ``exists``,
 the AsyncClient's cached 4 KiB ``get`` and ``put``, and (once per round, listed under tcp) the
 client's own Python per get with the network faked away — the data plane, and for a never-cached
 get the master call too; then a cached ``get_into`` with only its connection's socket faked (a
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -61,7 +63,7 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
             samples.append(time.perf_counter() - t)
         cell(name, samples)
 
-    small, mid, big = b"s" * 4096, b"m" * 65536, os.urandom(1 << 20)
+    small, mid, big, huge = b"s" * 4096, b"m" * 65536, os.urandom(1 << 20), os.urandom(4 << 20)
     pre = f"ab-{tag}-{transport}-{time.time_ns()}"
     kv = Client(masters, transport=transport)
     try:
@@ -89,6 +91,12 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
         cell("get 4 KiB, its own put, first read", samples)
         buf = bytearray(1 << 20)
         timed("get_into 1 MiB", lambda: kv.get_into(f"{pre}-b", buf), max(20, n // 5))
+        timed("get 1 MiB", lambda: kv.get(f"{pre}-b"), max(20, n // 5))
+        assert kv.put(f"{pre}-h", huge)
+        timed("get 4 MiB", lambda: kv.get(f"{pre}-h"), max(20, n // 10))
+        big32 = [f"{pre}-g{i}" for i in range(32)]
+        assert all(kv.batch_put([(k, big) for k in big32]))
+        timed("batch_get 32 x 1 MiB", lambda: kv.batch_get(big32), max(10, n // 20))
         timed("batch_get 32 x 64 KiB", lambda: kv.batch_get(keys32), max(20, n // 10))
         bufs = [bytearray(65536) for _ in range(32)]
         timed(
@@ -118,6 +126,9 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
             cell("AsyncClient put 4 KiB", samples)
 
     asyncio.run(async_cells())
+    with Client(masters) as kv, contextlib.suppress(AttributeError):
+        while kv.remove_prefix(pre)[1]:  # the rounds' blocks would fill the nodes (evictions)
+            pass
     if transport == "tcp":  # no transport involved: measured once per round
         out.update(_python_only())
         out.update(_python_through_the_data_plane(masters))
