@@ -51,7 +51,7 @@ from kvpool.proto.wire import (
     encode_ids,
     encode_key_table,
 )
-from kvpool.transports.calls import Call
+from kvpool.transports.calls import Call, owned_bytes
 from kvpool.transports.shm import Arena, copy_bytes
 
 MISS_REASONS: dict[int, str] = {
@@ -337,7 +337,7 @@ def _take(
         )
         return False
     if it.sink is None:
-        it.value = bytes(data)
+        it.value = owned_bytes(data)
     elif data is not it.sink:
         copy_bytes(it.sink, data)
     it.ok = True
@@ -466,7 +466,7 @@ class NodeRead:
                 and block_checksum(data) == record[4]
             ):
                 if it.sink is None:
-                    it.value = bytes(data)
+                    it.value = owned_bytes(data)
                 elif data is not it.sink:
                     copy_bytes(it.sink, data)
                 it.ok = True
@@ -494,15 +494,13 @@ class NodeRead:
             except KVPoolError as e:
                 it.fail("node_error", e)
                 continue
-            # Copy first, hash the copy: the caller gets exactly the bytes that were checked.
+            # Copy first, hash the copy: the caller gets exactly the bytes that were checked
+            # (without a buffer: that copy is the new bytes object, taken as the value).
             if it.sink is not None:
                 copy_bytes(it.sink, extent)
                 judge(it, self.address, record, it.sink)
             else:
-                data = bytes(extent)
-                judge(it, self.address, record, memoryview(data))
-                if it.ok:
-                    it.value = data
+                judge(it, self.address, record, memoryview(bytes(extent)))
 
     def release_call(self) -> Call | None:
         """The SHM_RELEASE for every lease handed out (sent without waiting for an answer)."""

@@ -45,7 +45,7 @@ from kvpool.proto.wire import Op, Status
 from kvpool.security import NO_SECURITY, Security
 from kvpool.transports.auth import authenticate_blocking
 from kvpool.transports.blocking import BlockingConnection, connect_tcp_blocking, time_left
-from kvpool.transports.calls import Call
+from kvpool.transports.calls import Call, owned_bytes
 from kvpool.transports.tcp import ConnectionPool, FrameConnection, open_tcp_address
 from kvpool.transports.threads import ThreadConnections
 
@@ -672,7 +672,7 @@ async def _rpc_features_async(conn: FrameConnection, timeout_s: float) -> frozen
 
 def rpc_answer(address: str, method: str, call: Call, routing: MasterRouting) -> Any:
     """The response of an answered RPC frame, or the typed error it carries."""
-    data = bytes(call.data) if call.data is not None else b""
+    data = owned_bytes(call.data) if call.data is not None else b""
     if call.error is not None:
         raise UnavailableError(f"{address}: {method}: {call.error}")
     if call.status == Status.OK:

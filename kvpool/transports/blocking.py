@@ -50,10 +50,20 @@ from kvpool.proto.wire import (
     unpack_header,
     version_mismatch_message,
 )
-from kvpool.transports.calls import MAX_ALLOC_BYTES, Call, table_head_size, table_rest
+from kvpool.transports.calls import (
+    MAX_ALLOC_BYTES,
+    Call,
+    OwnHit,
+    table_head_size,
+    table_rest,
+)
 
 T = TypeVar("T")
 
+OWN_HIT_BYTES = 64 * 1024
+"""An MGET hit with no caller buffer at least this large is received into a ``bytes`` object of
+its own (:class:`~kvpool.transports.calls.OwnHit`: one recv each, no shared buffer and no copy
+after); smaller ones share one buffer, received with few calls, and are copied out."""
 DROP_BYTES = 256 * 1024
 _TIMEVAL = struct.Struct("@ll")
 LATE_S = 0.01
@@ -320,7 +330,7 @@ class BlockingConnection:
             self._recv_into(sink, deadline)
             call.data = sink
         elif sink is None and size <= MAX_ALLOC_BYTES:
-            call.data = self._recv_new(size, deadline)
+            call.data = self._recv_bytes(size, deadline)
         else:
             self._skip(size, deadline)
             call.error = TransportError(
@@ -348,11 +358,19 @@ class BlockingConnection:
                 raise FrameError("response table shorter than asked")
             else:
                 head = self._recv_new(head_size, deadline)
-            views = table_rest(call, head, size - head.nbytes)
+            views = table_rest(call, head, size - head.nbytes, OWN_HIT_BYTES)
         except FrameError as e:
             self.broken = True
             raise TransportError(f"{self.address}: {e}") from None
-        self._recv_scatter(views, deadline)
+        run: list[memoryview] = []
+        for view in views:
+            if isinstance(view, OwnHit):
+                self._recv_scatter(run, deadline)
+                run = []
+                view.datas[view.slot] = self._recv_bytes(view.size, deadline)
+            else:
+                run.append(view)
+        self._recv_scatter(run, deadline)
 
     def _recv_scatter(self, views: list[memoryview], deadline: float) -> None:
         """Fill ``views`` in order from the stream, many per ``recvmsg_into``."""
@@ -384,6 +402,25 @@ class BlockingConnection:
             except OSError as e:
                 if not self._retry_in_time(e, deadline):
                     raise self._broken_by(e, "receive") from None
+
+    def _recv_bytes(self, size: int, deadline: float) -> memoryview:
+        """``size`` bytes as a view of a new ``bytes`` object the kernel copied them into: a
+        caller that wants ``bytes`` takes that object (:func:`~kvpool.transports.calls.
+        owned_bytes`), with no zero-filled buffer first and no second copy. (Two large buffers
+        alive at once, the buffer and its copy, also made glibc give the heap back and fault it
+        in again on every call: a 4 MiB ``get`` spent ~3 ms in page faults.) A read the kernel
+        ends early (a signal, a kernel time-out within the deadline) is finished in a buffer."""
+        sock = self._sock
+        first = self._receive(lambda n: sock.recv(n, socket.MSG_WAITALL), size, deadline)
+        if len(first) == size:
+            return memoryview(first)
+        if not first:
+            raise self._broken_by(None, "receive")
+        view = memoryview(bytearray(size))
+        view[: len(first)] = first
+        self._check(deadline)
+        self._recv_into(view[len(first) :], deadline)
+        return view
 
     def _recv_new(self, size: int, deadline: float) -> memoryview:
         view = memoryview(bytearray(size))

@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import NamedTuple, overload
 
 from kvpool.proto.wire import COUNT, MGET_RECORD, FrameError, Header, Status
 
 MAX_ALLOC_BYTES = 1 << 30
 """Most bytes of a response taken into fresh memory, where the caller gave no buffer: an answer
 that declares more is refused before anything is allocated."""
+
+
+def owned_bytes(data: memoryview) -> bytes:
+    """``data`` as ``bytes``: the object itself where ``data`` views the whole of a ``bytes``
+    object (a blocking connection receives a payload with no caller buffer into one), else a
+    copy."""
+    obj = data.obj
+    if type(obj) is bytes and data.nbytes == len(obj):
+        return obj
+    return bytes(data)
 
 
 class Call:
@@ -113,35 +124,56 @@ def parse_records(call: Call, head: memoryview) -> int:
     return end
 
 
-def hit_views(call: Call, left: int) -> list[memoryview]:
+class OwnHit(NamedTuple):
+    """An MGET hit with no caller buffer, to be received into a ``bytes`` object of its own:
+    ``size`` bytes, whose view goes to ``datas[slot]`` (the call's ``sinks``)."""
+
+    datas: list[memoryview | None]
+    slot: int
+    size: int
+
+
+def hit_views(call: Call, left: int, own_from: int | None = None) -> list[memoryview | OwnHit]:
     """Where the bytes after an MGET table go (``call.records`` parsed; ``left`` of them), in
     order: each hit's caller buffer when it has one of the hit's size, else a piece of one
-    fresh buffer shared by such hits. ``call.sinks`` becomes what holds each record's bytes
-    (None for a miss, and for a hit whose buffer has another size: it is dropped). Both
+    fresh buffer shared by such hits — or, for a hit with no buffer of at least ``own_from``
+    bytes, an :class:`OwnHit` (a connection that can receive straight into new ``bytes``:
+    the caller then takes that object, with no shared buffer first and no copy after).
+    ``call.sinks`` becomes what holds each record's bytes (None for a miss, for an OwnHit
+    until it is received, and for a hit whose buffer has another size: it is dropped). Both
     transports receive straight into these views: the bytes are copied once, by the kernel.
     FrameError when the hits do not take exactly ``left`` bytes."""
     sinks = call.sinks
     assert sinks is not None
     assert call.table is MGET_RECORD
-    spill_bytes = total = 0
+    own = own_from if own_from is not None else MAX_ALLOC_BYTES + 1
+    spill_bytes = own_bytes = total = 0
     for rec, sink in zip(call.records, sinks, strict=True):
         if rec[0] == Status.OK:
             total += rec[3]
-            if sink is None or sink.nbytes != rec[3]:
+            if sink is None and rec[3] >= own:
+                own_bytes += rec[3]
+            elif sink is None or sink.nbytes != rec[3]:
                 spill_bytes += rec[3]
     if total != left:
         raise FrameError(f"MGET data of {left} bytes for a table of {total}")
-    if spill_bytes > MAX_ALLOC_BYTES:
-        raise FrameError(f"MGET hits of {spill_bytes} bytes with no buffer to take them")
+    if spill_bytes + own_bytes > MAX_ALLOC_BYTES:
+        raise FrameError(
+            f"MGET hits of {spill_bytes + own_bytes} bytes with no buffer to take them"
+        )
     spill = memoryview(bytearray(spill_bytes)) if spill_bytes else None
     datas: list[memoryview | None] = []
-    views: list[memoryview] = []
+    views: list[memoryview | OwnHit] = []
     pos = 0
     for rec, sink in zip(call.records, sinks, strict=True):
         if rec[0] != Status.OK:
             datas.append(None)
             continue
         n = rec[3]
+        if sink is None and n >= own:
+            views.append(OwnHit(datas, len(datas), n))
+            datas.append(None)
+            continue
         if sink is not None and sink.nbytes == n:
             view = sink
             datas.append(sink)
@@ -155,12 +187,21 @@ def hit_views(call: Call, left: int) -> list[memoryview]:
     return views
 
 
-def table_rest(call: Call, head: memoryview, left: int) -> list[memoryview]:
+@overload
+def table_rest(call: Call, head: memoryview, left: int) -> list[memoryview]: ...
+@overload
+def table_rest(
+    call: Call, head: memoryview, left: int, own_from: int
+) -> list[memoryview | OwnHit]: ...
+def table_rest(
+    call: Call, head: memoryview, left: int, own_from: int | None = None
+) -> list[memoryview] | list[memoryview | OwnHit]:
     """After a table response's ``head`` (:func:`table_head_size` bytes): its records parsed,
-    and the views for the ``left`` bytes that follow (MGET hits; no other table has any)."""
+    and the views for the ``left`` bytes that follow (MGET hits, :func:`hit_views`; no other
+    table has any)."""
     parse_records(call, head)
     if call.table is MGET_RECORD and call.sinks is not None:
-        return hit_views(call, left)
+        return hit_views(call, left, own_from)
     if left:
         raise FrameError(f"{left} bytes after a response table")
     return []

@@ -7,6 +7,7 @@ import asyncio
 import os
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,6 +132,30 @@ def test_the_client_over_tcp_and_shared_memory(cluster: LocalCluster, transport:
         assert all(isinstance(c, ShmBlockingConnection) == (transport == "shm") for c in conns)
     with Client(cluster.master_addresses, timeout_s=5.0, transport="tcp") as other:
         assert other.batch_get(list(blocks)) == list(blocks.values())  # the same blocks
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])
+def test_a_get_makes_one_copy_of_the_block_in_new_memory(
+    cluster: LocalCluster, transport: str
+) -> None:
+    """``get`` returns the bytes object the block was received (tcp) or copied (shm) into: one
+    block's size of new memory, not a buffer and then its copy (two 4 MiB allocations alive at
+    once also made glibc give the heap back and fault it in again on every call: a 4 MiB shm
+    ``get`` took 3.3 ms against 0.6 ms for ``get_into``)."""
+    value = os.urandom(4 * MIB)
+    key = f"one-copy/{transport}"
+    with Client(cluster.master_addresses, timeout_s=5.0, transport=transport) as kv:
+        assert kv.put(key, value)
+        assert kv.get(key) == value  # connections open, entry cached
+        tracemalloc.start()
+        try:
+            got = kv.get(key)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert got == value
+        assert type(got) is bytes
+        assert peak < len(value) + MIB // 2, f"{peak} bytes allocated for a {len(value)} B get"
 
 
 def open_fds() -> int:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
 import socket
 import threading
 import time
@@ -43,7 +44,7 @@ from kvpool.store_node.cpu_tier import CpuTier
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.eviction import LruPolicy
 from kvpool.transports import host_id, open_blocking, open_connection, scheme_of, schemes
-from kvpool.transports.blocking import BlockingConnection
+from kvpool.transports.blocking import OWN_HIT_BYTES, BlockingConnection
 from kvpool.transports.calls import Call
 from kvpool.transports.frames import DIRECT_THRESHOLD, PEEK_BYTES, FrameReader
 from kvpool.transports.shm import ShmBlockingConnection, shm_supported
@@ -184,6 +185,45 @@ def test_put_get_and_mget_over_each_transport(node: Node, scheme: str) -> None:
         assert got == [*blocks.values(), None]
         assert mget.sinks[1] is sinks[1]  # the caller's buffer, filled in place
         assert [r[4] for r in mget.records[:3]] == [block_checksum(v) for v in blocks.values()]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_blocking_mget_receives_each_large_hit_without_a_buffer_into_bytes_of_its_own(
+    node: Node, scheme: str
+) -> None:
+    """Hits with no caller buffer from OWN_HIT_BYTES up land in a ``bytes`` object each (what
+    ``batch_get`` returns, with no copy); smaller ones share one buffer; in any order with
+    misses and hits that have buffers, every hit is its own bytes, and the batch allocates
+    about what it returns (a shared buffer for all, then a copy of each, took twice that)."""
+    sizes = {"big0": 2 * MIB, "small0": 100, "big1": MIB, "big2": OWN_HIT_BYTES, "small1": 7}
+    blocks = {k: random.Random(k).randbytes(n) for k, n in sizes.items()}
+    conn = open_blocking(node.address(scheme), 5.0)
+    try:
+        for key, data in blocks.items():
+            put(conn, key, data)
+        keys = ["big0", "small0", "big1", "absent", "big2", "small1"]
+        given = memoryview(bytearray(MIB))
+        sinks: list[memoryview | None] = [None, None, given, None, None, None]
+        table = encode_key_table([(k.encode(), 1, 0, 0) for k in keys])
+        mget = Call(Op.MGET, payload=table, table=MGET_RECORD, sinks=sinks)
+        tracemalloc.start()
+        try:
+            conn.exchange([mget], deadline())
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert mget.sinks is not None
+        got = [bytes(d) if d is not None else None for d in mget.sinks]
+        assert got == [blocks.get(k) for k in keys]
+        assert mget.sinks[2] is given
+        owned = [d is not None and type(d.obj) is bytes for d in mget.sinks]
+        assert owned == [True, False, False, False, True, False]
+        assert peak < 2 * MIB + OWN_HIT_BYTES + MIB // 4
+        ping = Call(Op.PING)
+        conn.exchange([ping], deadline())  # the stream is in step after it
+        assert ping.status == Status.OK
     finally:
         conn.close()
 
@@ -351,6 +391,54 @@ def test_a_posted_answer_arriving_late_does_not_extend_the_deadline() -> None:
             conn.exchange([Call(Op.PING)], deadline)
         assert time.monotonic() - started < 0.4 + 0.1
         conn.close()
+
+
+def _answer_get_in_two_halves(payload: bytes, pause_s: float) -> Callable[[socket.socket], None]:
+    def answer(sock: socket.socket) -> None:
+        asked = unpack_header(sock.recv(HEADER_SIZE, socket.MSG_WAITALL))
+        sock.recv(asked.key_len, socket.MSG_WAITALL)
+        header = Header(op=Op.GET, request_id=asked.request_id, payload_len=len(payload))
+        half = len(payload) // 2
+        sock.sendall(header.pack() + payload[:half])
+        time.sleep(pause_s)
+        sock.sendall(payload[half:])
+        time.sleep(0.2)
+
+    return answer
+
+
+def test_a_payload_without_a_buffer_is_received_into_the_bytes_the_caller_gets() -> None:
+    payload = random.randbytes(3 * MIB)
+    with _one_peer(_answer_get_in_two_halves(payload, 0.05)) as address:
+        conn = open_blocking(address, 2.0)
+        get = Call(Op.GET, b"k", write_id=1)
+        conn.exchange([get], time.monotonic() + 2.0)
+        assert get.data is not None
+        assert get.data == payload
+        assert type(get.data.obj) is bytes  # no buffer first, no copy after
+        conn.close()
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals")
+def test_a_payload_read_cut_short_by_a_signal_is_finished_whole() -> None:
+    """A receive into new bytes that the kernel ends early (a signal arrives, or a kernel
+    time-out within the deadline) keeps what came and reads the rest after it."""
+    payload = random.randbytes(3 * MIB)
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    try:
+        with _one_peer(_answer_get_in_two_halves(payload, 0.4)) as address:
+            conn = open_blocking(address, 2.0)
+            get = Call(Op.GET, b"k", write_id=1)
+            signal.setitimer(signal.ITIMER_REAL, 0.15)  # while the second half is awaited
+            conn.exchange([get], time.monotonic() + 5.0)
+            assert get.data is not None
+            assert get.data == payload
+            assert type(get.data.obj) is bytearray  # the early end was taken
+            assert not conn.broken
+            conn.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_kernel_time_out_a_little_shorter_than_the_deadline_is_waited_out() -> None:
