@@ -340,7 +340,8 @@ class BlockingConnection:
 
     def _take_table(self, call: Call, header: Header, deadline: float) -> None:
         """A table response: count and records (one read), then (MGET) every hit's bytes,
-        scattered by ``recvmsg_into`` into the views :func:`hit_views` names."""
+        scattered by ``recvmsg_into`` into the views :func:`hit_views` names, each
+        :class:`OwnHit` between them received into ``bytes`` of its own."""
         size = header.payload_len
         head_size = table_head_size(call)
         try:
