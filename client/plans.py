@@ -535,6 +535,7 @@ def _get_call(it: ReadItem) -> Call:
         write_id=it.entry.write_id,
         flags=it.max_tier,
         sink=it.sink if size and it.sink is not None else None,
+        expect=size if it.entry.write_id else -1,
     )
 
 
@@ -546,6 +547,7 @@ def _table_call(op: Op, chunk: list[ReadItem], record: struct.Struct, *, sinks: 
         flags=chunk[0].max_tier,
         table=record,
         sinks=[it.sink for it in chunk] if sinks else [None] * len(chunk),
+        expects=[it.entry.size_bytes if it.entry.write_id else -1 for it in chunk],
     )
 
 

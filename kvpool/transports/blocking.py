@@ -54,6 +54,8 @@ from kvpool.transports.calls import (
     MAX_ALLOC_BYTES,
     Call,
     OwnHit,
+    may_allocate,
+    refused_answer,
     table_head_size,
     table_rest,
 )
@@ -329,14 +331,11 @@ class BlockingConnection:
         if sink is not None and sink.nbytes == size:
             self._recv_into(sink, deadline)
             call.data = sink
-        elif sink is None and size <= MAX_ALLOC_BYTES:
+        elif sink is None and may_allocate(call.expect, size):
             call.data = self._recv_bytes(size, deadline)
         else:
             self._skip(size, deadline)
-            call.error = TransportError(
-                f"{self.address}: response of {size} bytes for a buffer of "
-                f"{sink.nbytes if sink is not None else 0}"
-            )
+            call.error = TransportError(refused_answer(self.address, size, sink, call.expect))
 
     def _take_table(self, call: Call, header: Header, deadline: float) -> None:
         """A table response: count and records (one read), then (MGET) every hit's bytes,

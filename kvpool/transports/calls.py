@@ -24,6 +24,26 @@ def owned_bytes(data: memoryview) -> bytes:
     return bytes(data)
 
 
+def may_allocate(expect: int, size: int) -> bool:
+    """Whether an answer's ``size`` bytes, with no caller buffer to take them, may go into
+    fresh memory: exactly the size the index named (``expect``, a call's :attr:`Call.expect`),
+    else (-1: not known) at most :data:`MAX_ALLOC_BYTES`. A peer's frame never decides how
+    much a client allocates."""
+    return size == expect if expect >= 0 else size <= MAX_ALLOC_BYTES
+
+
+def refused_answer(address: str, size: int, sink: memoryview | None, expect: int) -> str:
+    """Why an answer of ``size`` bytes was not taken (:func:`may_allocate`, or a caller's
+    buffer of another size)."""
+    if sink is not None:
+        into = f"a buffer of {sink.nbytes}"
+    elif expect >= 0:
+        into = f"a block of {expect}"
+    else:
+        into = f"no buffer (at most {MAX_ALLOC_BYTES} bytes are taken)"
+    return f"{address}: response of {size} bytes for {into}"
+
+
 class Call:
     """One request and, once answered, its response (``header`` and ``data``)."""
 
@@ -31,6 +51,8 @@ class Call:
         "checksum",
         "data",
         "error",
+        "expect",
+        "expects",
         "flags",
         "header",
         "key",
@@ -58,6 +80,8 @@ class Call:
         sink: memoryview | None = None,
         table: struct.Struct | None = None,
         sinks: Sequence[memoryview | None] | None = None,
+        expect: int = -1,
+        expects: Sequence[int] | None = None,
     ) -> None:
         self.op = op
         self.key = key
@@ -69,6 +93,10 @@ class Call:
         self.sink = sink
         self.table = table  # the response payload is a table of these records
         self.sinks = sinks  # MGET: where each hit's bytes go (None: into a fresh buffer)
+        # The size the index names for the answer's bytes (-1: not known, as in a read by
+        # content): an answer of another size is refused before anything is allocated for it.
+        self.expect = expect
+        self.expects = expects  # MGET: the same, per key
         self.request_id = 0
         self.header: Header | None = None
         self.data: memoryview | None = None  # the response payload (sink, table or message)
@@ -147,6 +175,11 @@ def hit_views(call: Call, left: int, own_from: int | None = None) -> list[memory
     assert sinks is not None
     assert call.table is MGET_RECORD
     own = own_from if own_from is not None else MAX_ALLOC_BYTES + 1
+    expects = call.expects
+    if expects is not None:
+        for rec, expected in zip(call.records, expects, strict=True):
+            if rec[0] == Status.OK and expected >= 0 and rec[3] != expected:
+                raise FrameError(f"an MGET hit of {rec[3]} bytes for a block of {expected}")
     spill_bytes = own_bytes = total = 0
     for rec, sink in zip(call.records, sinks, strict=True):
         if rec[0] == Status.OK:

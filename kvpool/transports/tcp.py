@@ -43,9 +43,10 @@ from kvpool.transports.blocking import (
     time_left,
 )
 from kvpool.transports.calls import (
-    MAX_ALLOC_BYTES,
     Call,
+    may_allocate,
     parse_records,
+    refused_answer,
     table_head_size,
     table_rest,
 )
@@ -80,6 +81,7 @@ class _Pending:
     started: bool = False  # its response frame is being received
     table: Call | None = None  # a table call: its response is scattered (Scatter) when it can be
     scattered: bool = False
+    expect: int = -1  # alloc: the payload's size the index named (-1: any up to the cap)
 
 
 def tune_socket(sock: socket.socket | None) -> None:
@@ -219,6 +221,7 @@ class FrameConnection:
                 None if table else call.sink,
                 alloc=table or call.sink is None,
                 table=call if table else None,
+                expect=call.expect,
             )
             self._pending[request_id] = pending
             waits.append((call, request_id, pending))
@@ -302,7 +305,7 @@ class FrameConnection:
             scatter = self._scatter(pending, pending.table, header.payload_len)
             if scatter is not None:
                 return scatter
-        if pending.alloc and header.payload_len <= MAX_ALLOC_BYTES:
+        if pending.alloc and may_allocate(pending.expect, header.payload_len):
             pending.started = True
             return memoryview(bytearray(header.payload_len))
         if pending.sink is None or len(pending.sink) != header.payload_len:
@@ -338,8 +341,7 @@ class FrameConnection:
         ):
             pending.future.set_exception(
                 TransportError(
-                    f"{self.address}: response of {header.payload_len} bytes for a buffer of "
-                    f"{len(pending.sink) if pending.sink is not None else 0}"
+                    refused_answer(self.address, header.payload_len, pending.sink, pending.expect)
                 )
             )
             return

@@ -12,7 +12,7 @@ import pytest
 from kvpool.client.cache import LookupCache
 from kvpool.client.ops import EnsureMembers, Lookup, Read, ReadFlow, ReadStep, drive, read_flow
 from kvpool.client.placement import MemberInfo, Placement
-from kvpool.client.plans import ReadItem
+from kvpool.client.plans import NodeRead, ReadItem
 from kvpool.errors import BlockMissError
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import TierLevel
@@ -392,3 +392,22 @@ def test_a_read_by_content_tries_the_rings_first_members_primary_first() -> None
     assert it.entry.write_id == 0
     assert it.replicas == [m.member_id for m in placement.place(b"kv1/a", 2)]
     assert sorted(it.replicas) == [1, 2]
+
+
+def test_a_read_asks_its_node_for_exactly_the_size_the_index_names() -> None:
+    """The frames of a read carry the size the index named for each block (a read by content,
+    whose size is not known yet, carries none): the connection refuses an answer of another
+    size before allocating anything for it."""
+
+    def item(key: str, write_id: int, size: int) -> ReadItem:
+        e = common_pb2.BlockEntry(key=key, found=True, write_id=write_id, size_bytes=size)
+        return ReadItem(key, key.encode(), e, sink=None, caller_buffer=False, replicas=[1])
+
+    one = NodeRead("tcp://n1:1", [item("a", 7, 4096)], mget=True, arena=None)
+    assert [c.expect for c in one.calls] == [4096]
+    direct = NodeRead("tcp://n1:1", [item("b", 0, 0)], mget=True, arena=None)
+    assert [c.expect for c in direct.calls] == [-1]
+    batch = NodeRead(
+        "tcp://n1:1", [item("a", 7, 4096), item("b", 0, 0), item("c", 8, 9)], mget=True, arena=None
+    )
+    assert [c.expects for c in batch.calls] == [[4096, -1, 9]]

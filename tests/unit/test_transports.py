@@ -491,6 +491,96 @@ def test_an_mget_answer_declaring_gigabytes_breaks_the_blocking_connection() -> 
         conn.close()
 
 
+def _answer_get_larger_then_ping(size: int) -> Callable[[socket.socket], None]:
+    """A peer that answers a GET with ``size`` bytes and the PING after it as usual."""
+    body = b"x" * size  # made before the test measures what the client allocates
+
+    def answer(sock: socket.socket) -> None:
+        get = unpack_header(sock.recv(HEADER_SIZE, socket.MSG_WAITALL))
+        sock.recv(get.key_len, socket.MSG_WAITALL)
+        ping = unpack_header(sock.recv(HEADER_SIZE, socket.MSG_WAITALL))
+        header = Header(op=Op.GET, request_id=get.request_id, payload_len=size, write_id=1)
+        sock.sendall(header.pack())
+        sock.sendall(body)
+        sock.sendall(Header(op=Op.PING, request_id=ping.request_id).pack())
+        time.sleep(0.5)
+
+    return answer
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["blocking", "event-loop"])
+def test_an_answer_larger_than_the_block_the_index_names_is_refused_unallocated(
+    loop: bool,
+) -> None:
+    """A GET of a block the index says is 4 KiB, with no buffer, answered with 8 MiB: that
+    answer is refused before anything of its size is allocated (a peer's frame never decides
+    how much a client allocates), the call fails on its own, and the connection stays in step
+    (the PING after it is answered)."""
+    size = 8 * MIB
+    with _one_peer(_answer_get_larger_then_ping(size)) as address:
+        get = Call(Op.GET, b"k", write_id=1, expect=4096)
+        ping = Call(Op.PING)
+        tracemalloc.start()
+        try:
+            if loop:
+
+                async def scenario() -> None:
+                    conn = await open_connection(address, 2.0)
+                    try:
+                        await conn.exchange([get, ping], 2.0)
+                        assert conn.is_open
+                    finally:
+                        conn.close()
+
+                asyncio.run(scenario())
+            else:
+                conn = open_blocking(address, 2.0)
+                conn.exchange([get, ping], time.monotonic() + 2.0)
+                assert not conn.broken
+                conn.close()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert isinstance(get.error, TransportError)
+    assert "response of 8388608 bytes for a block of 4096" in str(get.error)
+    assert get.data is None
+    assert ping.status == Status.OK
+    assert peak < 2 * MIB
+
+
+def test_an_mget_hit_of_another_size_than_the_index_names_breaks_the_connection() -> None:
+    """An MGET hit with no buffer whose record declares 8 MiB for a block the index says is
+    4 KiB: refused at the table (nothing of that size allocated), the connection broken."""
+
+    def answer(sock: socket.socket) -> None:
+        asked = unpack_header(sock.recv(HEADER_SIZE, socket.MSG_WAITALL))
+        sock.recv(asked.payload_len, socket.MSG_WAITALL)
+        table = COUNT.pack(1) + MGET_RECORD.pack(Status.OK, 0, 1, 8 * MIB, 0)
+        header = Header(op=Op.MGET, request_id=asked.request_id, payload_len=len(table) + 8 * MIB)
+        sock.sendall(header.pack() + table + b"x" * 1000)
+        time.sleep(0.5)
+
+    with _one_peer(answer) as address:
+        conn = open_blocking(address, 2.0)
+        mget = Call(
+            Op.MGET,
+            payload=encode_key_table([(b"k", 1, 0, 0)]),
+            table=MGET_RECORD,
+            sinks=[None],
+            expects=[4096],
+        )
+        tracemalloc.start()
+        try:
+            with pytest.raises(TransportError, match="hit of 8388608 bytes for a block of 4096"):
+                conn.exchange([mget], time.monotonic() + 2.0)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert conn.broken
+        assert peak < 1 << 20
+        conn.close()
+
+
 def test_a_busy_poll_ends_when_the_answer_arrives_or_when_its_time_is_up(node: Node) -> None:
     conn = open_blocking(node.address("tcp"), 2.0)
     try:
