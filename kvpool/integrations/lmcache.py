@@ -23,8 +23,9 @@ them from LMCache's memory, a get receives them into a memory object LMCache's C
 allocated (no copy either way); a partial chunk is told by its size. Keys:
 ``lmcache/<format fingerprint>/<LMCache's key>``, the fingerprint covering the chunk's memory
 format, dtypes, shapes and chunk size (``docs/engines/lmcache.md``). A failed or slow store is a
-miss (``None``, ``False``, 0) within ``timeout_s``; nothing raises into LMCache because the store
-failed.
+miss (``None``, ``False``, 0) within ``timeout_s``, and once found down it is left alone for
+``retry_after_s`` (presence queries miss, puts are dropped, at once); nothing raises into LMCache
+because the store failed.
 
 LMCache builds one backend per name in ``remote_storage_plugins`` and another one for
 ``remote_url``: both reach the same pool, so the second connector of one LMCache configuration
@@ -41,7 +42,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvpool.errors import ConfigError, InvalidArgumentError, KVPoolError
-from kvpool.integrations.settings import StoreSettings, read_settings, warm_up
+from kvpool.integrations.settings import (
+    STORE_DOWN,
+    StorePause,
+    StoreSettings,
+    read_settings,
+    warm_up,
+)
 from kvpool.keys import canonical_dtype, namespace
 from kvpool.logs import get_logger
 
@@ -135,6 +142,7 @@ class KVPoolRemoteConnector(RemoteConnector):  # type: ignore[misc]
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="kvpool-lmcache")
         # strict: a failed store raises, caught here as a miss (ping tells it apart)
         self._client = settings.client(strict=True)
+        self._pause = StorePause(settings.retry_after_s)
         owner = (id(config), settings.masters)
         with _primaries_lock:
             self.standing_aside = _primaries.setdefault(owner, id(self)) != id(self)
@@ -146,7 +154,8 @@ class KVPoolRemoteConnector(RemoteConnector):  # type: ignore[misc]
                 note="another backend of this LMCache configuration serves these masters",
             )
         else:
-            warm_up(self._client, _LOG)
+            if warm_up(self._client, _LOG).masters:
+                self._pause.failed()  # the first requests miss at once rather than wait on it
             _LOG.info(
                 "lmcache_connector_ready", masters=list(settings.masters), key_prefix=self._prefix
             )
@@ -243,13 +252,22 @@ class KVPoolRemoteConnector(RemoteConnector):  # type: ignore[misc]
                 obj.ref_count_down()
         return leading
 
+    def _asked(self, fn: Callable[[], T], miss: T) -> T:
+        """A presence query: ``miss`` at once while the store is left alone after a failure
+        (``retry_after_s``); a failure that says the store is down or too slow starts that."""
+        if self._pause.paused():
+            return miss
+        try:
+            return fn()
+        except KVPoolError as e:
+            if isinstance(e, STORE_DOWN):
+                self._pause.failed()
+            return miss
+
     def _exists_sync(self, key: Any) -> bool:
         if self.standing_aside:
             return False
-        try:
-            return self._client.exists(self.key(key))
-        except KVPoolError:
-            return False
+        return self._asked(lambda: self._client.exists(self.key(key)), False)
 
     async def exists(self, key: Any) -> bool:
         return await self._run(lambda: self._exists_sync(key))
@@ -264,10 +282,7 @@ class KVPoolRemoteConnector(RemoteConnector):  # type: ignore[misc]
         """How many leading keys the pool holds (one prefix match)."""
         if self.standing_aside or not keys:
             return 0
-        try:
-            return self._client.prefix_match([self.key(k) for k in keys])
-        except KVPoolError:
-            return 0
+        return self._asked(lambda: self._client.prefix_match([self.key(k) for k in keys]), 0)
 
     def support_batched_async_contains(self) -> bool:
         return True
@@ -281,6 +296,9 @@ class KVPoolRemoteConnector(RemoteConnector):  # type: ignore[misc]
 
     def _put_sync(self, items: list[tuple[Any, Any]]) -> None:
         if self.standing_aside or not items:
+            return
+        if self._pause.paused():
+            _LOG.debug("lmcache_put_dropped", chunks=len(items), reason="store left alone")
             return
         receipts = self._client.batch_put_receipts(
             [(self.key(k), obj.byte_array) for k, obj in items], strict=False

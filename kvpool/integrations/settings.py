@@ -9,12 +9,14 @@ setting's full name, never ignored until the first request misses.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.client.state import WarmUp
 from kvpool.client.sync import Client
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, DeadlineExceededError, UnavailableError
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -56,13 +58,40 @@ class StoreSettings:
         )
 
 
-def warm_up(client: Client, log: Any, *, nodes: bool = True, **context: Any) -> None:
+def warm_up(client: Client, log: Any, *, nodes: bool = True, **context: Any) -> WarmUp:
     """Open ``client``'s connections now, while the engine starts, so that its first request
     does not pay for them (tens of milliseconds, more over shared memory); what could not be
-    opened is logged, and the calls open it later. ``nodes=False``: the masters' only."""
+    opened is logged, and the calls open it later. ``nodes=False``: the masters' only. The
+    report says whether a master answered (``masters`` empty)."""
     report = client.warm_up(nodes=nodes)
     event = "kvpool_warmed_up" if report.ok else "kvpool_warm_up_incomplete"
     (log.info if report.ok else log.warning)(event, detail=report.summary(), **context)
+    return report
+
+
+STORE_DOWN = (UnavailableError, DeadlineExceededError)
+"""The failures that say the store itself is unreachable or too slow (no master answered, no
+answer within the deadline), as opposed to a miss or a bad request."""
+
+
+class StorePause:
+    """After the store failed, it is left alone for ``retry_after_s``: the engine's calls answer
+    a miss at once instead of each waiting out the deadline on a dead store (0: never paused).
+    Thread-safe enough for engines' storage threads: one float, written whole."""
+
+    def __init__(self, retry_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        self._until = 0.0
+        self.pauses = 0
+
+    def paused(self) -> bool:
+        return self._clock() < self._until
+
+    def failed(self) -> None:
+        if self.retry_after_s > 0:
+            self._until = self._clock() + self.retry_after_s
+            self.pauses += 1
 
 
 STORE_SETTINGS: dict[str, str] = {

@@ -10,15 +10,17 @@ Loaded the way SGLang loads an out-of-tree store::
 
 ``interface_v1: 1`` makes SGLang call the zero-copy ``batch_get_v1`` / ``batch_set_v1``
 (without it SGLang copies every page through a temporary tensor of its own). The settings
-(``masters`` as a list or a comma-separated string, ``timeout_s``, ``replicas``, ``namespace``,
-the token and TLS files, …) are listed in docs/engines/sglang.md; the token and TLS settings
-default to the usual ``KVPOOL_*`` variables.
+(``masters`` as a list or a comma-separated string, ``timeout_s``, ``retry_after_s``, ``replicas``,
+``namespace``, the token and TLS files, …) are listed in docs/engines/sglang.md; the token and
+TLS settings default to the usual ``KVPOOL_*`` variables.
 
 Pages go between the host pool's memory and the store nodes with no copy of ours: a page's K and
 V (MHA) or its one latent block (MLA) are each one kvpool block, sent from and read straight into
 the pool's tensors (``layer_first`` pools, whose page is spread over every layer, go through one
 staging buffer per block). One index lookup per batch. A failed or slow store is a miss (False,
-0, None) within ``timeout_s``; no method raises into SGLang's threads once the backend is built.
+0, None) within ``timeout_s``, and once a presence query or a set found it down it is left alone
+for ``retry_after_s`` (those calls miss at once meanwhile); no method raises into SGLang's
+threads once the backend is built.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvpool.client.sync import Client
-from kvpool.integrations.settings import warm_up
+from kvpool.integrations.settings import STORE_DOWN, StorePause, warm_up
 from kvpool.integrations.sglang_config import BackendSettings, parse_settings
 from kvpool.integrations.sglang_layout import (
     MHA_COMPONENTS,
@@ -91,8 +93,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         self.model_name = storage_config.model_name if storage_config else None
         self._client = client or self.settings.make_client()
         self._own_client = client is None
+        self._pause = StorePause(self.settings.retry_after_s)
+        reachable: bool | None = None  # an own client's warm-up says; a given one is asked
         if self._own_client:
-            warm_up(self._client, self._log, tp_rank=self.tp_rank)
+            reachable = not warm_up(self._client, self._log, tp_rank=self.tp_rank).masters
         self._scheme: KeyScheme | None = None
         self._regions: list[Region] = []
         self.registered_pools: dict[Any, Any] = {}
@@ -109,11 +113,13 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
                 "kvpool_sglang_copying_path",
                 hint='add "interface_v1": 1 to the extra config for the zero-copy calls',
             )
-        if not self._reachable():
+        if not (self._reachable() if reachable is None else reachable):
+            self._pause.failed()  # the first requests miss at once rather than wait on it
             self._log.warning(
                 "kvpool_sglang_store_unreachable",
                 masters=list(self.settings.masters),
                 effect="every lookup misses until a master answers",
+                retry_after_s=self.settings.retry_after_s,
             )
 
     def _reachable(self) -> bool:
@@ -182,11 +188,18 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
 
     # --- failure policy ---------------------------------------------------------------------
 
-    def _guard(self, op: str, fn: Callable[[], T], miss: T) -> T:
-        """Run ``fn``; any exception is logged (at most every 10 s) and answered as ``miss``."""
+    def _guard(self, op: str, fn: Callable[[], T], miss: T, *, pause: bool = False) -> T:
+        """Run ``fn``; any exception is logged (at most every 10 s) and answered as ``miss``.
+        ``pause``: a call that asks the index (presence, sets) — answered ``miss`` at once while
+        the store is left alone after a failure (``retry_after_s``), and a failure that says
+        the store is down or too slow starts that pause."""
+        if pause and self._pause.paused():
+            return miss
         try:
             return fn()
         except Exception as e:
+            if pause and isinstance(e, STORE_DOWN):
+                self._pause.failed()
             now = time.monotonic()
             with self._errors_lock:
                 say = now - self._errors_logged_at >= ERROR_LOG_INTERVAL_S
@@ -204,13 +217,13 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         """How many leading pages have every component stored: one lookup for the batch."""
         if not keys:
             return 0
-        return self._guard("batch_exists", lambda: self._leading_pages(keys), 0)
+        return self._guard("batch_exists", lambda: self._leading_pages(keys), 0, pause=True)
 
     def _leading_pages(self, keys: Sequence[str]) -> int:
         scheme = self._kv_scheme()
         names = scheme.page_keys(keys)
         per_page = len(scheme.components)
-        return self._client.prefix_match(names, fetch_entries=False) // per_page
+        return self._client.prefix_match(names, fetch_entries=False, strict=True) // per_page
 
     def _kv_scheme(self) -> KeyScheme:
         if self._scheme is None:
@@ -252,6 +265,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
             "batch_set_v1",
             lambda: self._set_pages(keys, host_indices, self.mem_pool_host, None),
             [False] * len(keys),
+            pause=True,
         )
         self._record("backup", done, time.perf_counter() - started)
         return done
@@ -315,7 +329,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
     def _put_components(
         self, names: list[str], comps: Sequence[Component], per_page: int, pages: int
     ) -> list[bool]:
-        present = self._client.sizes(names)
+        present = self._client.sizes(names, strict=True)
         stored = [size is not None and size == comps[i].nbytes for i, size in enumerate(present)]
         todo = [i for i, done in enumerate(stored) if not done]
         if todo:
@@ -390,7 +404,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         """Store flat data pages (SGLang's ``get_data_page``): True when every page is stored."""
         if not keys or values is None or len(values) != len(keys):
             return False
-        return self._guard("batch_set", lambda: all(self._set_flat(keys, values)), False)
+        return self._guard(
+            "batch_set", lambda: all(self._set_flat(keys, values)), False, pause=True
+        )
 
     def _set_flat(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
         scheme = self._kv_scheme()
@@ -435,6 +451,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
             "batch_exists_v2",
             lambda: self._exists_v2(keys, pool_transfers or []),
             PoolTransferResult(0, {}, []),
+            pause=True,
         )
 
     def _exists_v2(self, keys: list[str], transfers: list[PoolTransfer]) -> PoolTransferResult:
@@ -450,7 +467,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
             start = len(names)
             names.extend(pool_scheme.page_keys(keys, str(t.name)))
             spans.append((t, start, len(names), len(pool_scheme.components)))
-        present = [s is not None for s in self._client.sizes(names)] if names else []
+        present = [s is not None for s in self._client.sizes(names, strict=True)] if names else []
 
         def pages_present(start: int, end: int, per_page: int) -> list[bool]:
             got = present[start:end]
@@ -509,6 +526,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
             f"batch_{'get' if read else 'set'}_v2",
             lambda: op(keys, t.host_indices, pool, t.name),
             [False] * len(keys),
+            pause=not read,
         )
 
     # --- the rest of the interface ----------------------------------------------------------

@@ -26,6 +26,7 @@ CLIENT_KEYS = frozenset(
     if p.kind is inspect.Parameter.KEYWORD_ONLY
 )
 DEFAULT_NAMESPACE = "sglang"
+DEFAULT_RETRY_AFTER_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class BackendSettings:
     namespace: str = DEFAULT_NAMESPACE
     interface_v1: bool = False
     client: dict[str, Any] = field(default_factory=dict)
+    retry_after_s: float = DEFAULT_RETRY_AFTER_S
+    """After the store failed (no master answered, or not within the deadline), it is left
+    alone this long: ``batch_exists`` answers 0 and sets are dropped at once."""
 
     def make_client(self) -> Client:
         """The backend's client. SGLang's page keys name their content (a chained hash of the
@@ -60,6 +64,12 @@ def _masters(value: object) -> tuple[str, ...]:
     return out
 
 
+def _seconds(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e6:
+        raise ConfigError(f"{WHERE}: {name}: expected a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
 def parse_settings(extra: Mapping[str, Any], log: Any) -> BackendSettings:
     """The backend's settings; ConfigError names the first bad one."""
     if "masters" not in extra:
@@ -70,14 +80,14 @@ def parse_settings(extra: Mapping[str, Any], log: Any) -> BackendSettings:
     namespace = extra.get("namespace", DEFAULT_NAMESPACE)
     if not isinstance(namespace, str) or not namespace.strip("/ ") or "/" in namespace:
         raise ConfigError(f"{WHERE}: namespace: expected a non-empty name without '/'")
+    retry_after_s = _seconds(extra.get("retry_after_s", DEFAULT_RETRY_AFTER_S), "retry_after_s")
     client = {k: v for k, v in extra.items() if k in CLIENT_KEYS}
-    unknown = sorted(
-        k for k in extra if k not in CLIENT_KEYS | SGLANG_KEYS | {"masters", "namespace"}
-    )
+    own = {"masters", "namespace", "retry_after_s"}
+    unknown = sorted(k for k in extra if k not in CLIENT_KEYS | SGLANG_KEYS | own)
     if unknown:
         log.warning("kvpool_sglang_unknown_settings", settings=unknown, where=WHERE)
     settings = BackendSettings(
-        masters, namespace.strip(), bool(extra.get("interface_v1", 0)), client
+        masters, namespace.strip(), bool(extra.get("interface_v1", 0)), client, retry_after_s
     )
     # Check every client setting now, so that a typo fails the engine's start, not a call.
     settings.make_client().close()

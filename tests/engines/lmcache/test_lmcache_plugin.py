@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 import threading
 import time
@@ -271,6 +272,32 @@ def test_a_dead_store_is_a_miss_within_the_deadline(
             engine.close()
     finally:
         c.stop()
+
+
+def test_a_dead_store_is_left_alone_for_retry_after_s(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path
+) -> None:
+    """A connector made while no master answers waits one deadline (its warm-up), and while the
+    store is left alone (``retry_after_s``) presence queries miss and puts are dropped at once
+    instead of each waiting out the deadline; after that the store is asked again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    config = yaml_config(tmp_path, dead, timeout_s=TIMEOUT_S, retry_after_s=1.5)
+    engine = Engine(config, loop)
+    built = time.monotonic()
+    try:
+        asked = time.monotonic()
+        assert not engine.connector.exists_sync(key(700))
+        assert engine.connector.batched_contains([key(700), key(701)]) == 0
+        put(engine, key(702), engine.chunk(7))
+        assert time.monotonic() - asked < 0.3
+        time.sleep(max(0.0, built + 1.6 - time.monotonic()))
+        asked = time.monotonic()
+        assert not engine.connector.exists_sync(key(700))
+        assert time.monotonic() - asked >= 0.9 * TIMEOUT_S  # asked again: the deadline
+    finally:
+        engine.close()
 
 
 def test_bad_settings_are_refused_by_name(

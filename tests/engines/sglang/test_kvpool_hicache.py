@@ -6,6 +6,7 @@ settings refused by name."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -381,6 +382,32 @@ def test_a_dead_store_is_a_miss_within_the_deadline(tmp_path: Path) -> None:
         cluster.stop()
 
 
+def test_a_dead_store_is_left_alone_for_retry_after_s() -> None:
+    """An engine started while no master answers starts within one deadline (its warm-up says
+    so; the store is not asked a second time), and while the store is left alone
+    (``retry_after_s``) presence queries and sets answer a miss at once instead of each waiting
+    out the deadline; after that the store is asked again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    pool = host_pool("page_first")
+    started = time.monotonic()
+    store = backend_for([dead], pool, timeout_s=1.0, retry_after_s=1.5)
+    try:
+        built_s = time.monotonic() - started
+        assert built_s < 1.75, f"built in {built_s:.2f} s: the dead store was waited on twice"
+        asked = time.monotonic()
+        assert store.batch_exists(hashes(4)) == 0
+        assert store.batch_set_v1(hashes(2), indices(range(2))) == [False, False]
+        assert time.monotonic() - asked < 0.3
+        time.sleep(max(0.0, started + built_s + 1.6 - time.monotonic()))
+        asked = time.monotonic()
+        assert store.batch_exists(hashes(4)) == 0
+        assert time.monotonic() - asked >= 0.9  # asked again: it waited out the deadline
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
@@ -391,6 +418,8 @@ def test_a_dead_store_is_a_miss_within_the_deadline(tmp_path: Path) -> None:
         ({"masters": "127.0.0.1:7300", "replicas": "two"}, "replicas"),
         ({"masters": "127.0.0.1:7300", "transport": "pigeon"}, "transport"),
         ({"masters": "127.0.0.1:7300", "namespace": "a/b"}, "namespace"),
+        ({"masters": "127.0.0.1:7300", "retry_after_s": -1}, "retry_after_s"),
+        ({"masters": "127.0.0.1:7300", "retry_after_s": "later"}, "retry_after_s"),
         ({"masters": "not-an-address"}, "masters"),
     ],
 )
