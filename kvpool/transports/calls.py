@@ -175,14 +175,12 @@ def hit_views(call: Call, left: int, own_from: int | None = None) -> list[memory
     assert sinks is not None
     assert call.table is MGET_RECORD
     own = own_from if own_from is not None else MAX_ALLOC_BYTES + 1
-    expects = call.expects
-    if expects is not None:
-        for rec, expected in zip(call.records, expects, strict=True):
-            if rec[0] == Status.OK and expected >= 0 and rec[3] != expected:
-                raise FrameError(f"an MGET hit of {rec[3]} bytes for a block of {expected}")
+    expects = call.expects if call.expects is not None else [-1] * len(sinks)
     spill_bytes = own_bytes = total = 0
-    for rec, sink in zip(call.records, sinks, strict=True):
+    for rec, sink, expected in zip(call.records, sinks, expects, strict=True):
         if rec[0] == Status.OK:
+            if expected >= 0 and rec[3] != expected:
+                raise FrameError(f"an MGET hit of {rec[3]} bytes for a block of {expected}")
             total += rec[3]
             if sink is None and rec[3] >= own:
                 own_bytes += rec[3]
