@@ -13,6 +13,8 @@
 * :mod:`~kvpool.client.placement` — cached membership and the consistent-hash ring
 * :mod:`~kvpool.client.values` — key, value and buffer checks (no copies)
 * :mod:`~kvpool.client.stats` — hit/miss/put counters
+* :mod:`~kvpool.client.pause` — an engine backend's pause after the store failed
+  (``retry_after_s``), shared by every backend
 
 Calls to the master group (leader discovery, redirects, retries) are the runtime's
 :mod:`kvpool.mastercall`, shared with the store node. ``docs/client.md`` walks through it.

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvpool.client.cost import CostModel, ReadPlan
+from kvpool.client.pause import StorePause
 from kvpool.client.tensors import BlockStore, get_tensor_blocks, put_tensor_blocks
 from kvpool.engine.kvcache import TOKEN_AXIS, cache_length, kv_tensor
 from kvpool.errors import InvalidArgumentError, KVPoolError
@@ -121,9 +122,7 @@ class KVConnector:
         self.dtype = dtype
         self.block_bytes = layers * 2 * kv_heads * head_dim * self.block_size * _itemsize(dtype)
         self.cost_model = cost_model
-        self.retry_after_s = retry_after_s
-        self._clock = clock
-        self._paused_until = 0.0
+        self._store_pause = StorePause(retry_after_s, clock)
         self.totals = ConnectorTotals()
         self._log = logger if logger is not None else get_logger("kvpool.engine")
 
@@ -150,7 +149,7 @@ class KVConnector:
                 self.totals.cache_skipped += 1
                 result.seconds = time.perf_counter() - started
                 return result
-        if self._paused():
+        if self._store_pause.paused():
             result.failure = "store skipped: it failed recently"
             return self._finish(result, started)
         max_tier = result.plan.max_tier if result.plan is not None else None
@@ -167,7 +166,7 @@ class KVConnector:
             raise
         except KVPoolError as e:  # the store failed (a strict client, or a closed one)
             result.failure = f"{type(e).__name__}: {e.message}"
-            self._pause()
+            self._store_pause.failed()
         missing = result.matched_blocks - result.loaded_blocks
         if missing and not result.failure and not result.skipped_slow_tier:
             result.failure = (
@@ -187,12 +186,6 @@ class KVConnector:
             # Which tier served each block is not known here; most reads are from memory.
             self.cost_model.observe_read("cpu", result.loaded_blocks, result.bytes, result.seconds)
         return result
-
-    def _paused(self) -> bool:
-        return self._clock() < self._paused_until
-
-    def _pause(self) -> None:
-        self._paused_until = self._clock() + self.retry_after_s
 
     def _accept(self, result: LoadResult, kv: Any, blocks: int, prompt_len: int) -> None:
         if kv is None or blocks == 0:
@@ -217,7 +210,7 @@ class KVConnector:
             return result
         keys = self.keys(tokens[: n_blocks * self.block_size])[from_block:]
         result.blocks = len(keys)
-        if self._paused():
+        if self._store_pause.paused():
             result.failure = "store skipped: it failed recently"
         else:
             kv = kv_tensor(cache, from_block * self.block_size, n_blocks * self.block_size)
@@ -235,7 +228,7 @@ class KVConnector:
                 raise
             except KVPoolError as e:
                 result.failure = f"{type(e).__name__}: {e.message}"
-                self._pause()
+                self._store_pause.failed()
         if result.stored < result.blocks and not result.failure:
             result.failure = f"{result.blocks - result.stored} of {result.blocks} puts failed"
         result.bytes = result.stored * self.block_bytes

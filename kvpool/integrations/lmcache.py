@@ -41,14 +41,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvpool.client.pause import STORE_DOWN, StorePause
 from kvpool.errors import ConfigError, InvalidArgumentError, KVPoolError
-from kvpool.integrations.settings import (
-    STORE_DOWN,
-    StorePause,
-    StoreSettings,
-    read_settings,
-    warm_up,
-)
+from kvpool.integrations.settings import StoreSettings, read_settings, warm_up
 from kvpool.keys import canonical_dtype, namespace
 from kvpool.logs import get_logger
 

@@ -9,14 +9,13 @@ setting's full name, never ignored until the first request misses.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.client.state import WarmUp
 from kvpool.client.sync import Client
-from kvpool.errors import ConfigError, DeadlineExceededError, UnavailableError
+from kvpool.errors import ConfigError
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -67,31 +66,6 @@ def warm_up(client: Client, log: Any, *, nodes: bool = True, **context: Any) -> 
     event = "kvpool_warmed_up" if report.ok else "kvpool_warm_up_incomplete"
     (log.info if report.ok else log.warning)(event, detail=report.summary(), **context)
     return report
-
-
-STORE_DOWN = (UnavailableError, DeadlineExceededError)
-"""The failures that say the store itself is unreachable or too slow (no master answered, no
-answer within the deadline), as opposed to a miss or a bad request."""
-
-
-class StorePause:
-    """After the store failed, it is left alone for ``retry_after_s``: the engine's calls answer
-    a miss at once instead of each waiting out the deadline on a dead store (0: never paused).
-    Thread-safe enough for engines' storage threads: one float, written whole."""
-
-    def __init__(self, retry_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.retry_after_s = retry_after_s
-        self._clock = clock
-        self._until = 0.0
-        self.pauses = 0
-
-    def paused(self) -> bool:
-        return self._clock() < self._until
-
-    def failed(self) -> None:
-        if self.retry_after_s > 0:
-            self._until = self._clock() + self.retry_after_s
-            self.pauses += 1
 
 
 STORE_SETTINGS: dict[str, str] = {

@@ -41,8 +41,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from kvpool.client.pause import STORE_DOWN, StorePause
 from kvpool.client.sync import Client
-from kvpool.integrations.settings import STORE_DOWN, StorePause, warm_up
+from kvpool.integrations.settings import warm_up
 from kvpool.integrations.sglang_config import BackendSettings, parse_settings
 from kvpool.integrations.sglang_layout import (
     MHA_COMPONENTS,

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvpool.client.pause import StorePause
 from kvpool.errors import KVPoolError
 from kvpool.integrations.vllm_blocks import HashChain, PagedLayout
 
@@ -102,10 +103,8 @@ class SchedulerPlanner:
         self._prefix_match = prefix_match
         self.load_enabled = load
         self.save_enabled = save
-        self.retry_after_s = retry_after_s
-        self._clock = clock
         self._on_failure = on_store_failure
-        self._paused_until = 0.0
+        self._pause = StorePause(retry_after_s, clock)
         self._requests: dict[str, _Request] = {}
         self._final_saves: list[BlockTransfer] = []
         self._held: list[str] = []
@@ -114,10 +113,10 @@ class SchedulerPlanner:
     # --- the store ----------------------------------------------------------------------------
 
     def paused(self) -> bool:
-        return self._clock() < self._paused_until
+        return self._pause.paused()
 
     def _failed(self, error: KVPoolError) -> None:
-        self._paused_until = self._clock() + self.retry_after_s
+        self._pause.failed()
         self.totals.store_failures += 1
         if self._on_failure is not None:
             self._on_failure(f"{type(error).__name__}: {error.message}")

@@ -38,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvpool.client.pause import StorePause
 from kvpool.client.values import BytesLike, WritableBuffer
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.integrations.vllm_blocks import PagedLayout
@@ -207,7 +208,6 @@ class Transfers:
         self.layout = layout
         self.rank = rank
         self.timeout_s = timeout_s
-        self.retry_after_s = retry_after_s
         self._clock = clock
         self._log = logger if logger is not None else get_logger("kvpool.vllm")
         self.pages: PageStore | None = None
@@ -219,7 +219,7 @@ class Transfers:
         self._saved = threading.Condition(self._lock)
         self._held: set[str] = set()
         self._finished: set[str] = set()
-        self._paused_until = 0.0
+        self._pause = StorePause(retry_after_s, clock)
         self.totals = WorkerTotals()
 
     # --- set-up --------------------------------------------------------------------------------
@@ -237,14 +237,11 @@ class Transfers:
             zero_copy=self.pages.zero_copy,
         )
 
-    def _paused(self) -> bool:
-        return self._clock() < self._paused_until
-
     def _store_failed(self, what: str, error: Exception | str) -> None:
-        self._paused_until = self._clock() + self.retry_after_s
+        self._pause.failed()
         self.totals.store_failures += 1
         self._log.warning(
-            "kv_store_failed", op=what, error=str(error), retry_after_s=self.retry_after_s
+            "kv_store_failed", op=what, error=str(error), retry_after_s=self._pause.retry_after_s
         )
 
     # --- loads ---------------------------------------------------------------------------------
@@ -263,7 +260,7 @@ class Transfers:
         )
         self._load = load
         self.totals.loads += 1
-        if self._paused():
+        if self._pause.paused():
             load.failed.update(b for t in transfers for b in t.block_ids)
             for event in load.done:
                 event.set()
@@ -360,7 +357,7 @@ class Transfers:
         """Send the pages of ``transfers`` (after the forward pass), off the caller's thread."""
         if not transfers or self.pages is None:
             return
-        if self._paused():
+        if self._pause.paused():
             self.totals.dropped_saves += 1
             return
         layout, pages = self.layout, self.pages
@@ -382,7 +379,7 @@ class Transfers:
 
     def _run_save(self, items: list[tuple[str, Any]], owners: list[str]) -> None:
         try:
-            if self._paused():
+            if self._pause.paused():
                 self.totals.dropped_saves += 1
                 return
             receipts = self.client.batch_put_receipts(items, strict=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.client.pause import StorePause
 from kvpool.errors import ConfigError
-from kvpool.integrations.settings import StorePause
 from kvpool.integrations.sglang_config import DEFAULT_RETRY_AFTER_S, parse_settings
 from kvpool.logs import get_logger
 
