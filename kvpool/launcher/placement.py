@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -56,18 +58,35 @@ PICKED_PORTS = (20000, 32767)
 no outgoing connection can take a picked port between the pick and the server's bind."""
 
 
+_HANDED_OUT: deque[int] = deque(maxlen=2048)
+_HANDED_LOCK = threading.Lock()
+
+
 def free_port(host: str = LOOPBACK_HOST) -> int:
     """A port on ``host`` that a server started next can bind: a random one below the
-    ephemeral range that binds now (the kernel's choice after 64 tries)."""
+    ephemeral range that binds now and that this process has not handed out lately (the
+    kernel's choice after 64 tries).
+
+    A picked port is only free until its server binds it; the processes of one group are
+    started together, so two picks of the same port before either bound it would make one of
+    them fail with "address already in use". Remembering the last 2,048 ports handed out
+    rules that out within this process (a restarted process keeps its port, and a picker in
+    another process is refused by the bind check once the port is taken)."""
     low, high = PICKED_PORTS
-    for _ in range(64):
-        port = random.randint(low, high)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
+    with _HANDED_LOCK:
+        for _ in range(64):
+            port = random.randint(low, high)
+            if port in _HANDED_OUT:
                 continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _HANDED_OUT.append(port)
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        _HANDED_OUT.append(port)
+        return port
