@@ -25,7 +25,8 @@ completed before the get was invoked are gathered; the one with the highest vers
   - ``node_fault`` — a fault touched a node the floor's receipt names, between the floor's
     invocation and the get's end (a killed node's replicas leave the index);
   - ``superseded_uncertain`` — a write of unknown fate may have replaced the floor;
-  - ``possibly_evicted`` — a node holding the floor evicted something during the run.
+  - ``possibly_evicted`` — a member holding the floor evicted something during the run (by its
+    counter at the end, or by its node's log for a member a restart replaced).
 
   An ``absent`` or ``evicted`` miss with none of these is a **lost read**: the index said
   "not there" about a block acknowledged before the question was asked — what a reader on
@@ -55,7 +56,7 @@ class _Judge:
         self.history = history
         self.context = context
         final = context.final_state
-        self.evicting = {
+        self.evicting = context.evicted_members | {
             n.member_id for n in (final.nodes if final is not None else ()) if n.evictions_total
         }
         self.acked: dict[str, list[Write]] = {}

@@ -8,6 +8,10 @@ of every key of the key space (Lookup in batches, on the leader, any master if i
 calls the masters' gRPC service directly (no client SDK API), so nothing in the answer is
 filtered by a client's cache or read floor.
 
+:func:`logged_evictions` reads from the nodes' logs which members evicted blocks during the
+run: a node restarted by a fault comes back as a new member, and the counters the final state
+asks for are those of the last one.
+
 :func:`fault_windows` turns a nemesis's inject/heal steps into :class:`FaultWindow` intervals.
 :func:`sample_masters` and :func:`verify_reads` are the probes a runner takes after healing,
 for the convergence checker (:class:`CommitSample`, :class:`HitRateSample`).
@@ -16,6 +20,7 @@ for the convergence checker (:class:`CommitSample`, :class:`HitRateSample`).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +35,34 @@ from kvpool.security import env_security
 
 LOOKUP_BATCH = 256
 """Keys per Lookup of the final pass."""
+
+EVICTED_EVENT = "blocks_evicted"
+"""What a node logs (with its ``member_id``) before it reports evicted blocks to the masters."""
+
+
+def logged_evictions(logs: Iterable[str]) -> frozenset[int]:
+    """The member ids that the JSON logs at ``logs`` (nodes', every incarnation appending to
+    its file) say evicted blocks: every member whose entries an eviction removed from the
+    index, including members gone by the end. A missing file or a line that is not JSON is
+    passed over."""
+    members: set[int] = set()
+    for path in logs:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if EVICTED_EVENT not in line:
+                        continue
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(event, dict) and event.get("event") == EVICTED_EVENT:
+                        member = event.get("member_id")
+                        if isinstance(member, int) and event.get("count", 1):
+                            members.add(member)
+        except OSError:
+            continue
+    return frozenset(members)
 
 
 @dataclass(frozen=True, slots=True)

@@ -467,7 +467,9 @@ class CheckContext:
 
     ``timeout_s`` is the workload's per-call timeout and ``margin_s`` what a call may overrun
     it by; ``heal_t`` is when the last fault healed; ``final_state`` was collected after that;
-    ``faults`` lists what the nemesis did; the samples are the runner's probes after healing.
+    ``faults`` lists what the nemesis did; the samples are the runner's probes after healing;
+    ``evicted_members``: the members whose nodes logged evictions during the run (any
+    incarnation, also those gone by the end, which the final state no longer lists).
     """
 
     timeout_s: float = 2.0
@@ -482,6 +484,7 @@ class CheckContext:
     hit_rate_within_s: float = 30.0
     replica_target: int = 0  # every indexed key must end with this many live replicas (0: off)
     max_details: int = 20
+    evicted_members: frozenset[int] = frozenset()
 
 
 @dataclass

@@ -38,6 +38,7 @@ from kvpool.chaos.final_state import (
     collect_final_state,
     fault_windows,
     live_member_ids,
+    logged_evictions,
     sample_until_agreed,
     verify_reads,
 )
@@ -443,6 +444,7 @@ def _judge(
         hit_rate_target=scenario.hit_rate_target,
         hit_rate_within_s=HIT_RATE_WITHIN_S,
         replica_target=scenario.replica_target,
+        evicted_members=logged_evictions(n.log for n in harness.cluster.nodes),
     )
     return run_all(history, context), history
 

@@ -82,5 +82,6 @@ def test_every_port_briefly(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # the attack stops itself after 900 s; the suite's 180 s is for others
 def test_every_port_long(tmp_path: Path) -> None:
     _run(tmp_path, per_port=2000, deadline_s=900.0)
