@@ -297,6 +297,8 @@ class BlockingDataPlane:
                 self._on_node_failed(member.member_id)
             return None
         plan = node_read(address, group, conn)
+        if not plan.calls:  # all read through the node's shared directory
+            return None
         try:
             conn.send(plan.calls, deadline, trace=trace)
         except KVPoolError as e:

@@ -255,6 +255,8 @@ class DataPlane:
             unreached_reads(items, conn)
             return
         plan = node_read(address, items, conn)
+        if not plan.calls:  # all read through the node's shared directory
+            return
         try:
             await conn.exchange(plan.calls, deadline - loop.time(), trace=tracing.frame_trace())
         except KVPoolError as e:

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import select
+import socket
 import threading
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from kvpool.client.plans import NodeRead, ReadItem
+from kvpool.client.plans import NodeRead, ReadItem, read_listed
 from kvpool.errors import ConfigError, DeadlineExceededError, KVPoolError, TransportError
 from kvpool.proto.wire import Op, Status
 from kvpool.transports import host_id, schemes
@@ -251,12 +253,37 @@ def conn_arena(conn: object) -> Arena | None:
 
 def node_read(address: str, items: list[ReadItem], conn: Any) -> NodeRead:
     """The reads of ``items`` from the node at ``address`` over ``conn``, as its features
-    allow (MGET, shared memory, reads by content)."""
+    allow (MGET, shared memory, reads by content). Over shared memory the blocks the node's
+    directory lists are read here, with no message (:func:`~kvpool.client.plans.read_listed`):
+    the plan then holds only the others, and no call at all when none is left."""
     features = conn.features
+    arena = conn_arena(conn)
+    if arena is not None and arena.directory is not None and _node_alive(arena, conn):
+        items = read_listed(items, arena)
     return NodeRead(
         address,
         items,
         mget="mget" in features,
-        arena=conn_arena(conn),
+        arena=arena,
         direct="direct" in features,
     )
+
+
+_CLOSED = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def _node_alive(arena: Arena, conn: Any) -> bool:
+    """The node renews its directory, and (a blocking connection) has not closed ``conn``:
+    a killed node's memory stays mapped here, but is not read."""
+    directory = arena.directory
+    if directory is None or not directory.alive():
+        return False
+    sock = getattr(conn, "socket", None)
+    if not isinstance(sock, socket.socket):
+        return True  # an event-loop connection: its close is seen as it happens
+    try:  # the peer's end closed, even with answers posted earlier still unread here
+        poller = select.poll()
+        poller.register(sock, _CLOSED)
+        return not poller.poll(0)
+    except (OSError, ValueError):
+        return False

@@ -365,6 +365,63 @@ def _judge_direct(
         entry.write_id, entry.size_bytes, entry.checksum = write_id, size, checksum
 
 
+# --- reads with no message: the node's shared directory ---------------------------------------
+
+
+def read_listed(items: list[ReadItem], arena: Arena) -> list[ReadItem]:
+    """Read the items the node's shared directory lists (:mod:`kvpool.transports.directory`)
+    straight out of its arena: copied into the item's buffer (or new bytes), then hashed — a hit
+    only when the copy hashes to the checksum listed and the listing is the write the item's
+    entry names (any write, for a read by content; the size of the caller's buffer, when it gave
+    one). Returns the items left to read through the node: not listed, or a copy that did not
+    check (its memory reused meanwhile). The directory lists only committed blocks in memory.
+
+    A read through an entry from the lookup cache goes to the node: the entry may name a write
+    that a newer put has replaced, and the node drops the replaced write as it reads the new
+    one's PUBLISH, in order with the reads it serves — a stopped node cannot, and its directory
+    stays readable for up to a second. A read by content wants any write of the key; a read
+    through an entry the index just gave names the newest."""
+    directory = arena.directory
+    assert directory is not None
+    rest: list[ReadItem] = []
+    for it in items:
+        entry = it.entry
+        if it.max_tier == TierLevel.GPU or (it.from_cache and entry.write_id):
+            rest.append(it)
+            continue
+        found = directory.find(it.key_bytes)
+        if (
+            found is None
+            or (entry.write_id and found.write_id != entry.write_id)
+            or (entry.write_id and found.checksum != entry.checksum)
+            or (entry.size_bytes and found.size != entry.size_bytes)
+            or found.offset + found.size > arena.size
+        ):
+            rest.append(it)
+            continue
+        extent = arena.view[found.offset : found.offset + found.size]
+        if it.sink is not None:
+            copy_bytes(it.sink, extent)
+            data = it.sink
+        else:
+            data = memoryview(bytes(extent))
+        if block_checksum(data) != found.checksum:
+            rest.append(it)
+            continue
+        if it.sink is None:
+            it.value = owned_bytes(data)
+        if not entry.write_id:
+            entry.write_id, entry.size_bytes, entry.checksum = (
+                found.write_id,
+                found.size,
+                found.checksum,
+            )
+        it.ok = True
+        it.tier = TierLevel.CPU
+        directory.count_read(found.slot)
+    return rest
+
+
 # --- reads from one node ------------------------------------------------------------------------
 
 

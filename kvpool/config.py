@@ -466,6 +466,12 @@ class NodeConfig(ServerSecurityConfig, LogConfig, IngressConfig):
         "offer clients on this host the CPU tier through shared memory (shm://, an abstract "
         "unix socket; clients behind a proxy or NAT keep using tcp)",
     )
+    data_shm_directory: bool = opt(
+        True,
+        "with data_shm: list the committed blocks in memory in a shared directory that "
+        "same-host clients read them through with no message to the node (each copy checked "
+        "against its checksum; see operations.md, 'Shared-memory directory')",
+    )
     max_block_size: int = opt(64 << 20, "largest block accepted", "size")
     put_memory_fraction: float = opt(
         0.5,

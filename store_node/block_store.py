@@ -392,6 +392,15 @@ class BlockStore:
                 return write_id
         return 0
 
+    def mapped_reads(self, block: Block, reads: int) -> None:
+        """Reads a same-host client made of ``block`` through the shared directory, with no
+        message (:mod:`kvpool.transports.directory`): hits as any other."""
+        if self.tiers.mapped_reads(block, reads):
+            self.counters.hits += reads
+            self.counters.directory_reads += reads
+            self.counters.get_bytes += reads * block.size_bytes
+            self._reads[block.key] = self._reads.get(block.key, 0) + reads
+
     def take_read_counts(self, limit: int) -> list[tuple[str, int]]:
         """The ``limit`` keys read most since the last call, with their reads; resets."""
         reads, self._reads = self._reads, {}

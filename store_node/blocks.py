@@ -147,6 +147,7 @@ class Counters:
     put_bytes: int = 0
     hits: int = 0
     get_bytes: int = 0
+    directory_reads: int = 0  # hits same-host clients made through the shared directory
     misses: dict[MissReason, int] = field(default_factory=lambda: dict.fromkeys(MissReason, 0))
     evictions: int = 0  # blocks lost to pressure (their last copy went)
     no_space: int = 0

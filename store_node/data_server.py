@@ -654,6 +654,7 @@ class DataServer:
         lease_timeout_s: float = LEASE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         shm: bool = False,
+        shm_directory: bool = True,
         inproc_name: str = "",
         token: bytes = b"",
         limits: IngressLimits | None = None,
@@ -677,6 +678,8 @@ class DataServer:
         self._server: StreamServer | None = None
         self._shm: Any = None  # the ShmListener, when serving shared memory
         self._want_shm = shm
+        self.shm_directory = shm_directory
+        """With ``shm``: list committed in-memory blocks in a directory clients read through."""
         self._inproc_name = inproc_name
         self._guard: asyncio.Task[None] | None = None
         self.port = 0

@@ -53,6 +53,14 @@ def node_families(store: BlockStore, registered: bool = True) -> Iterator[Metric
         misses.add_metric([MISS_REASON_NAMES[reason]], float(n))
     yield misses
     yield _one(counter("kvpool_node_get_bytes", "bytes of blocks served"), c.get_bytes)
+    yield _one(
+        counter(
+            "kvpool_node_directory_reads",
+            "hits same-host clients read through the shared directory with no message (counted "
+            "in kvpool_node_hits too; they have no transfer latency here)",
+        ),
+        c.directory_reads,
+    )
     yield _one(counter("kvpool_node_puts", "blocks staged by PUT"), c.puts)
     yield _one(counter("kvpool_node_put_bytes", "bytes of blocks staged by PUT"), c.put_bytes)
     yield _one(

@@ -159,6 +159,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                 worker=worker,
                 lease_timeout_s=cfg.lease_timeout_s,
                 shm=cfg.data_shm,
+                shm_directory=cfg.data_shm_directory,
                 token=security.token,
                 limits=cfg.ingress_limits(),
             )

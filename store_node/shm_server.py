@@ -20,6 +20,8 @@ plain GET on the same socket (bytes inline).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import os
 import secrets
@@ -43,10 +45,12 @@ from kvpool.store_node.blocks import Block, Copy
 from kvpool.store_node.data_server import _TIER_LIMITS, DataConnection, _decode_key
 from kvpool.store_node.tiers.cpu import CpuTier
 from kvpool.transports.auth import Gate
+from kvpool.transports.directory import BEAT_S, DirectoryWriter, slots_for
 from kvpool.transports.shm import PREAMBLE, SHM_MAGIC
 from kvpool.transports.stream import StreamServer
 
 if TYPE_CHECKING:
+    from kvpool.store_node.block_store import BlockStore
     from kvpool.store_node.data_server import DataServer
 
 
@@ -55,6 +59,57 @@ def shm_supported(tier: CpuTier) -> bool:
     from kvpool.transports.shm import shm_supported as platform_ok
 
     return tier.fd is not None and platform_ok()
+
+
+class Directory:
+    """The node's half of the shared directory (:mod:`kvpool.transports.directory`): lists the
+    committed blocks with a CPU copy as the tiers report them (:class:`TierManager`'s
+    ``listing``), renews it, and folds the reads clients counted into the eviction policy."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.writer = DirectoryWriter(slots_for(store.tier.capacity_bytes))
+        self._slot_of: dict[tuple[str, int], int] = {}
+        self._at: dict[int, Block] = {}
+        self.full = 0  # blocks not listed: their bucket was full
+        self.writer.beat()
+        store.tiers.listing = self
+        for block in store.committed_blocks():
+            cpu = block.copies.get(TierLevel.CPU)
+            if cpu is not None and cpu.ready:
+                self.add(cpu)
+
+    def add(self, copy: Copy) -> None:
+        block = copy.block
+        if block.id in self._slot_of:
+            return
+        slot = self.writer.put(
+            block.key.encode("utf-8"), copy.offset, block.size_bytes, block.checksum, block.write_id
+        )
+        if slot < 0:
+            self.full += 1
+            return
+        self._slot_of[block.id] = slot
+        self._at[slot] = block
+
+    def remove(self, block: Block) -> None:
+        slot = self._slot_of.pop(block.id, None)
+        if slot is not None:
+            del self._at[slot]
+            self.writer.drop(slot)
+
+    def tend(self) -> None:
+        """Renew the directory; count the reads clients made through it."""
+        self.writer.beat()
+        for slot, reads in self.writer.take_reads():
+            block = self._at.get(slot)
+            if block is not None:
+                self.store.mapped_reads(block, reads)
+
+    def close(self) -> None:
+        if self.store.tiers.listing is self:
+            self.store.tiers.listing = None
+        self.writer.close()
 
 
 class ShmListener:
@@ -66,6 +121,8 @@ class ShmListener:
         self.token = secrets.token_bytes(16)
         self._server: StreamServer | None = None
         self._gate: Gate | None = None
+        self.directory: Directory | None = None
+        self._tending: asyncio.Task[None] | None = None
 
     def start(self) -> str:
         """Listen; returns the ``shm://`` address."""
@@ -85,7 +142,21 @@ class ShmListener:
             live=lambda: len(self.server.connections),
         )
         self._server = StreamServer(listener, self._gate, log=self.server.log)
+        if self.server.shm_directory:
+            try:
+                self.directory = Directory(self.server.store)
+            except OSError as e:  # no memfd sealing, no memory: read through the node
+                self.server.once.warning("shm_directory_unavailable", "shm", error=repr(e))
+            else:
+                self._tending = asyncio.get_running_loop().create_task(self._tend())
         return f"shm://{self.name}"
+
+    async def _tend(self) -> None:
+        directory = self.directory
+        assert directory is not None
+        while True:
+            await asyncio.sleep(BEAT_S)
+            directory.tend()
 
     def _adopt(self, sock: socket.socket) -> None:
         tier = self.server.store.tier
@@ -95,8 +166,11 @@ class ShmListener:
             return
         sock.setblocking(True)
         sock.settimeout(1.0)  # a fresh socket: the preamble always fits in its buffer
+        fds = [fd]
+        if self.directory is not None:  # a client before the directory takes the first fd only
+            fds += [self.directory.writer.fd, self.directory.writer.hits_fd]
         try:
-            socket.send_fds(sock, [PREAMBLE.pack(SHM_MAGIC, tier.capacity_bytes, self.token)], [fd])
+            socket.send_fds(sock, [PREAMBLE.pack(SHM_MAGIC, tier.capacity_bytes, self.token)], fds)
         except OSError as e:  # the peer left already (a connect-and-close, a port scan)
             sock.close()
             self.server.once.warning("shm_peer_left", "shm", error=repr(e))
@@ -109,6 +183,19 @@ class ShmListener:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._tending is not None:
+            self._tending.cancel()
+            self._tending = None
+        if self.directory is not None:
+            self.server.log.info(
+                "shm_directory_closed",
+                listed=self.directory.writer.listed,
+                reads=self.server.store.counters.directory_reads,
+                not_listed_bucket_full=self.directory.full,
+            )
+            with contextlib.suppress(OSError):
+                self.directory.close()
+            self.directory = None
 
 
 class ShmConnection(DataConnection):

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvpool.proto.wire import TierLevel
 from kvpool.store_node.blocks import (
@@ -56,6 +57,16 @@ REDUNDANT_REFUSALS = 256
 EVICTION_REFUSALS = 4096
 """Most ineligible candidates (leased, pinned, moving) looked at per victim: they rotate away,
 so the next round starts with others; a full scan of a large cache never happens per PUT."""
+
+
+class Listing(Protocol):
+    """Where committed blocks with a CPU copy are listed for same-host readers (the shared
+    directory, :class:`kvpool.store_node.shm_server.Directory`): told when one is ready and
+    before its CPU memory can be freed."""
+
+    def add(self, copy: Copy) -> None: ...
+
+    def remove(self, block: Block) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +124,7 @@ class TierManager:
         self._jobs: list[Job] = []
         self._manifest: list[Record] = []
         self._changes: OrderedDict[BlockId, TierChange] = OrderedDict()
+        self.listing: Listing | None = None
 
     # --- placing received blocks --------------------------------------------------------------
 
@@ -149,6 +161,9 @@ class TierManager:
             policy = self.policies.get(level)
             if policy is not None:
                 policy.inserted(block.id, copy.footprint)
+        cpu = block.copies.get(CPU)
+        if self.listing is not None and cpu is not None and cpu.ready:
+            self.listing.add(cpu)
 
     def leaving_bytes(self, level: TierLevel) -> int:
         return self._leaving.get(level, 0)
@@ -185,6 +200,16 @@ class TierManager:
                 copy.leases += 1  # the copy job reads it
                 self._queue(CopyJob(copy, dest))
         return copy, promote
+
+    def mapped_reads(self, block: Block, reads: int) -> bool:
+        """``reads`` reads of ``block``'s CPU copy that a same-host client made with no message
+        (the shared directory) count as reads here; False when the copy has gone since."""
+        if block.detached or CPU not in block.copies:
+            return False
+        block.hits += reads
+        self.counters[CPU].hits += reads
+        self.policies[CPU].touched(block.id)
+        return True
 
     def finish_read(self, copy: Copy, promote: Copy | None, outcome: ReadOutcome) -> None:
         """A read of a non-CPU copy is done (its bytes are in a private buffer now, or not).
@@ -415,6 +440,8 @@ class TierManager:
     def _detach(self, copy: Copy) -> None:
         """Take a copy off its block and tier bookkeeping; free it now or at its last lease."""
         block = copy.block
+        if copy.level is CPU and self.listing is not None:
+            self.listing.remove(block)
         if block.copies.get(copy.level) is copy:
             if not block.detached:
                 del block.copies[copy.level]
@@ -647,6 +674,8 @@ class TierManager:
             self._attach(dest)
             if block.state is BlockState.COMMITTED:
                 self.policies[dest.level].inserted(block.id, dest.footprint)
+                if dest.level is CPU and self.listing is not None:
+                    self.listing.add(dest)
             self.counters[dest.level].promotions += 1
             block.slow_hits = 0
             self._note_level(block)

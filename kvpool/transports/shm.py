@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import mmap
+import os
 import socket
 import struct
 import sys
@@ -41,6 +42,7 @@ from kvpool.errors import DeadlineExceededError, TransportError
 from kvpool.proto.wire import HEADER_SIZE
 from kvpool.transports.auth import auth_frame, read_answer, read_answer_blocking
 from kvpool.transports.blocking import BlockingConnection, connecting, time_left
+from kvpool.transports.directory import DirectoryReader
 from kvpool.transports.tcp import FrameConnection
 
 PREAMBLE = struct.Struct("<4sQ16s")
@@ -83,9 +85,14 @@ class Arena:
     background as soon as the arena is mapped (``MADV_POPULATE_WRITE``, chunk by chunk, without
     the GIL), up to :data:`PREFAULT_MAX_BYTES`; copies meanwhile just fault as usual."""
 
-    def __init__(self, fd: int, size: int, token: bytes) -> None:
+    def __init__(
+        self, fd: int, size: int, token: bytes, directory: DirectoryReader | None = None
+    ) -> None:
         self.size = size
         self.token = token
+        self.directory = directory
+        """The node's directory of the blocks in this arena (:mod:`kvpool.transports.directory`),
+        when it offers one and ``KVPOOL_SHM_DIRECTORY`` is not ``0``."""
         self._mmap = mmap.mmap(
             fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
@@ -131,6 +138,9 @@ class Arena:
 
     def close(self) -> None:
         self._closing.set()
+        if self.directory is not None:
+            self.directory.close()
+            self.directory = None
         with self._lock:  # waits for a populate call in progress
             self.view.release()
             with contextlib.suppress(BufferError):
@@ -141,11 +151,11 @@ _ARENAS: dict[bytes, Arena] = {}
 _ARENAS_LOCK = threading.Lock()
 
 
-def _adopt_arena(fd: int, size: int, token: bytes) -> Arena:
+def _adopt_arena(fd: int, size: int, token: bytes, directory_fds: list[int]) -> Arena:
     with _ARENAS_LOCK:
         arena = _ARENAS.get(token)
         if arena is None or arena.size != size:
-            arena = Arena(fd, size, token)
+            arena = Arena(fd, size, token, _directory(directory_fds))
             _ARENAS[token] = arena
         arena.users += 1
         return arena
@@ -159,6 +169,22 @@ def _drop_arena(arena: Arena) -> None:
             arena.close()
 
 
+def _directory(fds: list[int]) -> DirectoryReader | None:
+    """The node's directory from its two fds; None when it sent none, when it is not one this
+    client can read (then it reads through the node), or when ``KVPOOL_SHM_DIRECTORY=0``."""
+    if len(fds) != 2 or os.environ.get("KVPOOL_SHM_DIRECTORY", "1").strip().lower() in (
+        "0",
+        "off",
+        "false",
+        "no",
+    ):
+        return None
+    try:
+        return DirectoryReader(fds[0], fds[1])
+    except (OSError, ValueError):
+        return None
+
+
 def _take_preamble(sock: socket.socket, address: str, size: int = PREAMBLE.size) -> Arena:
     """Receive the preamble and the arena's fd (the socket is ready to read)."""
     msg, fds = _recv_offer(sock, address, size)
@@ -167,7 +193,7 @@ def _take_preamble(sock: socket.socket, address: str, size: int = PREAMBLE.size)
 
 def _recv_offer(sock: socket.socket, address: str, size: int) -> tuple[bytes, list[int]]:
     try:
-        msg, fds, _flags, _addr = socket.recv_fds(sock, size, 1)
+        msg, fds, _flags, _addr = socket.recv_fds(sock, size, 3)
     except (BlockingIOError, TimeoutError):
         raise DeadlineExceededError(f"{address}: no arena offered in time") from None
     except OSError as e:
@@ -242,13 +268,13 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
 
 def _arena_from(msg: bytes, fds: list[int], address: str) -> Arena:
     try:
-        if len(msg) != PREAMBLE.size or len(fds) != 1:
+        if len(msg) != PREAMBLE.size or not fds:
             raise TransportError(f"{address}: not a kvpool shared-memory peer")
         magic, size, token = PREAMBLE.unpack(msg)
         if magic != SHM_MAGIC or size <= 0:
             raise TransportError(f"{address}: not a kvpool shared-memory peer")
         try:
-            return _adopt_arena(fds[0], size, token)
+            return _adopt_arena(fds[0], size, token, fds[1:])
         except (OSError, ValueError) as e:
             raise TransportError(f"{address}: cannot map the arena: {e}") from None
     finally:

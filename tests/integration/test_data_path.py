@@ -346,6 +346,77 @@ def test_a_block_put_by_one_client_is_read_by_another_with_no_lookup(
         assert asked == [[keys[2]]], "direct_reads='off' asks the index first"
 
 
+READ_OPS = (Op.GET, Op.MGET, Op.SHM_GET)
+
+
+@NEEDS_SHM
+def test_a_same_host_client_reads_committed_blocks_with_no_message_to_their_node(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocks = scheme_blocks("listed")
+    opaque = {f"listed/{os.getpid()}/{n}": os.urandom(n) for n in (10, 100_000)}
+    everything = {**blocks, **opaque}
+    with Client(cluster.master_addresses, timeout_s=5.0, transport="tcp") as writer:
+        assert writer.batch_put(everything) == [True] * len(everything)
+    sent: list[Op] = []
+    send = ShmBlockingConnection.send
+    exchange = shm_transport.ShmConnection.exchange
+
+    def spy(self: ShmBlockingConnection, calls: list[Call], *args: object, **kw: object) -> None:
+        sent.extend(Op(c.op) for c in calls)
+        send(self, calls, *args, **kw)  # type: ignore[arg-type]
+
+    async def async_spy(self: object, calls: list[Call], *args: object, **kw: object) -> None:
+        sent.extend(Op(c.op) for c in calls)
+        await exchange(self, calls, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShmBlockingConnection, "send", spy)
+    monkeypatch.setattr(shm_transport.ShmConnection, "exchange", async_spy)
+
+    def reads() -> list[Op]:
+        return [op for op in sent if op in READ_OPS]
+
+    with Client(cluster.master_addresses, timeout_s=5.0, transport="shm") as kv:
+        # A node lists a block once the index has confirmed its commit to it: soon after.
+        deadline = time.monotonic() + 10
+        while True:
+            sent.clear()
+            assert kv.batch_get(list(blocks)) == list(blocks.values())
+            if not reads() or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert reads() == []
+        for key, value in blocks.items():  # by content: read with no message, every time
+            buf = bytearray(len(value))
+            assert kv.get_into(key, buf) == len(value)
+            assert buf == value
+            assert kv.get(key) == value
+        assert reads() == [], "read with no message to the node"
+        assert kv.stats["misses_by_reason"]["checksum_mismatch"] == 0
+    with Client(cluster.master_addresses, timeout_s=5.0, transport="shm") as kv:
+        # Looked up: the entry names the newest write, read with no message to the node...
+        assert kv.batch_get(list(opaque)) == list(opaque.values())
+        assert reads() == []
+        # ...and through the lookup cache the node is asked: it may name a replaced write.
+        assert kv.batch_get(list(opaque)) == list(opaque.values())
+        assert reads() != []
+        sent.clear()
+
+        async def read() -> list[bytes | None]:
+            async with AsyncClient(cluster.master_addresses, timeout_s=5.0, transport="shm") as aio:
+                return await aio.batch_get(list(everything))
+
+        assert asyncio.run(read()) == list(everything.values())
+        assert reads() == []
+        # Removed: unlisted at once, for every client.
+        key = next(iter(blocks))
+        assert kv.remove(key)
+        assert kv.get(key) is None
+    with Client(cluster.master_addresses, timeout_s=5.0, transport="shm") as other:
+        assert other.get(key) is None
+        assert other.get(list(opaque)[1]) == list(opaque.values())[1]
+
+
 def test_the_async_client_reads_by_content_too(cluster: LocalCluster) -> None:
     blocks = scheme_blocks("async")
     with Client(cluster.master_addresses, timeout_s=5.0) as writer:

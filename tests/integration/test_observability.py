@@ -40,7 +40,9 @@ CLIENT_SCRIPT = textwrap.dedent(
     masters = sys.argv[1].split(",")
     with Client(masters, timeout_s=5.0) as writer:  # another engine put it: a lookup to read
         assert writer.put("obs/key", b"x" * 4096)
-    with Client(masters, timeout_s=5.0) as kv:
+    # tcp: a same-host client reads blocks in memory through the node's shared directory, with
+    # no message and so no node span; this trace is the one of a read the node serves.
+    with Client(masters, timeout_s=5.0, transport="tcp") as kv:
         kv.get("obs/warm")  # connections and the RPC port learned outside the traced get
         assert kv.get("obs/key") == b"x" * 4096
         assert kv.get("obs/absent") is None
@@ -57,7 +59,7 @@ ASYNC_SCRIPT = textwrap.dedent(
     async def main():
         async with AsyncClient(sys.argv[1].split(","), timeout_s=5.0) as writer:
             assert await writer.put("obs/async", b"a" * 2048)  # read by another client below
-        kv = AsyncClient(sys.argv[1].split(","), timeout_s=5.0)
+        kv = AsyncClient(sys.argv[1].split(","), timeout_s=5.0, transport="tcp")
         try:
             await kv.get("obs/warm-async")
             assert await kv.get("obs/async") == b"a" * 2048

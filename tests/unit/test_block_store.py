@@ -17,6 +17,8 @@ from kvpool.store_node.block_store import Block, BlockState, BlockStore, StagedB
 from kvpool.store_node.cpu_tier import CpuTier
 from kvpool.store_node.eviction import LruPolicy, make_policy
 from kvpool.store_node.registration import staged_verdicts
+from kvpool.transports.shm import shm_supported
+from tests.unit.listing import Probe
 
 KIB = 1024
 
@@ -457,6 +459,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = make_store(self.clock, capacity=24 * KIB, max_block=12 * KIB)
         self.leases: list[tuple[Block, bytes]] = []
         self.versions = 0
+        self.probe = Probe(self.store) if shm_supported() else None
 
     @rule(key=keys, write_id=write_ids, size=st.integers(0, 6 * KIB), corrupt=st.booleans())
     def put(self, key: str, write_id: int, size: int, corrupt: bool) -> None:
@@ -494,6 +497,12 @@ class StoreMachine(RuleBasedStateMachine):
             assert bytes(self.store.view(block)) == data, "bytes changed under a reader"
             self.store.release(block)
 
+    @rule(key=keys)
+    def read_through_the_directory(self, key: str) -> None:
+        """A same-host client's read with no message: a committed write's exact bytes."""
+        if self.probe is not None:
+            self.probe.read_checked(key, data_for)
+
     @rule(key=keys, write_id=st.integers(0, 6))
     def delete(self, key: str, write_id: int) -> None:
         self.store.delete(key, write_id)
@@ -514,12 +523,16 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.check_invariants()
             for block, data in self.leases:
                 assert bytes(self.store.view(block)) == data
+            if self.probe is not None:
+                self.probe.check()
 
     def teardown(self) -> None:
         if hasattr(self, "store"):
             for block, _ in self.leases:
                 self.store.release(block)
             self.store.check_invariants()
+            if self.probe is not None:
+                self.probe.close()
             self.store.tier.close()
 
 

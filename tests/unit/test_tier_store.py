@@ -25,6 +25,8 @@ from kvpool.store_node.tier_worker import TierWorker
 from kvpool.store_node.tiers.cpu import CpuTier
 from kvpool.store_node.tiers.ssd import SsdTier
 from kvpool.store_node.warm_restart import recover_ssd, restore_into
+from kvpool.transports.shm import shm_supported
+from tests.unit.listing import Probe
 
 KIB = 1024
 BLOCK = 4 * KIB
@@ -520,6 +522,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.node = Node(Path(self.tmp.name) / "ssd", cpu=6 * BLOCK, ssd=4 * 8 * KIB,
                          segment=8 * KIB, gpu=2 * BLOCK, batch=8 * KIB)  # fmt: skip
         self.held: list[tuple[ReadResult, bytes]] = []
+        self.probe = Probe(self.node.store) if shm_supported() else None
 
     @rule(key=keys, write_id=write_ids, size=st.sampled_from([0, 100, 3000, BLOCK, 6000]))
     def put(self, key: str, write_id: int, size: int) -> None:
@@ -573,6 +576,12 @@ class TieredStoreMachine(RuleBasedStateMachine):
     def run_jobs(self) -> None:
         self.node.run()
 
+    @rule(key=keys)
+    def read_through_the_directory(self, key: str) -> None:
+        """A same-host client's read with no message: a committed write's exact bytes."""
+        if self.probe is not None and self.probe.read_checked(key, payload):
+            event("read through the directory")
+
     @rule()
     def restart(self) -> None:
         """Stop the node (every job done) and start it again on the same SSD files: every
@@ -586,6 +595,8 @@ class TieredStoreMachine(RuleBasedStateMachine):
             b.id: b.version for b in self.node.store.committed_blocks() if TierLevel.SSD in b.copies
         }
         version = self.node.version
+        if self.probe is not None:
+            self.probe.close()
         self.node.close()
         self.node = Node(Path(self.tmp.name) / "ssd", cpu=6 * BLOCK, ssd=4 * 8 * KIB,
                          segment=8 * KIB, gpu=2 * BLOCK, batch=8 * KIB)  # fmt: skip
@@ -595,6 +606,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
         restore_into(self.node.store, recovery)
         back = {b.id: b.version for b in self.node.store.committed_blocks()}
         assert back == on_ssd
+        self.probe = Probe(self.node.store) if shm_supported() else None
         event("restarted")
 
     @invariant()
@@ -604,6 +616,8 @@ class TieredStoreMachine(RuleBasedStateMachine):
             for result, data in self.held:
                 assert result.copy is not None
                 assert bytes(self.node.store.view_copy(result.copy)) == data
+            if self.probe is not None:
+                self.probe.check()
 
     def teardown(self) -> None:
         if hasattr(self, "node"):
@@ -611,6 +625,8 @@ class TieredStoreMachine(RuleBasedStateMachine):
                 assert result.copy is not None
                 self.node.store.release(result.copy)
             self.node.run()
+            if self.probe is not None:
+                self.probe.close()
             self.node.close()
             self.tmp.cleanup()
 
