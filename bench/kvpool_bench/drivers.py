@@ -259,6 +259,8 @@ class KvpoolAsyncDriver:
             client = make()
             if hasattr(client, "__aenter__"):
                 client = await client.__aenter__() or client
+            if hasattr(client, "warm_up"):  # as the engine backends do at start-up
+                await client.warm_up()
             return client
 
         self._client = self._loop.run_until_complete(start())
@@ -400,6 +402,8 @@ def make_kvpool_driver(
         name += "-busy-poll"
         suffix = f"({', '.join([*settings, f'busy_poll_us={busy_poll_us}'])})"
     client = Client(list(masters), **kwargs)
+    if hasattr(client, "warm_up"):  # as the engine backends do at start-up
+        client.warm_up()
     return KvpoolDriver(client, name=name, label="kvpool.Client" + suffix)
 
 
