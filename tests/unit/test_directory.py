@@ -26,9 +26,10 @@ from kvpool.transports.directory import (
     fingerprint,
     slots_for,
 )
-from kvpool.transports.shm import Arena, shm_supported
+from kvpool.transports.shm import PREAMBLE, SHM_MAGIC, Arena, shm_supported
 from tests.unit.listing import Probe
 from tests.unit.test_block_store import FakeClock, commit, data_for, make_store, stage
+from tests.unit.test_transports import Node
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="shared memory needs Linux (memfd)")
 KIB = 1024
@@ -282,3 +283,49 @@ def test_a_node_that_closed_the_connection_is_not_read_through_its_directory() -
         arena.close()
         probe.close()
         store.tier.close()
+
+
+def directory_fds() -> int:
+    """Open fds of this process on a directory memfd (the node here holds its own two)."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return sum("kvpool-directory" in name for name in names)
+
+
+def test_a_client_from_before_the_directory_still_gets_the_arena_and_only_it() -> None:
+    """The node sends the directory's two fds after the arena's; a client that takes one fd
+    (every release before this one) gets the arena, and the kernel closes the rest."""
+    node = Node()
+    try:
+        assert node.server.shm_address.startswith("shm://")
+        old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old.settimeout(5)
+        old.connect("\0" + node.server.shm_address[len("shm://") :])
+        before = directory_fds()
+        msg, fds, flags, _ = socket.recv_fds(old, PREAMBLE.size, 1)
+        assert len(fds) == 1
+        assert flags & socket.MSG_CTRUNC  # two more were offered
+        assert PREAMBLE.unpack(msg)[0] == SHM_MAGIC
+        assert os.fstat(fds[0]).st_size == node.tier.capacity_bytes  # the arena itself
+        os.close(fds[0])
+        assert directory_fds() == before  # the directory's were not installed here
+        old.close()
+        new = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        new.settimeout(5)
+        new.connect("\0" + node.server.shm_address[len("shm://") :])
+        _msg, fds, _flags, _ = socket.recv_fds(new, PREAMBLE.size, 3)
+        try:
+            assert len(fds) == 3
+            reader = DirectoryReader(fds[1], fds[2])
+            assert reader.alive()
+            reader.close()
+        finally:
+            for fd in fds:
+                os.close(fd)
+            new.close()
+    finally:
+        node.close()
