@@ -5,6 +5,7 @@ acknowledged lost, every call inside its deadline, reads monotonic, the cluster 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from pathlib import Path
 
@@ -36,6 +37,34 @@ def _run(name: str, duration_s: float, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario_briefly(name: str, tmp_path: Path) -> None:
     _run(name, BRIEF_S, tmp_path)
+
+
+def _directory_reads(root: Path) -> int:
+    """Reads the nodes' shared directories served, from the lines they log on stopping."""
+    reads = 0
+    for log in root.rglob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if "shm_directory_closed" in line:
+                try:
+                    reads += int(json.loads(line).get("reads", 0))
+                except (ValueError, AttributeError):
+                    continue
+    return reads
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("name", ["node-pause", "node-kill"])
+def test_same_host_reads_with_no_message_under_node_faults(name: str, tmp_path: Path) -> None:
+    """On loopback the workload's clients map the nodes' memory and read the blocks the nodes
+    list in their directories with no message (namespaces, the suite's default, have no shared
+    memory): paused and killed nodes, and still nothing wrong, lost or stale."""
+    result = run_scenario(
+        SCENARIOS[name], duration_s=BRIEF_S, directory=tmp_path, network="loopback"
+    )
+    from kvpool.chaos.report import render_run
+
+    assert result.ok, render_run(result)
+    assert _directory_reads(tmp_path) > 0, "no read went through a node's directory"
 
 
 KNOWN_GAPS: dict[str, str] = {}
