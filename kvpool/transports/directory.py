@@ -54,6 +54,13 @@ BYTES_PER_SLOT = 16 << 10
 """Slots per arena byte: one for every 16 KiB (a 1 GiB arena: 65,536 slots, 4 MiB)."""
 BEAT_S = 0.2
 ALIVE_S = 1.0
+MAX_READS_PER_TAKE = 1 << 16
+"""Most reads one slot is credited with per :meth:`DirectoryWriter.take_reads` (every
+:data:`BEAT_S`: ~330k reads a second of one block, above what a client can make): the counters
+are clients' memory, and a client that scribbles over them must not make every block hot."""
+MAX_SLOTS_PER_TAKE = 8192
+"""Most slots one take credits (the most read), so that folding them stays a bounded piece of
+the node's event loop whatever the counters say."""
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 
@@ -142,12 +149,17 @@ class DirectoryWriter:
     def take_reads(self) -> list[tuple[int, int]]:
         """(slot, reads) for every slot clients counted reads on since the last call; resets."""
         hits = self.hits
-        slots = np.flatnonzero(hits)
-        if not slots.size:
+        touched = np.flatnonzero(hits)
+        if not touched.size:
             return []
-        counts = hits[slots].tolist()
-        hits[slots] = 0
-        return list(zip(slots.tolist(), counts, strict=True))
+        counts = np.minimum(hits[touched], MAX_READS_PER_TAKE)
+        hits[touched] = 0
+        listed = np.frombuffer(self._used, dtype=np.uint8)[touched].astype(bool)
+        slots, counts = touched[listed], counts[listed]
+        if slots.size > MAX_SLOTS_PER_TAKE:
+            top = np.argpartition(counts, -MAX_SLOTS_PER_TAKE)[-MAX_SLOTS_PER_TAKE:]
+            slots, counts = slots[top], counts[top]
+        return list(zip(slots.tolist(), counts.tolist(), strict=True))
 
     def close(self) -> None:
         with contextlib.suppress(ValueError, BufferError):

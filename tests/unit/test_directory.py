@@ -130,6 +130,26 @@ def test_clients_map_the_directory_read_only_and_count_reads_the_node_takes_once
         reader.count_read(slot)
     assert writer.take_reads() == [(slot, 3)]
     assert writer.take_reads() == []
+    reader._hits[:] = 0xFFFFFFFF  # a client scribbling over the counters: only listed slots
+    assert writer.take_reads() == [(slot, layout.MAX_READS_PER_TAKE)]  # count, and not beyond
+    assert writer.take_reads() == []
+
+
+def test_one_take_credits_a_bounded_number_of_slots_the_most_read() -> None:
+    writer = DirectoryWriter(1 << 15)
+    try:
+        n = layout.MAX_SLOTS_PER_TAKE + 100
+        slots = [writer.put(f"k/{i}".encode(), i, 1, i, 1) for i in range(n * 2)]
+        listed = [s for s in slots if s >= 0][:n]
+        assert len(listed) == n
+        for rank, slot in enumerate(listed):
+            writer.hits[slot] = rank + 1
+        taken = writer.take_reads()
+        assert len(taken) == layout.MAX_SLOTS_PER_TAKE
+        assert min(count for _, count in taken) == 101  # the 100 least read left out
+        assert not writer.hits.any()
+    finally:
+        writer.close()
 
 
 def test_a_memfd_that_is_not_a_directory_is_refused() -> None:
