@@ -70,6 +70,11 @@ SHM_GET_MIN_BYTES = 64 << 10
 """Over shared memory, smaller blocks are read with GET/MGET frames on the node's unix socket
 (one round trip, the kernel copies the bytes); larger ones are leased and copied out of the
 arena directly (the lease must be given back: one more message)."""
+SHM_GET_BATCH = 8
+"""A read of at least this many keys from one node over shared memory leases every block, small
+ones too: the unix socket's buffer (~200 KiB) makes the node send an MGET's inline bytes in
+pieces, each a wake-up of the reader, while one SHM_GET answers with a table and the release
+is one posted message for the whole batch."""
 SHM_PUT_MIN_BYTES = 64 << 10
 """Over shared memory, smaller blocks are put with a PUT frame (one round trip, the kernel
 copies the bytes) rather than reserved, copied and committed (two round trips)."""
@@ -457,11 +462,13 @@ class NodeRead:
         self.releases: list[int] = []  # shared-memory leases to give back
         inline = items
         if arena is not None:
-            mapped = [it for it in items if it.entry.size_bytes >= SHM_GET_MIN_BYTES]
-            if mapped:
+            if len(items) >= SHM_GET_BATCH:
+                mapped, inline = items, []
+            else:
+                mapped = [it for it in items if it.entry.size_bytes >= SHM_GET_MIN_BYTES]
                 inline = [it for it in items if it.entry.size_bytes < SHM_GET_MIN_BYTES]
-                for chunk in _chunks(mapped, MAX_TABLE_KEYS, 0):
-                    self._add(_table_call(Op.SHM_GET, chunk, SHM_RECORD, sinks=False), chunk)
+            for chunk in _chunks(mapped, MAX_TABLE_KEYS, 0):
+                self._add(_table_call(Op.SHM_GET, chunk, SHM_RECORD, sinks=False), chunk)
         if mget and len(inline) > 1:
             for chunk in _chunks(inline, MGET_MAX_KEYS, MGET_MAX_BYTES):
                 self._add(_table_call(Op.MGET, chunk, MGET_RECORD, sinks=True), chunk)

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import pytest
 
 from kvpool.client.cache import LookupCache
 from kvpool.client.ops import EnsureMembers, Lookup, Read, ReadFlow, ReadStep, drive, read_flow
 from kvpool.client.placement import MemberInfo, Placement
-from kvpool.client.plans import NodeRead, ReadItem
+from kvpool.client.plans import SHM_GET_BATCH, NodeRead, ReadItem
 from kvpool.errors import BlockMissError
 from kvpool.proto.v1 import common_pb2, master_pb2
-from kvpool.proto.wire import TierLevel
+from kvpool.proto.wire import Op, TierLevel
+from kvpool.transports.shm import Arena
 
 DEADLINE = 10.0
 NODE = MemberInfo(member_id=1, node_id="n1", data_address="tcp://n1:1", capacity_bytes=1 << 30)
@@ -411,3 +413,21 @@ def test_a_read_asks_its_node_for_exactly_the_size_the_index_names() -> None:
         "tcp://n1:1", [item("a", 7, 4096), item("b", 0, 0), item("c", 8, 9)], mget=True, arena=None
     )
     assert [c.expects for c in batch.calls] == [[4096, -1, 9]]
+
+
+def test_over_shared_memory_a_batch_leases_every_block_and_a_lone_small_one_comes_inline() -> None:
+    """A batch of SHM_GET_BATCH keys or more: one SHM_GET for all, small blocks too (an MGET's
+    inline bytes would squeeze through the unix socket's small buffer); fewer keys: blocks
+    under SHM_GET_MIN_BYTES come inline (one round trip), larger ones are leased."""
+
+    def item(key: str, size: int) -> ReadItem:
+        e = common_pb2.BlockEntry(key=key, found=True, write_id=7, size_bytes=size)
+        return ReadItem(key, key.encode(), e, sink=None, caller_buffer=False, replicas=[1])
+
+    arena = cast(Arena, object())  # only its presence matters to the plan
+    small = [item(f"s{i}", 4096) for i in range(SHM_GET_BATCH)]
+    batch = NodeRead("shm://n1", small, mget=True, arena=arena)
+    assert [Op(c.op) for c in batch.calls] == [Op.SHM_GET]
+    few = NodeRead("shm://n1", [small[0], small[1], item("big", 1 << 20)], mget=True, arena=arena)
+    assert sorted(Op(c.op).name for c in few.calls) == ["MGET", "SHM_GET"]
+    assert NodeRead("shm://n1", small, mget=True, arena=None).calls[0].op == Op.MGET  # tcp
