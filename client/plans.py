@@ -13,7 +13,8 @@ thread. The judging is here, once:
 * a node that speaks MGET gets one frame for many keys (its answer: one table and the bytes of
   the hits, scattered into their buffers); over shared memory one SHM_GET says where each large
   block lies in the arena, the bytes are copied out here and the leases given back after
-  (small blocks come inline on the node's unix socket);
+  (a lone small block comes inline on the node's unix socket); blocks the node lists in its
+  shared directory are read with no frame at all (:func:`read_listed`);
 * puts are PUT frames over TCP, or a reservation, a copy into the arena and a commit over
   shared memory.
 """
