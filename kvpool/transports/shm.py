@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import mmap
 import os
 import socket
@@ -107,7 +107,7 @@ class Arena:
         self._prefault.start()
 
     def _fill_page_tables(self) -> None:
-        madvise = _libc_madvise()
+        madvise = libc_madvise()
         if madvise is None:
             return
         with self._lock:
@@ -343,12 +343,19 @@ class ShmTransport:
         return ShmBlockingConnection(sock, address, arena, time_left(deadline))
 
 
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise through ctypes (which drops the GIL during the call), or None."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
+@functools.cache
+def libc_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise through ctypes (which drops the GIL during the call), or None; looked up
+    once per process, in the symbols already loaded (``dlopen(NULL)``): never through
+    ``ctypes.util.find_library``, which forks ``ldconfig`` — a fork of a whole engine process."""
+    fn: Any = None
+    for name in (None, "libc.so.6"):
+        try:
+            fn = ctypes.CDLL(name, use_errno=True).madvise
+            break
+        except (OSError, AttributeError):
+            continue
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import mmap
 import os
 import threading
-from collections.abc import Callable
 
 from kvpool.proto.wire import TierLevel
 from kvpool.store_node.allocator import Allocator
+from kvpool.transports.shm import libc_madvise
 
 MEMFD_NAME = "kvpool-cpu-tier"
 MADV_POPULATE_WRITE = 23
@@ -121,7 +120,7 @@ class CpuTier:
         """Fault the whole arena in, chunk by chunk, without the GIL (run it on a worker
         thread; it never changes the bytes). Stops early when ``stop`` is set or the tier is
         closed. Returns the bytes faulted in: 0 where the kernel cannot (before Linux 5.14)."""
-        madvise = _libc_madvise()
+        madvise = libc_madvise()
         if madvise is None:
             return 0
         with self._lock:
@@ -161,17 +160,3 @@ class CpuTier:
                 os.close(self._fd)
             self._fd = None
         return released
-
-
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise through ctypes (which drops the GIL during the call), or None."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    madvise: Callable[[int, int, int], int] = fn
-    return madvise

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
+import mmap
 import random
 import signal
 import socket
@@ -779,3 +781,29 @@ def test_a_payload_just_past_the_threshold_is_not_read_a_header_at_a_time(size: 
         reads += 1
     assert received == payloads
     assert reads <= 2 * len(payloads)  # a header's read, then the rest of its payload
+
+
+def test_madvise_is_found_without_forking_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The arena's page tables are filled through libc's madvise, looked up in what the
+    process has loaded: ``ctypes.util.find_library`` forks ``ldconfig``, and a fork of an
+    engine process (tens of GiB mapped, CUDA) is no small thing in a background thread."""
+    import subprocess
+
+    from kvpool.transports.shm import libc_madvise
+
+    def no_fork(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a subprocess was started to find libc")
+
+    monkeypatch.setattr(subprocess, "Popen", no_fork)
+    libc_madvise.cache_clear()
+    try:
+        madvise = libc_madvise()
+        assert madvise is not None
+        assert libc_madvise() is madvise  # once per process
+        buf = mmap.mmap(-1, 1 << 16)
+        holder = (ctypes.c_char * len(buf)).from_buffer(buf)
+        assert madvise(ctypes.addressof(holder), len(buf), 4) == 0  # MADV_DONTNEED
+        del holder
+        buf.close()
+    finally:
+        libc_madvise.cache_clear()
