@@ -258,7 +258,7 @@ def node_read(address: str, items: list[ReadItem], conn: Any) -> NodeRead:
     the plan then holds only the others, and no call at all when none is left."""
     features = conn.features
     arena = conn_arena(conn)
-    if arena is not None and arena.directory is not None and _node_alive(arena, conn):
+    if arena is not None and _node_alive(arena, conn):
         items = read_listed(items, arena)
     return NodeRead(
         address,
@@ -273,8 +273,8 @@ _CLOSED = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 def _node_alive(arena: Arena, conn: Any) -> bool:
-    """The node renews its directory, and (a blocking connection) has not closed ``conn``:
-    a killed node's memory stays mapped here, but is not read."""
+    """The node offers a directory and renews it, and (a blocking connection) has not closed
+    ``conn``: a killed node's memory stays mapped here, but is not read."""
     directory = arena.directory
     if directory is None or not directory.alive():
         return False

@@ -401,11 +401,14 @@ def read_listed(items: list[ReadItem], arena: Arena) -> list[ReadItem]:
             or (entry.write_id and found.write_id != entry.write_id)
             or (entry.write_id and found.checksum != entry.checksum)
             or (entry.size_bytes and found.size != entry.size_bytes)
-            or found.offset + found.size > arena.size
         ):
             rest.append(it)
             continue
-        extent = arena.view[found.offset : found.offset + found.size]
+        try:
+            extent = arena.extent(found.offset, found.size)
+        except KVPoolError:  # a listing outside the arena: the node is asked
+            rest.append(it)
+            continue
         if it.sink is not None:
             copy_bytes(it.sink, extent)
             data = it.sink

@@ -40,6 +40,7 @@ import xxhash
 MAGIC = b"KVPDIR01"
 HEADER = struct.Struct("<8sQQ")
 """magic, slots, alive_until (CLOCK_MONOTONIC ns)."""
+ALIVE = struct.Struct("<Q")
 ALIVE_AT = 16
 HEADER_BYTES = 64
 BODY = struct.Struct("<16sQQQQ")
@@ -95,9 +96,13 @@ class DirectoryWriter:
         self.slots = slots
         self._buckets = slots // BUCKET_SLOTS
         self._used = bytearray(slots)
-        self.fd = self.hits_fd = -1
         self.fd, self._map = _memfd("kvpool-directory", HEADER_BYTES + slots * SLOT_BYTES)
-        self.hits_fd, self._hits_map = _memfd("kvpool-directory-reads", slots * 4)
+        try:
+            self.hits_fd, self._hits_map = _memfd("kvpool-directory-reads", slots * 4)
+        except BaseException:
+            self._map.close()
+            os.close(self.fd)
+            raise
         self.hits = np.frombuffer(self._hits_map, dtype=np.uint32)
         HEADER.pack_into(self._map, 0, MAGIC, slots, 0)
         seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -144,7 +149,7 @@ class DirectoryWriter:
     def beat(self, alive_for_s: float = ALIVE_S) -> None:
         """Readers may use the directory for ``alive_for_s`` more (0: from now on, not)."""
         until = time.monotonic_ns() + int(alive_for_s * 1e9) if alive_for_s > 0 else 0
-        struct.pack_into("<Q", self._map, ALIVE_AT, until)
+        ALIVE.pack_into(self._map, ALIVE_AT, until)
 
     def take_reads(self) -> list[tuple[int, int]]:
         """(slot, reads) for every slot clients counted reads on since the last call; resets."""
@@ -187,7 +192,7 @@ class DirectoryReader:
             magic, slots, _alive = HEADER.unpack_from(self._map, 0)
             if (
                 magic != MAGIC
-                or slots < BUCKET_SLOTS
+                or not BUCKET_SLOTS <= slots <= MAX_SLOTS
                 or slots & (slots - 1)
                 or size != HEADER_BYTES + slots * SLOT_BYTES
                 or os.fstat(hits_fd).st_size != slots * 4
@@ -202,11 +207,10 @@ class DirectoryReader:
         self.slots = slots
         self._buckets = slots // BUCKET_SLOTS
         self._hits = np.frombuffer(self._hits_map, dtype=np.uint32)
-        self._alive = struct.Struct("<Q")
 
     def alive(self) -> bool:
         """The node renewed the directory within :data:`ALIVE_S`."""
-        until: int = self._alive.unpack_from(self._map, ALIVE_AT)[0]
+        until: int = ALIVE.unpack_from(self._map, ALIVE_AT)[0]
         return time.monotonic_ns() < until
 
     def find(self, key_bytes: bytes) -> Found | None:

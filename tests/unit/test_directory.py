@@ -158,6 +158,18 @@ def test_a_memfd_that_is_not_a_directory_is_refused() -> None:
         os.ftruncate(fd, 1 << 16)
         with pytest.raises(ValueError, match="not a kvpool directory"):
             DirectoryReader(fd, fd)
+        # A header declaring more slots than any node makes, with a file to match: refused
+        # before the counters are mapped.
+        slots = layout.MAX_SLOTS * 2
+        os.ftruncate(fd, layout.HEADER_BYTES + slots * layout.SLOT_BYTES)
+        os.pwrite(fd, layout.HEADER.pack(layout.MAGIC, slots, 0), 0)
+        counters = os.memfd_create("counters")
+        try:
+            os.ftruncate(counters, slots * 4)
+            with pytest.raises(ValueError, match="not a kvpool directory of this layout"):
+                DirectoryReader(fd, counters)
+        finally:
+            os.close(counters)
     finally:
         os.close(fd)
 
@@ -274,6 +286,13 @@ def test_a_client_reads_listed_blocks_and_leaves_the_rest_to_the_node() -> None:
         again = item("a", 100, 5000, block_checksum(values["a"]), sink=True)
         assert read_listed([again], arena) == [again]
         assert not again.ok
+        # A listing that points outside the arena is left to the node, never read.
+        writer = probe.directory.writer
+        writer.put(b"far", arena.size - 10, 100, 0, 1)
+        far = item("far", 0, 0, 0, sink=False)
+        assert read_listed([far], arena) == [far]
+        assert not far.ok
+        assert not far.reasons
     finally:
         arena.close()
         probe.close()
