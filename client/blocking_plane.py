@@ -49,11 +49,14 @@ from kvpool.client.plans import (
     refs_by_node,
 )
 from kvpool.client.rounds import (
+    deliverable,
     next_round,
     out_of_time,
+    probe_deadline,
     put_groups,
     read_queue,
     rounds_left,
+    silent_node,
     still_unread,
     unreached_puts,
     unreached_reads,
@@ -77,8 +80,14 @@ class BlockingDataPlane:
         *,
         connect_timeout_s: float,
         on_node_slow: Callable[[int], None] | None = None,
+        sendable: Callable[[int], bool] | None = None,
+        probing: Callable[[int], bool] | None = None,
+        on_node_answered: Callable[[int], None] | None = None,
     ) -> None:
         self._links = core.links
+        self._sendable = sendable
+        self._probing = probing
+        self._on_node_answered = on_node_answered or (lambda _mid: None)
         self._hedge: HedgePolicy = core.hedge_policy
         self._on_hedge = core.counters.hedged
         self._on_node_slow = on_node_slow or (lambda _mid: None)
@@ -146,7 +155,7 @@ class BlockingDataPlane:
                 return
             round_deadline = now + (deadline - now) / rounds_left(queue)
             sent: list[_Sent] = []
-            by_node = next_round(queue, members)
+            by_node = next_round(queue, members, self._sendable)
             hedging = self._hedge.worth_it(queue)
             # Opening a connection is not hedged (it blocks this thread): with another replica
             # to go to, it may take only the hedge delay.
@@ -232,7 +241,7 @@ class BlockingDataPlane:
         slow = [entry for entry, _ in waiting.values()]
         hedge = Hedge(it for e in slow for it in e[1].items)
         busy = {e[1].address for e in slow}  # asked already: a hedge there would wait too
-        groups = next_round(hedge.clones, members)
+        groups = next_round(hedge.clones, members, self._sendable)
         for address in busy & groups.keys():
             clones, _member = groups.pop(address)
             hedge.forget(clones)
@@ -287,6 +296,9 @@ class BlockingDataPlane:
         *,
         connect_by: float | None = None,
     ) -> tuple[BlockingConnection, NodeRead, MemberInfo] | None:
+        deadline = probe_deadline(deadline, time.monotonic(), member.member_id, self._probing)
+        if connect_by is not None:
+            connect_by = min(connect_by, deadline)
         try:
             conn = self.connection(address, deadline if connect_by is None else connect_by)
         except KVPoolError as e:
@@ -299,6 +311,7 @@ class BlockingDataPlane:
         plan = node_read(address, group, conn)
         if not plan.calls:  # all read through the node's shared directory
             return None
+        plan.sent_at = time.monotonic()
         try:
             conn.send(plan.calls, deadline, trace=trace)
         except KVPoolError as e:
@@ -309,11 +322,13 @@ class BlockingDataPlane:
     def _finish_reads(
         self, conn: BlockingConnection, plan: NodeRead, member: MemberInfo, deadline: float
     ) -> None:
+        deadline = probe_deadline(deadline, plan.sent_at, member.member_id, self._probing)
         try:
             conn.receive(plan.calls, deadline, poll_s=self._poll_s)
         except KVPoolError as e:
             self._failed(plan.address, conn, plan, member, e)
             return
+        self._on_node_answered(member.member_id)
         plan.judge()
         release = plan.release_call()
         try:
@@ -338,41 +353,48 @@ class BlockingDataPlane:
     ) -> None:
         self.discard(address, conn)
         plan.fail_all(error)
-        if not isinstance(error, DeadlineExceededError):
+        waited_s = time.monotonic() - plan.sent_at
+        if not isinstance(error, DeadlineExceededError) or silent_node(error, plan.calls, waited_s):
             self._on_node_failed(member.member_id)
 
     # --- writes ---------------------------------------------------------------------------
 
     def stage(self, items: list[PutItem], deadline: float) -> None:
         """PUT every item to each of its targets (all nodes at once)."""
-        sent: list[tuple[BlockingConnection, NodeStage]] = []
+        sent: list[tuple[BlockingConnection, NodeStage, float, float]] = []
         for address, group in put_groups(items, deadline - time.monotonic()).items():
+            member_id = group[0][1].member_id
+            started = time.monotonic()
+            by = probe_deadline(deadline, started, member_id, self._probing)
             try:
-                conn = self.connection(address, deadline)
+                conn = self.connection(address, by)
             except KVPoolError as e:
                 unreached_puts(group, e)
-                self._on_node_failed(group[0][1].member_id)
+                self._on_node_failed(member_id)
                 continue
             plan = NodeStage(address, group, conn_arena(conn))
             try:
                 for calls in plan.chunks():
-                    conn.send(calls, deadline)
+                    conn.send(calls, by)
             except KVPoolError as e:
                 self.discard(address, conn)
                 plan.fail_all(e, self._on_node_failed)
                 continue
-            sent.append((conn, plan))
-        for conn, plan in sent:
+            sent.append((conn, plan, by, started))
+        for conn, plan, by, started in sent:
             try:
-                conn.receive(plan.calls, deadline)
+                conn.receive(plan.calls, by)
             except KVPoolError as e:
                 self.discard(plan.address, conn)
                 plan.fail_all(e, self._on_node_failed)
+                if silent_node(e, plan.calls, time.monotonic() - started):
+                    self._on_node_failed(plan.group[0][1].member_id)
                 continue
+            self._on_node_answered(plan.group[0][1].member_id)
             plan.judge()
             if plan.commit is not None:
                 try:
-                    conn.exchange([plan.commit], deadline)
+                    conn.exchange([plan.commit], by)
                 except KVPoolError as e:
                     self.discard(plan.address, conn)
                     plan.commit.error = e
@@ -384,8 +406,10 @@ class BlockingDataPlane:
         """PUBLISH or DELETE (failures are ignored). ``wait=False``: the answers are not waited
         for — read and dropped on the way to a later answer on the same connection. A PUBLISH
         waited for is waited for until the node has *handled* it (:func:`ref_rounds`), not
-        until the node's check with the index answers it."""
-        groups = refs_by_node(refs)
+        until the node's check with the index answers it. A DELETE skips the nodes held back
+        (:func:`~kvpool.client.rounds.deliverable`): it is best effort, and a stopped node
+        would make the caller wait for it."""
+        groups = refs_by_node(deliverable(op, refs, self._probing))
         sent = []
         for address, group in groups.items():
             posted, awaited = ref_rounds(op, group, wait)

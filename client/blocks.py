@@ -51,11 +51,14 @@ from kvpool.client.plans import (
     refs_by_node,
 )
 from kvpool.client.rounds import (
+    deliverable,
     next_round,
     out_of_time,
+    probe_deadline,
     put_groups,
     read_queue,
     rounds_left,
+    silent_node,
     still_unread,
     unreached_puts,
     unreached_reads,
@@ -102,8 +105,14 @@ class DataPlane:
         hedge: HedgePolicy | None = None,
         on_node_slow: Callable[[int], None] | None = None,
         on_hedge: Callable[[int, int], None] | None = None,
+        sendable: Callable[[int], bool] | None = None,
+        probing: Callable[[int], bool] | None = None,
+        on_node_answered: Callable[[int], None] | None = None,
     ) -> None:
         self._links = links or Links("auto")
+        self._sendable = sendable
+        self._probing = probing
+        self._on_node_answered = on_node_answered or (lambda _mid: None)
         self._hedge = hedge or HedgePolicy(enabled=False)
         self._on_node_slow = on_node_slow or (lambda _mid: None)
         self._on_hedge = on_hedge or (lambda _sent, _won: None)
@@ -170,7 +179,7 @@ class DataPlane:
                 out_of_time(queue)
                 return
             timeout_s = remaining / rounds_left(queue)
-            groups = next_round(queue, members)
+            groups = next_round(queue, members, self._sendable)
             if len(groups) and self._hedge.worth_it(queue):
                 await self._hedged_round(groups, members, deadline, timeout_s)
             else:
@@ -204,7 +213,7 @@ class DataPlane:
         clones = hedge.clones
         hedge_timeout_s = max(0.0, deadline - loop.time()) / rounds_left(clones)
         second: dict[int, asyncio.Task[None]] = {}
-        for a, (g, m) in next_round(clones, members).items():
+        for a, (g, m) in next_round(clones, members, self._sendable).items():
             task = asyncio.ensure_future(self._read_group(a, g, m, hedge_timeout_s))
             for clone in g:
                 second[id(clone)] = task
@@ -249,21 +258,25 @@ class DataPlane:
         self, address: str, items: list[ReadItem], member: MemberInfo, timeout_s: float
     ) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        conn = await self._connect(address, member, timeout_s)
+        now = loop.time()
+        deadline = probe_deadline(now + timeout_s, now, member.member_id, self._probing)
+        conn = await self._connect(address, member, deadline - now)
         if isinstance(conn, KVPoolError):
             unreached_reads(items, conn)
             return
         plan = node_read(address, items, conn)
         if not plan.calls:  # all read through the node's shared directory
             return
+        plan.sent_at = loop.time()
         try:
             await conn.exchange(plan.calls, deadline - loop.time(), trace=tracing.frame_trace())
         except KVPoolError as e:
             plan.fail_all(e)
-            if not isinstance(e, DeadlineExceededError):
+            waited_s = loop.time() - plan.sent_at
+            if not isinstance(e, DeadlineExceededError) or silent_node(e, plan.calls, waited_s):
                 self._on_node_failed(member.member_id)
             return
+        self._on_node_answered(member.member_id)
         plan.judge()
         release = plan.release_call()
         if release is not None:
@@ -290,7 +303,9 @@ class DataPlane:
         self, address: str, group: list[tuple[PutItem, MemberInfo]], deadline: float
     ) -> None:
         loop = asyncio.get_running_loop()
-        conn = await self._connect(address, group[0][1], deadline - loop.time())
+        now = loop.time()
+        deadline = probe_deadline(deadline, now, group[0][1].member_id, self._probing)
+        conn = await self._connect(address, group[0][1], deadline - now)
         if isinstance(conn, KVPoolError):
             unreached_puts(group, conn)
             return
@@ -299,7 +314,10 @@ class DataPlane:
             await conn.exchange(plan.all_calls(), deadline - loop.time())
         except KVPoolError as e:
             plan.fail_all(e, self._on_node_failed)
+            if silent_node(e, plan.calls, loop.time() - now):
+                self._on_node_failed(group[0][1].member_id)
             return
+        self._on_node_answered(group[0][1].member_id)
         plan.judge()
         if plan.commit is not None:
             try:
@@ -340,7 +358,7 @@ class DataPlane:
         timeout_s = deadline - loop.time()
         if timeout_s <= 0:
             return
-        groups = refs_by_node(refs)
+        groups = refs_by_node(deliverable(op, refs, self._probing))
 
         async def group(address: str, group_refs: list[BlockRef]) -> None:
             posted, awaited = ref_rounds(op, group_refs, wait=True)

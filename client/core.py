@@ -77,6 +77,9 @@ class ClientCore(ClientState):
             hedge=self.hedge_policy,
             on_node_slow=self._node_slow,
             on_hedge=self._stats.hedged,
+            sendable=self._sendable,
+            probing=self._placement.probing,
+            on_node_answered=self._placement.node_answered,
         )
         self._committer = AsyncCommitter(self._commit_rpc, lambda: state_module.MAX_COMMIT_ENTRIES)
         self._members_lock = asyncio.Lock()
@@ -489,6 +492,9 @@ class ClientCore(ClientState):
 
     def _node_failed(self, member_id: int) -> None:
         self._placement.node_failed(member_id, asyncio.get_running_loop().time())
+
+    def _sendable(self, member_id: int) -> bool:
+        return self._placement.sendable(member_id, asyncio.get_running_loop().time())
 
     def _node_slow(self, member_id: int) -> None:
         self._placement.node_slow(member_id, asyncio.get_running_loop().time())

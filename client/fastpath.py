@@ -72,6 +72,9 @@ class SyncPath(ClientState):
             lambda mid: placement.node_failed(mid, time.monotonic()),
             connect_timeout_s=self.attempt_timeout_s,
             on_node_slow=lambda mid: placement.node_slow(mid, time.monotonic()),
+            sendable=lambda mid: placement.sendable(mid, time.monotonic()),
+            probing=placement.probing,
+            on_node_answered=placement.node_answered,
         )
         self._committer = SyncCommitter(self._commit_rpc, lambda: state_module.MAX_COMMIT_ENTRIES)
         self._members_lock = threading.Lock()

@@ -382,8 +382,9 @@ def put_flow(
     for _attempt in range(MAX_PUT_ATTEMPTS):
         yield EnsureMembers()
         ring_version = placement.ring_version or 0
+        now = clock()
         for item, write_id in zip(pending, new_write_ids(len(pending)), strict=True):
-            item.restart(write_id, placement.place(item.key_bytes, replicas))
+            item.restart(write_id, placement.targets(item.key_bytes, replicas, now))
         yield Stage(pending, send_deadline)
         staged = [it for it in pending if it.acked]
         if not staged:

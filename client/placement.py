@@ -16,6 +16,14 @@ on it. It stays among the members, so the replicas a lookup names on it are stil
 
 A node that failed is also *suspect* for ``suspect_s``: reads try its replicas last
 (:meth:`Placement.read_order`), so a node that died and is not yet declared down costs little.
+
+And it is *held back* (a circuit breaker): for ``retry_s`` after it failed, the client sends it
+nothing (:meth:`Placement.sendable`) — a read of a block held only there misses at once, a put
+goes to the next member on the ring (:meth:`Placement.targets`) — then one request, the probe;
+its answer (:meth:`Placement.node_answered`) ends the hold, its failure starts another. A node
+that is stopped or wedged (a long GC pause, a frozen VM, a full disk's stalled writes) but not
+yet declared down by the masters then costs each client one deadline per ``retry_s``, not one
+per call that touches it.
 """
 
 from __future__ import annotations
@@ -72,12 +80,15 @@ class Placement:
         *,
         min_refresh_interval_s: float = 0.5,
         suspect_s: float = 2.0,
+        retry_s: float = 1.0,
         is_local: Callable[[str], bool] | None = None,
     ) -> None:
         self.is_local: Callable[[str], bool] = is_local or (lambda address: False)
         self._min_refresh_interval_s = min_refresh_interval_s
         self._suspect_s = suspect_s
         self._suspect_until: dict[int, float] = {}
+        self._retry_s = retry_s
+        self._held: dict[int, float] = {}  # member -> when it may be sent its next probe
         self._ring: HashRing | None = None
         self._members: dict[int, MemberInfo] = {}
         self._stale = True
@@ -140,6 +151,49 @@ class Placement:
             )
         return [members[mid] for mid in ring.place(key, replicas)]
 
+    def targets(self, key: bytes, replicas: int, now_s: float) -> list[MemberInfo]:
+        """Where a put of ``key`` goes: :meth:`place`'s members, each one held back
+        (:meth:`sendable`) replaced by the next member on the ring that is not — as many as
+        there are; held-back ones fill the rest (a put that cannot be placed elsewhere still
+        tries them). NoNodesError as :meth:`place`."""
+        if not self._held:
+            return self.place(key, replicas)
+        ring, held = self._ring, self._held
+        everyone = self.place(key, len(ring) if ring is not None else replicas)
+        ready = [m for m in everyone if held.get(m.member_id, -math.inf) <= now_s]
+        if len(ready) < replicas:  # too few left: every one that is, then the held ones
+            ready += [m for m in everyone if held.get(m.member_id, -math.inf) > now_s]
+        chosen = ready[:replicas]
+        for m in chosen:
+            self.sendable(m.member_id, now_s)  # a held one chosen is its probe
+        return chosen
+
+    def sendable(self, member_id: int, now_s: float) -> bool:
+        """Whether to send this member a request now: yes, unless it failed one less than
+        ``retry_s`` ago and has not answered since; once that time is up, yes for one request
+        (the probe; the next one is due ``retry_s`` later)."""
+        if member_id not in self._held:
+            return True
+        with self._lock:
+            due = self._held.get(member_id)
+            if due is None:
+                return True
+            if now_s < due:
+                return False
+            self._held[member_id] = now_s + self._retry_s
+            return True
+
+    def probing(self, member_id: int) -> bool:
+        """Whether a request sent to this member now is a probe (it is held back): the planes
+        give a probe only :data:`~kvpool.client.rounds.PROBE_WAIT_S` to be answered."""
+        return member_id in self._held
+
+    def node_answered(self, member_id: int) -> None:
+        """This member answered a request: it is no longer held back."""
+        if member_id in self._held:
+            with self._lock:
+                self._held.pop(member_id, None)
+
     def read_order(self, replicas: Sequence[int], now_s: float, start: int = 0) -> list[int]:
         """The order to try ``replicas`` in: members that failed recently last; before them,
         replicas on this host (``is_local``: read through shared memory) first; the rest
@@ -179,6 +233,7 @@ class Placement:
             placeable = (m.ring_member() for m in fresh.values() if not m.draining)
             ring = HashRing(placeable, ring_version)
             self._ring, self._members = ring, fresh
+            self._held = {m: t for m, t in self._held.items() if m in fresh}
             return True
 
     def observe_ring_version(self, ring_version: int) -> None:
@@ -200,9 +255,13 @@ class Placement:
             self._suspect_until[member_id] = now_s + self._suspect_s
 
     def node_failed(self, member_id: int, now_s: float) -> None:
-        """A data-plane request to this member failed: it may have left the ring."""
+        """A data-plane request to this member failed (could not connect, a broken connection,
+        or no answer at all in the time it had): it may have left the ring; held back for
+        ``retry_s`` (0: never)."""
         with self._lock:
             self._suspect_until[member_id] = now_s + self._suspect_s
+            if self._retry_s > 0:
+                self._held[member_id] = now_s + self._retry_s
             if len(self._suspect_until) > 4 * max(16, len(self._members)):
                 self._suspect_until = {m: t for m, t in self._suspect_until.items() if t > now_s}
         if member_id not in self._members:

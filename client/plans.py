@@ -459,6 +459,7 @@ class NodeRead:
         self.address = address
         self.items = items
         self.arena = arena
+        self.sent_at = 0.0  # when the plane sent :attr:`calls` (its clock)
         self.calls: list[Call] = []
         self._groups: list[list[ReadItem]] = []
         self.followups: list[Call] = []  # single GETs for blocks the node deferred

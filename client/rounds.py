@@ -12,11 +12,13 @@ that could not be reached — is decided here too; the planes open, send, wait a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 from kvpool.client.placement import MemberInfo
-from kvpool.client.plans import PutItem, ReadItem, transport_failure
+from kvpool.client.plans import BlockRef, PutItem, ReadItem, transport_failure
 from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
+from kvpool.proto.wire import Op
+from kvpool.transports.calls import Call
 
 ReadGroups = dict[str, tuple[list[ReadItem], MemberInfo]]
 """A round's reads by node address: the node's keys and its member."""
@@ -64,10 +66,16 @@ def _rounds_of(it: ReadItem) -> int:
     return len(it.replicas) - it.next + (not it.entry.write_id)
 
 
-def next_round(queue: list[ReadItem], members: Callable[[int], MemberInfo | None]) -> ReadGroups:
-    """The next replica of every queued item, grouped by node address (items whose next
-    member is unknown fail as node_down)."""
+def next_round(
+    queue: list[ReadItem],
+    members: Callable[[int], MemberInfo | None],
+    sendable: Callable[[int], bool] | None = None,
+) -> ReadGroups:
+    """The next replica of every queued item, grouped by node address. Items whose next member
+    is unknown fail as node_down, and so do those whose member is held back (``sendable``:
+    asked once per member and round, see :meth:`~kvpool.client.placement.Placement.sendable`)."""
     groups: ReadGroups = {}
+    held: dict[int, bool] = {}
     for it in queue:
         member_id = it.replicas[it.next]
         it.next += 1
@@ -78,6 +86,19 @@ def next_round(queue: list[ReadItem], members: Callable[[int], MemberInfo | None
                 UnavailableError(f"block {it.key!r}: member {member_id} is not live"),
             )
             continue
+        if sendable is not None:
+            go = held.get(member_id)
+            if go is None:
+                go = held[member_id] = sendable(member_id)
+            if not go:
+                it.fail(
+                    "node_down",
+                    UnavailableError(
+                        f"block {it.key!r}: node {member.node_id} failed a request moments "
+                        "ago; not asked again until its retry time"
+                    ),
+                )
+                continue
         group = groups.get(member.data_address)
         if group is None:
             groups[member.data_address] = ([it], member)
@@ -95,6 +116,51 @@ def still_unread(queue: list[ReadItem], on_retry: Callable[[int], None] | None) 
     if queue and on_retry is not None:
         on_retry(len(queue))
     return queue
+
+
+NO_ANSWER_S = 0.1
+"""How long a node may leave a read or a put wholly unanswered before the client takes it for a
+node that stopped, not a slow one, and holds it back (:meth:`~kvpool.client.placement.Placement.
+sendable`): a node answers a read's header in well under a millisecond. A shorter wait says
+nothing of the node (the call's time was nearly spent)."""
+
+
+PROBE_WAIT_S = 0.25
+"""The longest a request to a held-back node (its probe) waits for an answer: a node that is
+back answers in a few milliseconds, and the call the probe belongs to, a miss or a failed put if
+it does not, should not wait out its whole deadline on a node that is likely still stopped."""
+
+
+def probe_deadline(
+    deadline: float, now: float, member_id: int, probing: Callable[[int], bool] | None
+) -> float:
+    """``deadline``, or sooner for a probe (:data:`PROBE_WAIT_S` from ``now``)."""
+    if probing is not None and probing(member_id):
+        return min(deadline, now + PROBE_WAIT_S)
+    return deadline
+
+
+def deliverable(
+    op: Op, refs: Iterable[BlockRef], held: Callable[[int], bool] | None
+) -> Iterable[BlockRef]:
+    """The refs a PUBLISH or DELETE goes to: all of them, but a DELETE leaves out the members
+    ``held`` back — it is best effort (a block the index no longer names is never read through
+    it, and the node reclaims it under pressure), and waiting on a stopped node would hold up
+    the put or remove that sends it."""
+    if op != Op.DELETE or held is None:
+        return refs
+    return [ref for ref in refs if not held(ref.member.member_id)]
+
+
+def silent_node(error: KVPoolError, calls: Sequence[Call], waited_s: float) -> bool:
+    """Whether a read or put that failed with ``error`` after ``waited_s`` says its node stopped
+    answering: its deadline passed after at least :data:`NO_ANSWER_S` with not one answer
+    begun. Any other failure but a deadline says so too (the planes' own test)."""
+    return (
+        isinstance(error, DeadlineExceededError)
+        and waited_s >= NO_ANSWER_S
+        and all(call.header is None for call in calls)
+    )
 
 
 def unreached_reads(items: list[ReadItem], error: KVPoolError) -> None:

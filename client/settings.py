@@ -79,7 +79,12 @@ def make_config(
     raise ConfigError("invalid client configuration:\n  " + "\n  ".join(errors))
 
 
-_UNITS = {"timeout_s": "seconds", "lookup_cache_ttl_s": "seconds", "hedge_delay_ms": "milliseconds"}
+_UNITS = {
+    "timeout_s": "seconds",
+    "lookup_cache_ttl_s": "seconds",
+    "hedge_delay_ms": "milliseconds",
+    "node_retry_ms": "milliseconds",
+}
 
 
 class ClientConstructor:
@@ -101,6 +106,7 @@ class ClientConstructor:
         lookup_cache_ttl_s: float = DEFAULTS.lookup_cache_ttl_s,
         hedge_reads: bool = DEFAULTS.hedge_reads,
         hedge_delay_ms: float = DEFAULTS.hedge_delay_ms,
+        node_retry_ms: float = DEFAULTS.node_retry_ms,
         metrics_port: int = DEFAULTS.metrics_port,
         metrics_host: str = DEFAULTS.metrics_host,
         cluster_token: str = DEFAULTS.cluster_token,
@@ -122,6 +128,10 @@ class ClientConstructor:
         ``KVPOOL_CLUSTER_TOKEN_FILE`` and ``KVPOOL_TLS_*`` environment variables.
         ``hedge_reads``: a read whose replica has not answered after ``hedge_delay_ms`` (plus
         1 ms per MB read) is also sent to the key's next replica; the first good answer wins.
+        ``node_retry_ms``: a node that failed a request (no connection, or no answer at all)
+        is sent nothing for that long, then one request tries it again: meanwhile a read of
+        a block held only there misses at once and a put goes to the next node on the ring
+        (0: every call tries it, waiting out its deadline on a stopped node).
         ``metrics_port``: serve this client's Prometheus /metrics on ``metrics_host``
         (127.0.0.1; 0: any free port, see :attr:`metrics_address`; -1: off; an AsyncClient
         serves it from ``async with`` or ``start_metrics()``). ``max_tier`` (gpu, cpu, ssd):

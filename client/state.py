@@ -372,7 +372,9 @@ class ClientState:
         self.routing = routing or MasterRouting(config.masters)
         self.links = Links(config.transport)
         self.hedge_policy = HedgePolicy(config.hedge_reads, config.hedge_delay_ms / 1000)
-        self._placement = Placement(is_local=self.links.is_local)
+        self._placement = Placement(
+            retry_s=config.node_retry_ms / 1000, is_local=self.links.is_local
+        )
         self.cache = LookupCache(config.lookup_cache_size, config.lookup_cache_ttl_s)
         self.floor = RevisionFloor()
         self._stats = ClientStats()

@@ -618,6 +618,12 @@ class ClientConfig(SecurityConfig):
         10.0,
         "how long a read waits for its replica before hedging, plus 1 ms per MB it reads",
     )
+    node_retry_ms: float = opt(
+        1000.0,
+        "after a request to a node fails (no connection, a broken one, or no answer at all), "
+        "how long the client sends that node nothing before one request tries it again: reads "
+        "of blocks held only there miss at once, puts go to the next node on the ring (0: off)",
+    )
     metrics_port: int = opt(
         -1, "Prometheus /metrics of this client: -1 = off (default), 0 = any free port, or a port"
     )
@@ -656,6 +662,8 @@ class ClientConfig(SecurityConfig):
             errors.append("timeout_s: must be positive")
         if self.hedge_delay_ms < 0:
             errors.append("hedge_delay_ms: must not be negative")
+        if not 0 <= self.node_retry_ms <= 600_000:
+            errors.append("node_retry_ms: must be between 0 (off) and 600000")
         if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
             errors.append(f"busy_poll_us: must be between 0 and {MAX_BUSY_POLL_US}")
         if self.replicas < 1:

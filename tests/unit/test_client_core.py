@@ -678,13 +678,54 @@ def test_node_that_never_answers_costs_one_deadline(
     elapsed = time.monotonic() - start
     assert 0.4 < elapsed < 0.5 + 0.3
     assert kv.stats["misses_by_reason"]["timeout"] == 1
+    # Held back now (node_retry_ms): the next read of a block held only there misses at once.
     start = time.monotonic()
-    with pytest.raises(DeadlineExceededError):
+    with pytest.raises(UnavailableError, match="failed a request moments ago"):
         kv.get("blk", strict=True)
-    assert time.monotonic() - start < 0.8
+    assert time.monotonic() - start < 0.1
     start = time.monotonic()
     assert kv.put("other", b"y") is False
     assert time.monotonic() - start < 0.8
+
+
+def test_a_silent_node_is_held_back_then_tried_again(
+    client_factory: Callable[..., Client], cluster: FakeCluster
+) -> None:
+    # A node that stops answering (SIGSTOP, a frozen VM) costs one deadline, then nothing for
+    # node_retry_ms; after that one read tries it, and once it answers it is read as before.
+    kv = client_factory(timeout_s=0.5, node_retry_ms=600)
+    assert kv.put("blk", b"x" * 4096)
+    for node in cluster.nodes:
+        node.silent = True
+    start = time.monotonic()
+    assert kv.get("blk") is None
+    assert time.monotonic() - start > 0.4  # the first read waits out its deadline
+    quick = []
+    for _ in range(20):
+        start = time.monotonic()
+        assert kv.get("blk") is None
+        quick.append(time.monotonic() - start)
+    assert max(quick) < 0.1
+    assert kv.stats["misses_by_reason"]["node_down"] == 20
+    for node in cluster.nodes:
+        node.silent = False
+    time.sleep(0.65)
+    assert kv.get("blk") == b"x" * 4096  # the probe: answered, the hold ends
+    assert kv.get("blk") == b"x" * 4096
+
+
+def test_without_node_retry_every_read_waits_for_a_silent_node(
+    client_factory: Callable[..., Client], cluster: FakeCluster
+) -> None:
+    kv = client_factory(timeout_s=0.3, node_retry_ms=0)
+    assert kv.put("blk", b"x" * 4096)
+    for node in cluster.nodes:
+        node.silent = True
+    for _ in range(2):
+        start = time.monotonic()
+        assert kv.get("blk") is None
+        assert time.monotonic() - start > 0.25
+    assert kv.stats["misses_by_reason"]["timeout"] == 2
 
 
 def test_opening_a_connection_is_bounded_by_the_calls_deadline_not_once_per_step(
@@ -882,6 +923,47 @@ def test_placement_refreshes_on_newer_ring_and_node_failure() -> None:
     p.mark_stale(5)
     assert p.update(_members(1, 3), ring_version=5, now_s=2.0)
     assert [m.member_id for m in p.members] == [1, 3]
+
+
+def test_a_failed_node_is_held_back_then_probed_once_per_retry_time() -> None:
+    p = Placement(retry_s=1.0)
+    p.update(_members(1, 2, 3), ring_version=1, now_s=0.0)
+    assert p.sendable(2, now_s=0.0)
+    p.node_failed(2, now_s=10.0)
+    assert not p.sendable(2, now_s=10.5)
+    assert p.sendable(1, now_s=10.5)  # the others are not held
+    assert p.sendable(2, now_s=11.0)  # the probe
+    assert not p.sendable(2, now_s=11.1)  # one probe per retry time
+    assert p.sendable(2, now_s=12.0)
+    p.node_answered(2)
+    assert p.sendable(2, now_s=12.1)
+    assert p.sendable(2, now_s=12.1)
+    p.node_failed(3, now_s=20.0)
+    p.update(_members(1, 2), ring_version=2, now_s=20.5)  # 3 left: forgotten
+    assert p._held == {}
+    off = Placement(retry_s=0.0)
+    off.update(_members(1), ring_version=1, now_s=0.0)
+    off.node_failed(1, now_s=1.0)
+    assert off.sendable(1, now_s=1.0)
+
+
+def test_puts_go_around_a_held_node_unless_none_is_left() -> None:
+    p = Placement(retry_s=1.0)
+    p.update(_members(1, 2, 3), ring_version=1, now_s=0.0)
+    key = next(k for k in (f"k{i}".encode() for i in range(100)) if p.place(k, 1)[0].member_id == 2)
+    ring = [m.member_id for m in p.place(key, 3)]
+    assert [m.member_id for m in p.targets(key, 2, now_s=0.0)] == ring[:2]
+    p.node_failed(2, now_s=10.0)
+    assert [m.member_id for m in p.targets(key, 1, now_s=10.2)] == [ring[1]]
+    assert [m.member_id for m in p.targets(key, 2, now_s=10.2)] == ring[1:]
+    assert p.place(key, 1)[0].member_id == 2  # reads by content still look where the ring says
+    # Its retry time up, the first put placed there is the probe; the next goes around again.
+    assert [m.member_id for m in p.targets(key, 1, now_s=11.0)] == [2]
+    assert [m.member_id for m in p.targets(key, 1, now_s=11.1)] == [ring[1]]
+    for m in (1, 3):
+        p.node_failed(m, now_s=11.2)
+    # Every node held: the put still goes where the ring says (better tried than refused).
+    assert [m.member_id for m in p.targets(key, 1, now_s=11.3)] == [2]
 
 
 def test_read_order_rotates_and_puts_suspects_last() -> None:

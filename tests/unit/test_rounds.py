@@ -15,12 +15,15 @@ from kvpool.client.rounds import (
     put_groups,
     read_queue,
     rounds_left,
+    silent_node,
     still_unread,
     unreached_puts,
     unreached_reads,
 )
 from kvpool.errors import DeadlineExceededError, KVPoolError, TransportError, UnavailableError
 from kvpool.proto.v1 import common_pb2
+from kvpool.proto.wire import Op
+from kvpool.transports.calls import Call
 
 A = MemberInfo(1, "node-a", "tcp://a:1", 1 << 30)
 B = MemberInfo(2, "node-b", "tcp://b:1", 1 << 30)
@@ -138,3 +141,31 @@ def test_keys_a_slow_node_never_answered_fail_as_a_timeout_there() -> None:
     assert answered.reasons == []
     assert silent.reasons == ["timeout"]
     assert str(silent.errors[0]).startswith("tcp://a:1: 'b': no answer (hedged)")
+
+
+def test_a_held_node_is_asked_once_a_round_and_its_keys_go_on_to_their_next_replica() -> None:
+    asked: list[int] = []
+
+    def sendable(member_id: int) -> bool:
+        asked.append(member_id)
+        return member_id != 1
+
+    only_a, a_then_b, b = item("x", [1]), item("y", [1, 2]), item("z", [2])
+    groups = next_round([only_a, a_then_b, b], LIVE.get, sendable)
+    assert sorted(asked) == [1, 2]  # once per member, not per key
+    assert list(groups) == ["tcp://b:1"]
+    assert groups["tcp://b:1"][0] == [b]
+    assert only_a.reasons == a_then_b.reasons == ["node_down"]
+    assert "failed a request moments ago" in str(only_a.errors[0])
+    assert still_unread([only_a, a_then_b, b], None) == [a_then_b]  # B, next round
+    assert next_round([a_then_b], LIVE.get, sendable)["tcp://b:1"][0] == [a_then_b]
+
+
+def test_only_a_read_left_wholly_unanswered_for_a_while_says_the_node_stopped() -> None:
+    late = DeadlineExceededError("no answer in time")
+    calls = [Call(Op.GET, b"k"), Call(Op.GET, b"l")]
+    assert silent_node(late, calls, waited_s=0.5)
+    assert not silent_node(late, calls, waited_s=0.01)  # the call's time was nearly spent
+    assert not silent_node(TransportError("reset"), calls, waited_s=0.5)
+    calls[1].header = object()  # type: ignore[assignment]  # one answer begun: a slow node
+    assert not silent_node(late, calls, waited_s=0.5)
