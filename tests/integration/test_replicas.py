@@ -273,7 +273,7 @@ def test_a_stopped_node_costs_one_deadline_then_misses_at_once_and_puts_go_aroun
     cluster = cluster_factory(masters=1, nodes=2, cpu_cache_size="64MiB", node_timeout_s=6.0)
     victim = cluster.node_names[0]
     keys = [f"stopped/{i}" for i in range(16)]
-    settings = {"timeout_s": 0.8, "transport": "tcp", "node_retry_ms": 500}
+    settings: dict[str, Any] = {"timeout_s": 0.8, "transport": "tcp", "node_retry_ms": 500}
 
     def scenario(kv: Any) -> None:
         assert all(kv.batch_put([(k, _value(k)) for k in keys]))
