@@ -557,7 +557,10 @@ def test_a_corrupting_link_turns_reads_into_misses_never_wrong_bytes(
 ) -> None:
     values = {f"corrupt/{i}": os.urandom(20_000 + i) for i in range(12)}
     proxy = proxied.link_of("node-1")
-    with Client(proxied.masters_for_clients(), timeout_s=1.0) as kv:
+    # node_retry_ms=0: every read goes through the corrupting link (a garbled frame breaks the
+    # connection, which would otherwise hold the node back and make the later reads quick
+    # node_down misses before any payload reached the checksum check this test is about).
+    with Client(proxied.masters_for_clients(), timeout_s=1.0, node_retry_ms=0) as kv:
         assert all(kv.put(k, v) for k, v in values.items())
         assert kv.get("corrupt/0") == values["corrupt/0"]
         before = proxy.stats().get("corrupted", 0)
