@@ -54,6 +54,7 @@ def client_families(stats: ClientStats) -> Iterator[Metric]:
         ("kvpool_client_ring_refreshes", "ring_refreshes", "placement ring refreshes"),
         ("kvpool_client_hedged_reads", "hedged_reads", "keys also read from a second replica"),
         ("kvpool_client_hedge_wins", "hedge_wins", "keys the hedged second read served"),
+        ("kvpool_client_node_holds", "node_holds", "times a node was held back after it failed"),
     ):
         family = counter(name, doc)
         family.add_metric([], float(snap[key]))

@@ -82,7 +82,9 @@ class Placement:
         suspect_s: float = 2.0,
         retry_s: float = 1.0,
         is_local: Callable[[str], bool] | None = None,
+        on_hold: Callable[[int], None] | None = None,
     ) -> None:
+        self._on_hold = on_hold
         self.is_local: Callable[[str], bool] = is_local or (lambda address: False)
         self._min_refresh_interval_s = min_refresh_interval_s
         self._suspect_s = suspect_s
@@ -258,10 +260,14 @@ class Placement:
         """A data-plane request to this member failed (could not connect, a broken connection,
         or no answer at all in the time it had): it may have left the ring; held back for
         ``retry_s`` (0: never)."""
+        newly = False
         with self._lock:
             self._suspect_until[member_id] = now_s + self._suspect_s
             if self._retry_s > 0:
+                newly = member_id not in self._held
                 self._held[member_id] = now_s + self._retry_s
+        if newly and self._on_hold is not None:
+            self._on_hold(member_id)
             if len(self._suspect_until) > 4 * max(16, len(self._members)):
                 self._suspect_until = {m: t for m, t in self._suspect_until.items() if t > now_s}
         if member_id not in self._members:

@@ -372,12 +372,14 @@ class ClientState:
         self.routing = routing or MasterRouting(config.masters)
         self.links = Links(config.transport)
         self.hedge_policy = HedgePolicy(config.hedge_reads, config.hedge_delay_ms / 1000)
+        self._stats = ClientStats()
         self._placement = Placement(
-            retry_s=config.node_retry_ms / 1000, is_local=self.links.is_local
+            retry_s=config.node_retry_ms / 1000,
+            is_local=self.links.is_local,
+            on_hold=self._stats.node_held,
         )
         self.cache = LookupCache(config.lookup_cache_size, config.lookup_cache_ttl_s)
         self.floor = RevisionFloor()
-        self._stats = ClientStats()
         self.metrics = ClientMetrics(self._stats)
         self._closed = False
         self._default_limit = tier_limit(config.max_tier)

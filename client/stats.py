@@ -59,6 +59,11 @@ class ClientStats:
         self._hedge_wins = 0
         self._direct_hits = 0
         self._direct_misses = 0
+        self._node_holds = 0
+
+    def node_held(self, _member_id: int) -> None:
+        with self._lock:
+            self._node_holds += 1
 
     def direct(self, hits: int, misses: int) -> None:
         with self._lock:
@@ -102,7 +107,8 @@ class ClientStats:
         also asked of a second replica because the first was slow), ``hedge_wins`` (keys the
         second replica served), ``direct_hits`` / ``direct_misses`` (keys read by content from
         their ring node with no Lookup first, and those that missed there and were looked
-        up)."""
+        up), ``node_holds`` (times a node that failed a request was held back: see
+        ``node_retry_ms``)."""
         with self._lock:
             return {
                 "hits": self._hits,
@@ -117,4 +123,5 @@ class ClientStats:
                 "hedge_wins": self._hedge_wins,
                 "direct_hits": self._direct_hits,
                 "direct_misses": self._direct_misses,
+                "node_holds": self._node_holds,
             }

@@ -707,6 +707,7 @@ def test_a_silent_node_is_held_back_then_tried_again(
         quick.append(time.monotonic() - start)
     assert max(quick) < 0.1
     assert kv.stats["misses_by_reason"]["node_down"] == 20
+    assert kv.stats["node_holds"] == 1
     for node in cluster.nodes:
         node.silent = False
     time.sleep(0.65)
