@@ -78,7 +78,7 @@ class ClientCore(ClientState):
             on_node_slow=self._node_slow,
             on_hedge=self._stats.hedged,
             sendable=self._sendable,
-            probing=self._placement.probing,
+            probing=self._placement.held.__contains__,
             on_node_answered=self._placement.node_answered,
         )
         self._committer = AsyncCommitter(self._commit_rpc, lambda: state_module.MAX_COMMIT_ENTRIES)
@@ -494,7 +494,10 @@ class ClientCore(ClientState):
         self._placement.node_failed(member_id, asyncio.get_running_loop().time())
 
     def _sendable(self, member_id: int) -> bool:
-        return self._placement.sendable(member_id, asyncio.get_running_loop().time())
+        placement = self._placement
+        return member_id not in placement.held or placement.sendable(
+            member_id, asyncio.get_running_loop().time()
+        )
 
     def _node_slow(self, member_id: int) -> None:
         self._placement.node_slow(member_id, asyncio.get_running_loop().time())

@@ -67,13 +67,14 @@ class SyncPath(ClientState):
             busy_poll_s=config.busy_poll_us / 1e6,
         )
         placement = self._placement  # the callbacks hold the placement, not the client
+        held = placement.held
         self._data = BlockingDataPlane(
             self,
             lambda mid: placement.node_failed(mid, time.monotonic()),
             connect_timeout_s=self.attempt_timeout_s,
             on_node_slow=lambda mid: placement.node_slow(mid, time.monotonic()),
-            sendable=lambda mid: placement.sendable(mid, time.monotonic()),
-            probing=placement.probing,
+            sendable=lambda mid: mid not in held or placement.sendable(mid, time.monotonic()),
+            probing=held.__contains__,
             on_node_answered=placement.node_answered,
         )
         self._committer = SyncCommitter(self._commit_rpc, lambda: state_module.MAX_COMMIT_ENTRIES)

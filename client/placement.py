@@ -185,10 +185,12 @@ class Placement:
             self._held[member_id] = now_s + self._retry_s
             return True
 
-    def probing(self, member_id: int) -> bool:
-        """Whether a request sent to this member now is a probe (it is held back): the planes
-        give a probe only :data:`~kvpool.client.rounds.PROBE_WAIT_S` to be answered."""
-        return member_id in self._held
+    @property
+    def held(self) -> dict[int, float]:
+        """The members held back now (and when each may be probed): the one dict, for the
+        planes' quick ``member_id in held`` (a request sent to a held member is a probe, given
+        only :data:`~kvpool.client.rounds.PROBE_WAIT_S`). Read it, never change it."""
+        return self._held
 
     def node_answered(self, member_id: int) -> None:
         """This member answered a request: it is no longer held back."""
@@ -235,7 +237,8 @@ class Placement:
             placeable = (m.ring_member() for m in fresh.values() if not m.draining)
             ring = HashRing(placeable, ring_version)
             self._ring, self._members = ring, fresh
-            self._held = {m: t for m, t in self._held.items() if m in fresh}
+            for gone in [m for m in self._held if m not in fresh]:
+                del self._held[gone]  # in place: :attr:`held` is handed out
             return True
 
     def observe_ring_version(self, ring_version: int) -> None:
