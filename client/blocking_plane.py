@@ -49,10 +49,10 @@ from kvpool.client.plans import (
     refs_by_node,
 )
 from kvpool.client.rounds import (
+    PROBE_WAIT_S,
     deliverable,
     next_round,
     out_of_time,
-    probe_deadline,
     put_groups,
     read_queue,
     rounds_left,
@@ -86,7 +86,7 @@ class BlockingDataPlane:
     ) -> None:
         self._links = core.links
         self._sendable = sendable
-        self._probing = probing
+        self._probing: Callable[[int], bool] = probing or (lambda _mid: False)
         self._on_node_answered = on_node_answered or (lambda _mid: None)
         self._hedge: HedgePolicy = core.hedge_policy
         self._on_hedge = core.counters.hedged
@@ -296,9 +296,11 @@ class BlockingDataPlane:
         *,
         connect_by: float | None = None,
     ) -> tuple[BlockingConnection, NodeRead, MemberInfo] | None:
-        deadline = probe_deadline(deadline, time.monotonic(), member.member_id, self._probing)
-        if connect_by is not None:
-            connect_by = min(connect_by, deadline)
+        held = self._probing(member.member_id)  # a probe: PROBE_WAIT_S at most
+        if held:
+            deadline = min(deadline, time.monotonic() + PROBE_WAIT_S)
+            if connect_by is not None:
+                connect_by = min(connect_by, deadline)
         try:
             conn = self.connection(address, deadline if connect_by is None else connect_by)
         except KVPoolError as e:
@@ -322,13 +324,16 @@ class BlockingDataPlane:
     def _finish_reads(
         self, conn: BlockingConnection, plan: NodeRead, member: MemberInfo, deadline: float
     ) -> None:
-        deadline = probe_deadline(deadline, plan.sent_at, member.member_id, self._probing)
+        held = self._probing(member.member_id)
+        if held:
+            deadline = min(deadline, plan.sent_at + PROBE_WAIT_S)
         try:
             conn.receive(plan.calls, deadline, poll_s=self._poll_s)
         except KVPoolError as e:
             self._failed(plan.address, conn, plan, member, e)
             return
-        self._on_node_answered(member.member_id)
+        if held:
+            self._on_node_answered(member.member_id)
         plan.judge()
         release = plan.release_call()
         try:
@@ -365,7 +370,7 @@ class BlockingDataPlane:
         for address, group in put_groups(items, deadline - time.monotonic()).items():
             member_id = group[0][1].member_id
             started = time.monotonic()
-            by = probe_deadline(deadline, started, member_id, self._probing)
+            by = min(deadline, started + PROBE_WAIT_S) if self._probing(member_id) else deadline
             try:
                 conn = self.connection(address, by)
             except KVPoolError as e:
@@ -390,7 +395,8 @@ class BlockingDataPlane:
                 if silent_node(e, plan.calls, time.monotonic() - started):
                     self._on_node_failed(plan.group[0][1].member_id)
                 continue
-            self._on_node_answered(plan.group[0][1].member_id)
+            if self._probing(plan.group[0][1].member_id):
+                self._on_node_answered(plan.group[0][1].member_id)
             plan.judge()
             if plan.commit is not None:
                 try:
