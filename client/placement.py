@@ -266,13 +266,13 @@ class Placement:
         newly = False
         with self._lock:
             self._suspect_until[member_id] = now_s + self._suspect_s
+            if len(self._suspect_until) > 4 * max(16, len(self._members)):
+                self._suspect_until = {m: t for m, t in self._suspect_until.items() if t > now_s}
             if self._retry_s > 0:
                 newly = member_id not in self._held
                 self._held[member_id] = now_s + self._retry_s
         if newly and self._on_hold is not None:
             self._on_hold(member_id)
-            if len(self._suspect_until) > 4 * max(16, len(self._members)):
-                self._suspect_until = {m: t for m, t in self._suspect_until.items() if t > now_s}
         if member_id not in self._members:
             return
         if now_s - self._last_refresh_s >= self._min_refresh_interval_s:

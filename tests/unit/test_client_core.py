@@ -938,6 +938,19 @@ def test_a_failed_node_is_held_back_then_probed_once_per_retry_time() -> None:
     assert off.sendable(1, now_s=1.0)
 
 
+@pytest.mark.parametrize("retry_s", [1.0, 0.0])
+def test_failures_of_members_long_gone_are_forgotten(retry_s: float) -> None:
+    # A long-lived client sees member ids come and go (every restart is a new incarnation):
+    # what it remembers of their failures stays bounded, whether holds are on or off.
+    p = Placement(suspect_s=2.0, retry_s=retry_s)
+    p.update(_members(1, 2), ring_version=1, now_s=0.0)
+    for i in range(1000):
+        p.node_failed(100 + i, now_s=10.0 * i)
+    assert len(p._suspect_until) <= 4 * 16 + 1
+    p.update(_members(1, 2), ring_version=2, now_s=1e5)
+    assert p.held == {}
+
+
 def test_puts_go_around_a_held_node_unless_none_is_left() -> None:
     p = Placement(retry_s=1.0)
     p.update(_members(1, 2, 3), ring_version=1, now_s=0.0)
