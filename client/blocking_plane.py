@@ -53,7 +53,9 @@ from kvpool.client.rounds import (
     deliverable,
     next_round,
     out_of_time,
+    probe_deadline,
     put_groups,
+    read_failed_node,
     read_queue,
     rounds_left,
     silent_node,
@@ -359,7 +361,7 @@ class BlockingDataPlane:
         self.discard(address, conn)
         plan.fail_all(error)
         waited_s = time.monotonic() - plan.sent_at
-        if not isinstance(error, DeadlineExceededError) or silent_node(error, plan.calls, waited_s):
+        if read_failed_node(error, plan.calls, waited_s):
             self._on_node_failed(member.member_id)
 
     # --- writes ---------------------------------------------------------------------------
@@ -370,7 +372,7 @@ class BlockingDataPlane:
         for address, group in put_groups(items, deadline - time.monotonic()).items():
             member_id = group[0][1].member_id
             started = time.monotonic()
-            by = min(deadline, started + PROBE_WAIT_S) if self._probing(member_id) else deadline
+            by = probe_deadline(deadline, started, member_id, self._probing)
             try:
                 conn = self.connection(address, by)
             except KVPoolError as e:

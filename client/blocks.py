@@ -56,6 +56,7 @@ from kvpool.client.rounds import (
     out_of_time,
     probe_deadline,
     put_groups,
+    read_failed_node,
     read_queue,
     rounds_left,
     silent_node,
@@ -64,7 +65,6 @@ from kvpool.client.rounds import (
     unreached_reads,
 )
 from kvpool.errors import (
-    DeadlineExceededError,
     KVPoolError,
     UnavailableError,
 )
@@ -273,7 +273,7 @@ class DataPlane:
         except KVPoolError as e:
             plan.fail_all(e)
             waited_s = loop.time() - plan.sent_at
-            if not isinstance(e, DeadlineExceededError) or silent_node(e, plan.calls, waited_s):
+            if read_failed_node(e, plan.calls, waited_s):
                 self._on_node_failed(member.member_id)
             return
         self._on_node_answered(member.member_id)

@@ -155,12 +155,18 @@ def deliverable(
 def silent_node(error: KVPoolError, calls: Sequence[Call], waited_s: float) -> bool:
     """Whether a read or put that failed with ``error`` after ``waited_s`` says its node stopped
     answering: its deadline passed after at least :data:`NO_ANSWER_S` with not one answer
-    begun. Any other failure but a deadline says so too (the planes' own test)."""
+    begun. Any other failure but a deadline says so too (:func:`read_failed_node`)."""
     return (
         isinstance(error, DeadlineExceededError)
         and waited_s >= NO_ANSWER_S
         and all(call.header is None for call in calls)
     )
+
+
+def read_failed_node(error: KVPoolError, calls: Sequence[Call], waited_s: float) -> bool:
+    """Whether a node's reads that failed with ``error`` after ``waited_s`` count against the
+    node (``node_failed``): any failure but a deadline, and a deadline of a silent node."""
+    return not isinstance(error, DeadlineExceededError) or silent_node(error, calls, waited_s)
 
 
 def unreached_reads(items: list[ReadItem], error: KVPoolError) -> None:

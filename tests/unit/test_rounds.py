@@ -13,6 +13,7 @@ from kvpool.client.rounds import (
     next_round,
     out_of_time,
     put_groups,
+    read_failed_node,
     read_queue,
     rounds_left,
     silent_node,
@@ -167,5 +168,8 @@ def test_only_a_read_left_wholly_unanswered_for_a_while_says_the_node_stopped() 
     assert silent_node(late, calls, waited_s=0.5)
     assert not silent_node(late, calls, waited_s=0.01)  # the call's time was nearly spent
     assert not silent_node(TransportError("reset"), calls, waited_s=0.5)
+    assert read_failed_node(TransportError("reset"), calls, waited_s=0.0)  # any other failure
+    assert read_failed_node(late, calls, waited_s=0.5)
+    assert not read_failed_node(late, calls, waited_s=0.01)
     calls[1].header = object()  # type: ignore[assignment]  # one answer begun: a slow node
     assert not silent_node(late, calls, waited_s=0.5)
