@@ -32,7 +32,7 @@ from kvpool.client.ops import (
 )
 from kvpool.client.plans import BlockLocation
 from kvpool.client.state import WARM_UP_LOOKUP, ClientState, Query, ReadCall, Removed, WarmUp
-from kvpool.client.values import BytesLike, PutItems, WritableBuffer
+from kvpool.client.values import BytesLike, Into, PutItems, Value
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, UnavailableError
 from kvpool.mastercall import MasterClient
@@ -156,12 +156,12 @@ class ClientCore(ClientState):
                 await loop.run_in_executor(None, arena.wait_prefaulted, deadline - loop.time())
         return WarmUp("", opened, loop.time() - start)
 
-    async def put(self, key: str, value: BytesLike, *, strict: bool | None = None) -> bool:
+    async def put(self, key: str, value: Value, *, strict: bool | None = None) -> bool:
         """Store one block. True once committed to the index (and published)."""
         return await self.put_receipt(key, value, strict=strict) is not None
 
     async def put_receipt(
-        self, key: str, value: BytesLike, *, strict: bool | None = None
+        self, key: str, value: Value, *, strict: bool | None = None
     ) -> PutReceipt | None:
         """Store one block, as :meth:`put`: its receipt once committed, None on failure
         (strict: the typed error, as put raises it)."""
@@ -196,7 +196,7 @@ class ClientCore(ClientState):
     async def get_into(
         self,
         key: str,
-        buffer: WritableBuffer,
+        buffer: Into,
         *,
         strict: bool | None = None,
         max_tier: str | None = None,
@@ -217,7 +217,7 @@ class ClientCore(ClientState):
     async def batch_get_into(
         self,
         keys: Sequence[str],
-        buffers: Sequence[WritableBuffer],
+        buffers: Sequence[Into],
         *,
         strict: bool | None = None,
         max_tier: str | None = None,

@@ -44,7 +44,7 @@ from kvpool.client.ops import (
 )
 from kvpool.client.plans import BlockLocation, PutItem, ReadItem
 from kvpool.client.state import WARM_UP_LOOKUP, ClientState, Query, ReadCall, Removed, WarmUp
-from kvpool.client.values import BytesLike, PutItems, WritableBuffer
+from kvpool.client.values import BytesLike, Into, PutItems, Value
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, UnavailableError
 from kvpool.mastercall import SyncMasterClient
@@ -124,15 +124,16 @@ class SyncPath(ClientState):
         self._masters.lend_this_threads()
         return WarmUp("", opened, time.monotonic() - start)
 
-    def put(self, key: str, value: BytesLike, *, strict: bool | None = None) -> bool:
+    def put(self, key: str, value: Value, *, strict: bool | None = None) -> bool:
         """Store ``value`` under ``key``: True once committed; False on failure (strict raises).
 
         ``value``: bytes, bytearray, C-contiguous memoryview or numpy array (sent as its raw
-        bytes). Do not modify it until put returns."""
+        bytes), or a list or tuple of them: one block, their bytes joined, each piece sent
+        from where it is (no gathering copy). Do not modify it until put returns."""
         return self.put_receipt(key, value, strict=strict) is not None
 
     def put_receipt(
-        self, key: str, value: BytesLike, *, strict: bool | None = None
+        self, key: str, value: Value, *, strict: bool | None = None
     ) -> PutReceipt | None:
         """As :meth:`put`, answering the commit's receipt (version, write id, index revision,
         replica node ids) instead of True; None on failure (strict raises as put does)."""
@@ -165,14 +166,15 @@ class SyncPath(ClientState):
     def get_into(
         self,
         key: str,
-        buffer: WritableBuffer,
+        buffer: Into,
         *,
         strict: bool | None = None,
         max_tier: str | None = None,
     ) -> int | None:
         """Read the block straight into ``buffer`` (writable, C-contiguous, large enough, else
-        BufferTooSmallError / InvalidValueError): its size in bytes, or None (the buffer's
-        content is then undefined). The bytes are copied once, into ``buffer``."""
+        BufferTooSmallError / InvalidValueError), or into a list or tuple of such buffers,
+        filled in order: its size in bytes, or None (the buffer's content is then undefined).
+        The bytes are copied once, into ``buffer``."""
         result: int | None = self._run(self.get_into_call(key, buffer, strict, max_tier))
         return result
 
@@ -187,7 +189,7 @@ class SyncPath(ClientState):
     def batch_get_into(
         self,
         keys: Sequence[str],
-        buffers: Sequence[WritableBuffer],
+        buffers: Sequence[Into],
         *,
         strict: bool | None = None,
         max_tier: str | None = None,

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvpool.buffers import copy_bytes
 from kvpool.client.plans import ReadItem
 from kvpool.errors import DeadlineExceededError
-from kvpool.transports.shm import copy_bytes
 
 HEDGE_BYTES_PER_S = 1e9
 """Transfer rate a hedge delay allows for: a round reading N bytes waits N / this longer before

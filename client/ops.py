@@ -41,6 +41,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvpool.buffers import Parts
 from kvpool.client.cache import LookupCache
 from kvpool.client.commits import AfterCommit, CommitAnswer, PutReceipt
 from kvpool.client.placement import MemberInfo, Placement
@@ -107,7 +108,7 @@ COMMIT_SHARE = 0.25
 DELETE_WAIT_S = 0.25
 """Longest wait for best-effort DELETE frames after a put or a remove."""
 
-SinkFactory = Callable[[int, str, int], tuple[memoryview | None, bool]]
+SinkFactory = Callable[[int, str, int], tuple[memoryview | Parts | None, bool]]
 """Where the bytes of the i-th key go (None: into fresh bytes), given its index, key and size,
 and whether that is the caller's buffer."""
 

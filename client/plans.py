@@ -26,6 +26,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from kvpool.buffers import Parts, copy_bytes
 from kvpool.checksum import block_checksum
 from kvpool.client.placement import MemberInfo
 from kvpool.client.stats import strongest_reason
@@ -53,7 +54,7 @@ from kvpool.proto.wire import (
     encode_key_table,
 )
 from kvpool.transports.calls import Call, owned_bytes
-from kvpool.transports.shm import Arena, copy_bytes
+from kvpool.transports.shm import Arena
 
 MISS_REASONS: dict[int, str] = {
     MissReason.ABSENT: "absent",
@@ -112,7 +113,7 @@ class ReadItem:
         key_bytes: bytes,
         entry: common_pb2.BlockEntry,
         *,
-        sink: memoryview | None,
+        sink: memoryview | Parts | None,
         caller_buffer: bool,
         replicas: list[int],
         max_tier: int = 0,
@@ -173,7 +174,7 @@ class PutItem:
 
     key: str
     key_bytes: bytes
-    payload: memoryview
+    payload: memoryview | Parts
     write_id: int = 0
     targets: list[MemberInfo] = field(default_factory=list)
     acked: list[int] = field(default_factory=list)
@@ -282,7 +283,7 @@ def judge(
     it: ReadItem,
     address: str,
     answer: tuple[int, ...],
-    data: memoryview | None,
+    data: memoryview | Parts | None,
     message: str = "",
 ) -> None:
     """Judge one node's answer for ``it`` — ``answer`` is (status, flags, write id, size,
@@ -325,7 +326,13 @@ def judge(
 
 
 def _take(
-    it: ReadItem, address: str, data: memoryview | None, *, size: int, checksum: int, flags: int
+    it: ReadItem,
+    address: str,
+    data: memoryview | Parts | None,
+    *,
+    size: int,
+    checksum: int,
+    flags: int,
 ) -> bool:
     """The bytes of a hit whose answer was judged right: they must be ``size`` bytes hashing
     to ``checksum``; then they are the item's value (a hit, on tier ``flags``)."""
@@ -352,7 +359,7 @@ def _take(
 
 
 def _judge_direct(
-    it: ReadItem, address: str, answer: tuple[int, ...], data: memoryview | None
+    it: ReadItem, address: str, answer: tuple[int, ...], data: memoryview | Parts | None
 ) -> None:
     """:func:`judge` of an OK answer to a direct read."""
     _status, flags, write_id, size, checksum = answer[:5]

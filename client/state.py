@@ -32,6 +32,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
+from kvpool.buffers import Parts
 from kvpool.client.blocks import BlockRef, PutItem, ReadItem
 from kvpool.client.cache import LookupCache
 from kvpool.client.client_metrics import ClientMetrics
@@ -52,10 +53,11 @@ from kvpool.client.spans import read_attributes
 from kvpool.client.stats import ClientStats
 from kvpool.client.values import (
     BytesLike,
+    Into,
     PutItems,
-    WritableBuffer,
-    as_payload,
+    as_into,
     as_sink,
+    as_value,
     check_fits,
     put_items,
     validate_key,
@@ -298,15 +300,15 @@ class Attempt:
                 tracing.exit_span(span, self._token)
 
 
-def fresh_bytes(_index: int, _key: str, _size: int) -> tuple[memoryview | None, bool]:
+def fresh_bytes(_index: int, _key: str, _size: int) -> tuple[memoryview | Parts | None, bool]:
     """Into new bytes (get, batch_get)."""
     return None, False
 
 
-def into(sink: memoryview) -> SinkFactory:
+def into(sink: memoryview | Parts) -> SinkFactory:
     """Into the caller's buffer (get_into): BufferTooSmallError when the block does not fit."""
 
-    def caller(_index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+    def caller(_index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
         if size == DIRECT_SIZE:
             return sink, True
         check_fits(sink, size, key)
@@ -315,20 +317,22 @@ def into(sink: memoryview) -> SinkFactory:
     return caller
 
 
-def batch_sinks(pairs: list[tuple[str, bytes]], buffers: Sequence[object]) -> list[memoryview]:
+def batch_sinks(
+    pairs: list[tuple[str, bytes]], buffers: Sequence[object]
+) -> list[memoryview | Parts]:
     if isinstance(buffers, str | bytes) or not isinstance(buffers, Sequence):
         raise InvalidArgumentError("batch_get_into takes a sequence of buffers, one per key")
     if len(buffers) != len(pairs):
         raise InvalidArgumentError(
             f"batch_get_into: {len(pairs)} keys but {len(buffers)} buffers (one per key)"
         )
-    return [as_sink(b) for b in buffers]
+    return [as_into(b) for b in buffers]
 
 
-def into_each(sinks: list[memoryview]) -> SinkFactory:
+def into_each(sinks: list[memoryview | Parts]) -> SinkFactory:
     """Into each key's own buffer (batch_get_into)."""
 
-    def caller(index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+    def caller(index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
         sink = sinks[index]
         if size == DIRECT_SIZE:
             return sink, True
@@ -449,10 +453,10 @@ class ClientState:
         return ReadCall("get", [pair], fresh_bytes, strict_, limit, _result, True)
 
     def get_into_call(
-        self, key: str, buffer: WritableBuffer, strict: bool | None, max_tier: str | None
+        self, key: str, buffer: Into, strict: bool | None, max_tier: str | None
     ) -> ReadCall:
         pair = (key, validate_key(key))
-        sink = as_sink(buffer)
+        sink = as_into(buffer)
         strict_, limit = self._strict(strict), self._tier_limit(max_tier)
         return ReadCall("get_into", [pair], into(sink), strict_, limit, _size, True)
 
@@ -466,7 +470,7 @@ class ClientState:
     def batch_get_into_call(
         self,
         keys: Sequence[str],
-        buffers: Sequence[WritableBuffer],
+        buffers: Sequence[Into],
         strict: bool | None,
         max_tier: str | None,
     ) -> ReadCall:
@@ -486,7 +490,7 @@ class ClientState:
         pairs = validate_keys(keys)
         made: dict[int, object] = {}
 
-        def sink_for(index: int, key: str, size: int) -> tuple[memoryview | None, bool]:
+        def sink_for(index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
             buffer = alloc(size)
             sink = as_sink(buffer)
             check_fits(sink, size, key)
@@ -807,7 +811,7 @@ class ClientState:
 
     def put_item(self, key: str, value: object) -> PutItem:
         key_bytes = validate_key(key)
-        payload = as_payload(value, self.config.max_value_size)
+        payload = as_value(value, self.config.max_value_size)
         return PutItem(key, key_bytes, payload)
 
     def put_items(self, items: PutItems) -> list[PutItem]:

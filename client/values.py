@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
+from kvpool.buffers import Parts
 from kvpool.errors import (
     BufferTooSmallError,
     InvalidKeyError,
@@ -36,7 +37,10 @@ else:
     BytesLike: TypeAlias = bytes | bytearray | memoryview | Any
     WritableBuffer: TypeAlias = bytearray | memoryview | Any
 
-PutItems: TypeAlias = Mapping[str, "BytesLike"] | Sequence[tuple[str, "BytesLike"]]
+# A block given in pieces (a list or tuple of them; the block is their bytes joined).
+Value: TypeAlias = "BytesLike | Sequence[BytesLike]"
+Into: TypeAlias = "WritableBuffer | Sequence[WritableBuffer]"
+PutItems: TypeAlias = Mapping[str, "Value"] | Sequence[tuple[str, "Value"]]
 
 
 def validate_key(key: object) -> bytes:
@@ -113,6 +117,19 @@ def _ndarray_bytes(arr: np.ndarray[Any, Any]) -> memoryview:
         return memoryview(arr.reshape(-1).view(np_mod.uint8))
 
 
+def as_value(value: object, max_value_size: int) -> memoryview | Parts:
+    """What a put sends: :func:`as_payload` of one value, or of a list or tuple of them — the
+    block is their bytes joined, sent from where they are (a :class:`~kvpool.buffers.Parts`;
+    a single piece is sent as a plain view)."""
+    if not isinstance(value, list | tuple):
+        return as_payload(value, max_value_size)
+    parts = Parts([_flat_payload(v) for v in value])
+    _check_size(parts.nbytes, max_value_size)
+    if len(parts.views) <= 1:
+        return parts.views[0] if parts.views else memoryview(b"")
+    return parts
+
+
 def as_payload(value: object, max_value_size: int) -> memoryview:
     """A flat ``'B'`` view of a value's bytes, no copy.
 
@@ -120,6 +137,19 @@ def as_payload(value: object, max_value_size: int) -> memoryview:
     non-object dtype). Anything else → InvalidValueError; more than ``max_value_size`` bytes →
     ValueTooLargeError.
     """
+    view = _flat_payload(value)
+    _check_size(view.nbytes, max_value_size)
+    return view
+
+
+def _check_size(nbytes: int, max_value_size: int) -> None:
+    if nbytes > max_value_size:
+        raise ValueTooLargeError(
+            f"value of {nbytes} bytes is above max_value_size ({max_value_size} bytes)"
+        )
+
+
+def _flat_payload(value: object) -> memoryview:
     if isinstance(value, bytes | bytearray):
         view = memoryview(value)
     elif isinstance(value, memoryview):
@@ -134,13 +164,19 @@ def as_payload(value: object, max_value_size: int) -> memoryview:
     else:
         raise InvalidValueError(
             f"unsupported value type {type(value).__name__}: use bytes, bytearray, "
-            "memoryview or a numpy array"
-        )
-    if view.nbytes > max_value_size:
-        raise ValueTooLargeError(
-            f"value of {view.nbytes} bytes is above max_value_size ({max_value_size} bytes)"
+            "memoryview or a numpy array (or a list of them, joined)"
         )
     return view
+
+
+def as_into(buffer: object) -> memoryview | Parts:
+    """Where a get_into reads: :func:`as_sink` of one buffer, or of a list or tuple of them,
+    filled in order (a :class:`~kvpool.buffers.Parts`: the block is scattered into them as it
+    is received; a single piece is a plain view)."""
+    if not isinstance(buffer, list | tuple):
+        return as_sink(buffer)
+    parts = Parts([as_sink(b) for b in buffer])
+    return parts.views[0] if len(parts.views) == 1 else parts
 
 
 def as_sink(buffer: object) -> memoryview:
@@ -172,7 +208,7 @@ def as_sink(buffer: object) -> memoryview:
         raise InvalidValueError(f"cannot view this buffer as bytes: {e}") from None
 
 
-def check_fits(sink: memoryview, size_bytes: int, key: str) -> None:
+def check_fits(sink: memoryview | Parts, size_bytes: int, key: str) -> None:
     """BufferTooSmallError unless ``sink`` can hold a block of ``size_bytes``."""
     if sink.nbytes < size_bytes:
         raise BufferTooSmallError(

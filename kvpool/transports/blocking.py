@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from kvpool.buffers import Parts
 from kvpool.errors import (
     DeadlineExceededError,
     KVPoolError,
@@ -169,8 +170,11 @@ class BlockingConnection:
             rid = next(self._ids)
             call.request_id = rid
             views.append(call.request_header(trace).pack() + call.key)
-            if len(call.payload):
-                views.append(call.payload)
+            payload = call.payload
+            if isinstance(payload, Parts):  # a block in pieces: each sent from where it is
+                views.extend(payload.views)
+            elif len(payload):
+                views.append(payload)
             if posted:
                 self._posted.add(rid)
         self._sendall(views, deadline)
@@ -181,8 +185,11 @@ class BlockingConnection:
         for call in calls:
             call.request_id = next(self._ids)
             views.append(call.request_header().pack() + call.key)
-            if len(call.payload):
-                views.append(call.payload)
+            payload = call.payload
+            if isinstance(payload, Parts):
+                views.extend(payload.views)
+            elif len(payload):
+                views.append(payload)
         self._sendall(views, deadline)
 
     def _sendall(self, views: list[bytes | bytearray | memoryview], deadline: float) -> None:
@@ -329,7 +336,10 @@ class BlockingConnection:
             return
         sink = call.sink
         if sink is not None and sink.nbytes == size:
-            self._recv_into(sink, deadline)
+            if isinstance(sink, Parts):
+                self._recv_scatter(sink.views, deadline)
+            else:
+                self._recv_into(sink, deadline)
             call.data = sink
         elif sink is None and may_allocate(call.expect, size):
             call.data = self._recv_bytes(size, deadline)

@@ -7,6 +7,7 @@ import struct
 from collections.abc import Sequence
 from typing import NamedTuple, overload
 
+from kvpool.buffers import Parts
 from kvpool.proto.wire import COUNT, MGET_RECORD, FrameError, Header, Status
 
 MAX_ALLOC_BYTES = 1 << 30
@@ -14,10 +15,12 @@ MAX_ALLOC_BYTES = 1 << 30
 that declares more is refused before anything is allocated."""
 
 
-def owned_bytes(data: memoryview) -> bytes:
+def owned_bytes(data: memoryview | Parts) -> bytes:
     """``data`` as ``bytes``: the object itself where ``data`` views the whole of a ``bytes``
     object (a blocking connection receives a payload with no caller buffer into one), else a
     copy."""
+    if isinstance(data, Parts):
+        return bytes(data)
     obj = data.obj
     if type(obj) is bytes and data.nbytes == len(obj):
         return obj
@@ -32,7 +35,7 @@ def may_allocate(expect: int, size: int) -> bool:
     return size == expect if expect >= 0 else size <= MAX_ALLOC_BYTES
 
 
-def refused_answer(address: str, size: int, sink: memoryview | None, expect: int) -> str:
+def refused_answer(address: str, size: int, sink: memoryview | Parts | None, expect: int) -> str:
     """Why an answer of ``size`` bytes was not taken (:func:`may_allocate`, or a caller's
     buffer of another size)."""
     if sink is not None:
@@ -76,10 +79,10 @@ class Call:
         version: int = 0,
         checksum: int = 0,
         flags: int = 0,
-        payload: bytes | bytearray | memoryview = b"",
-        sink: memoryview | None = None,
+        payload: bytes | bytearray | memoryview | Parts = b"",
+        sink: memoryview | Parts | None = None,
         table: struct.Struct | None = None,
-        sinks: Sequence[memoryview | None] | None = None,
+        sinks: Sequence[memoryview | Parts | None] | None = None,
         expect: int = -1,
         expects: Sequence[int] | None = None,
     ) -> None:
@@ -99,7 +102,7 @@ class Call:
         self.expects = expects  # MGET: the same, per key
         self.request_id = 0
         self.header: Header | None = None
-        self.data: memoryview | None = None  # the response payload (sink, table or message)
+        self.data: memoryview | Parts | None = None  # the response payload (sink, table, message)
         self.records: list[tuple[int, ...]] = []  # table records, when ``table`` is set
         self.error: Exception | None = None  # this call's response could not be taken
 
@@ -156,7 +159,7 @@ class OwnHit(NamedTuple):
     """An MGET hit with no caller buffer, to be received into a ``bytes`` object of its own:
     ``size`` bytes, whose view goes to ``datas[slot]`` (the call's ``sinks``)."""
 
-    datas: list[memoryview | None]
+    datas: list[memoryview | Parts | None]
     slot: int
     size: int
 
@@ -193,7 +196,7 @@ def hit_views(call: Call, left: int, own_from: int | None = None) -> list[memory
             f"MGET hits of {spill_bytes + own_bytes} bytes with no buffer to take them"
         )
     spill = memoryview(bytearray(spill_bytes)) if spill_bytes else None
-    datas: list[memoryview | None] = []
+    datas: list[memoryview | Parts | None] = []
     views: list[memoryview | OwnHit] = []
     pos = 0
     for rec, sink in zip(call.records, sinks, strict=True):
@@ -205,9 +208,13 @@ def hit_views(call: Call, left: int, own_from: int | None = None) -> list[memory
             views.append(OwnHit(datas, len(datas), n))
             datas.append(None)
             continue
+        view: memoryview
         if sink is not None and sink.nbytes == n:
-            view = sink
             datas.append(sink)
+            if isinstance(sink, Parts):  # the caller's pieces, each filled in turn
+                views.extend(sink.views)
+                continue
+            view = sink
         else:
             view = spill[pos : pos + n] if spill is not None else memoryview(b"")  # n == 0
             pos += n

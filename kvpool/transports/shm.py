@@ -36,8 +36,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from kvpool.errors import DeadlineExceededError, TransportError
 from kvpool.proto.wire import HEADER_SIZE
 from kvpool.transports.auth import auth_frame, read_answer, read_answer_blocking
@@ -48,8 +46,6 @@ from kvpool.transports.tcp import FrameConnection
 PREAMBLE = struct.Struct("<4sQ16s")
 """What the node sends first, with the arena's fd: magic, arena size, arena token."""
 SHM_MAGIC = b"KVPS"
-NUMPY_COPY_BYTES = 256 * 1024
-"""Copies at least this large go through numpy, which releases the GIL while copying."""
 MADV_POPULATE_WRITE = 23
 PREFAULT_CHUNK_BYTES = 16 << 20
 PREFAULT_MAX_BYTES = 64 << 30
@@ -66,14 +62,6 @@ def parse_shm_address(address: str) -> str:
     if not address.startswith("shm://") or len(address) <= len("shm://"):
         raise TransportError(f"not a shm://name address: {address!r}")
     return address[len("shm://") :]
-
-
-def copy_bytes(dest: memoryview, src: memoryview) -> None:
-    """``dest[:] = src``; large copies without holding the GIL."""
-    if src.nbytes >= NUMPY_COPY_BYTES:
-        np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-    else:
-        dest[:] = src
 
 
 class Arena:

@@ -28,7 +28,7 @@ import contextlib
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from kvpool.logs import OncePer, get_logger
@@ -139,7 +139,7 @@ class FrameStream:
         self,
         header: Header | bytes,
         key: bytes = b"",
-        payload: Buffer | Sequence[Buffer] = b"",
+        payload: Buffer | Iterable[Buffer] = b"",
         on_sent: Callable[[], None] | None = None,
     ) -> None:
         """Queue one frame: header, key, then the payload (one buffer or several, sent as they

@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from kvpool.buffers import Parts
 from kvpool.errors import (
     DeadlineExceededError,
     ProtocolVersionError,
@@ -61,7 +62,7 @@ SOCKET_BUFFER_BYTES = 4 * 2**20
 class Response:
     header: Header
     key: bytes
-    payload: memoryview | None  # the sink given with the request, or an error message
+    payload: memoryview | Parts | None  # the sink given with the request, or an error message
 
     @property
     def status(self) -> int:
@@ -76,7 +77,7 @@ class Response:
 @dataclass(slots=True)
 class _Pending:
     future: asyncio.Future[Response]
-    sink: memoryview | None
+    sink: memoryview | Parts | None
     alloc: bool = False  # allocate a buffer for a payload of any size on arrival
     started: bool = False  # its response frame is being received
     table: Call | None = None  # a table call: its response is scattered (Scatter) when it can be
@@ -142,8 +143,8 @@ class FrameConnection:
         version: int = 0,
         checksum: int = 0,
         flags: int = 0,
-        payload: memoryview | bytes | None = None,
-        sink: memoryview | None = None,
+        payload: memoryview | bytes | Parts | None = None,
+        sink: memoryview | Parts | None = None,
         alloc: bool = False,
         timeout_s: float,
     ) -> Response:
@@ -246,7 +247,9 @@ class FrameConnection:
                         and not pending.scattered
                     ):
                         try:
-                            parse_records(call, response.payload or memoryview(b""))
+                            body = response.payload
+                            assert not isinstance(body, Parts)  # a table call has no sink
+                            parse_records(call, body or memoryview(b""))
                         except FrameError as e:
                             call.error = TransportError(f"{self.address}: {e}")
         except TimeoutError:
@@ -308,12 +311,16 @@ class FrameConnection:
         if pending.alloc and may_allocate(pending.expect, header.payload_len):
             pending.started = True
             return memoryview(bytearray(header.payload_len))
-        if pending.sink is None or len(pending.sink) != header.payload_len:
-            if pending.sink is None and header.payload_len <= MAX_ERROR_MESSAGE_BYTES:
+        sink = pending.sink
+        if sink is None or len(sink) != header.payload_len:
+            if sink is None and header.payload_len <= MAX_ERROR_MESSAGE_BYTES:
                 return memoryview(bytearray(header.payload_len))
             return None
         pending.started = True
-        return pending.sink
+        if isinstance(sink, Parts):  # the caller's pieces, filled in turn (frame_received: all)
+            rest = sink.views[1:]
+            return Scatter(sink.views[0], lambda _left: rest)
+        return sink
 
     @staticmethod
     def _scatter(pending: _Pending, call: Call, size: int) -> Scatter | None:
@@ -328,7 +335,9 @@ class FrameConnection:
         pending.started = pending.scattered = True
         return Scatter(head, lambda left: table_rest(call, head, left))
 
-    def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
+    def frame_received(
+        self, header: Header, key: bytes, payload: memoryview | Parts | None
+    ) -> None:
         pending = self._pending.get(header.request_id)
         if pending is None or pending.future.done():
             return
@@ -359,6 +368,9 @@ class FrameConnection:
                 )
             )
             return
+        parts = pending.sink
+        if isinstance(parts, Parts) and parts.views and payload is parts.views[0]:
+            payload = parts  # the Scatter over its pieces was filled: the whole is the answer
         pending.future.set_result(Response(header, key, payload))
 
     def version_mismatch(self, theirs: int) -> None:

@@ -4,6 +4,7 @@ and over a same-host node's shared memory."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
 import time
@@ -463,3 +464,69 @@ def test_a_read_by_content_of_a_paused_node_is_served_by_the_next_member_in_time
         assert asked == []
         assert kv.stats["hedge_wins"] == 1
         assert kv.stats["direct_hits"] == 2
+
+
+def _pieces(data: bytes, cuts: list[int]) -> list[memoryview]:
+    """``data`` split at ``cuts``, each piece in a buffer of its own (not adjacent in memory)."""
+    bounds = [0, *cuts, len(data)]
+    return [memoryview(bytearray(data[a:b])) for a, b in itertools.pairwise(bounds)]
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_block_in_pieces_is_put_from_them_and_read_into_them(
+    cluster: LocalCluster, transport: str, api: str
+) -> None:
+    """A value given as a list of buffers is one block (their bytes joined), and a get_into a
+    list of buffers fills them in order: single reads, batches (small blocks in one MGET, large
+    ones through the node's shared memory), and buffers longer than the block."""
+    tag = f"pieces/{transport}/{api}/{os.getpid()}"
+    sizes = {"tiny": 10, "small": 5000, "mid": 70_000, "large": 2 * MIB + 3}
+    blocks = {f"{tag}/{name}": os.urandom(n) for name, n in sizes.items()}
+    cuts = {key: [1, len(v) // 3, len(v) - 1] for key, v in blocks.items()}
+
+    def sinks() -> dict[str, list[memoryview]]:
+        return {k: _pieces(bytes(len(v)), cuts[k]) for k, v in blocks.items()}
+
+    def joined(pieces: list[memoryview]) -> bytes:
+        return b"".join(bytes(p) for p in pieces)
+
+    if api == "sync":
+        with Client(cluster.master_addresses, timeout_s=5.0, transport=transport) as kv:
+            items = [(k, _pieces(v, cuts[k])) for k, v in blocks.items()]
+            assert kv.batch_put(items) == [True] * len(blocks)
+            one = sinks()
+            for key, value in blocks.items():
+                assert kv.get_into(key, one[key]) == len(value)
+                assert joined(one[key]) == value
+            many = sinks()
+            assert kv.batch_get_into(list(blocks), list(many.values())) == [
+                len(v) for v in blocks.values()
+            ]
+            assert all(joined(many[k]) == v for k, v in blocks.items())
+            longer = [bytearray(7), bytearray(len(blocks[f"{tag}/large"]))]
+            assert kv.get_into(f"{tag}/large", longer) == len(blocks[f"{tag}/large"])
+            assert (bytes(longer[0]) + bytes(longer[1]))[: len(blocks[f"{tag}/large"])] == (
+                blocks[f"{tag}/large"]
+            )
+    else:
+
+        async def run() -> None:
+            async with AsyncClient(
+                cluster.master_addresses, timeout_s=5.0, transport=transport
+            ) as kv:
+                items = [(k, _pieces(v, cuts[k])) for k, v in blocks.items()]
+                assert await kv.batch_put(items) == [True] * len(blocks)
+                one = sinks()
+                for key, value in blocks.items():
+                    assert await kv.get_into(key, one[key]) == len(value)
+                    assert joined(one[key]) == value
+                many = sinks()
+                got = await kv.batch_get_into(list(blocks), list(many.values()))
+                assert got == [len(v) for v in blocks.values()]
+                assert all(joined(many[k]) == v for k, v in blocks.items())
+
+        asyncio.run(run())
+    # Another client reads the blocks whole: a block put in pieces is the pieces joined.
+    with Client(cluster.master_addresses, timeout_s=5.0, transport="tcp") as other:
+        assert other.batch_get(list(blocks)) == list(blocks.values())

@@ -63,10 +63,10 @@ def test_a_clone_reads_into_its_own_buffer_and_is_copied_back_once_settled() -> 
     it = _item("k", data, [1, 2], sink=True)
     it.next = 1
     caller = it.sink
-    assert caller is not None
+    assert isinstance(caller, memoryview)
     hedge = Hedge([it])
     (clone,) = hedge.clones
-    assert clone.sink is not None
+    assert isinstance(clone.sink, memoryview)
     assert clone.sink.obj is not caller.obj
     clone.sink[:] = data
     clone.ok, clone.next, clone.tier = True, 2, 2

@@ -220,7 +220,7 @@ def test_a_blocking_mget_receives_each_large_hit_without_a_buffer_into_bytes_of_
         got = [bytes(d) if d is not None else None for d in mget.sinks]
         assert got == [blocks.get(k) for k in keys]
         assert mget.sinks[2] is given
-        owned = [d is not None and type(d.obj) is bytes for d in mget.sinks]
+        owned = [isinstance(d, memoryview) and type(d.obj) is bytes for d in mget.sinks]
         assert owned == [True, False, False, False, True, False]
         assert peak < 2 * MIB + OWN_HIT_BYTES + MIB // 4
         ping = Call(Op.PING)
@@ -415,7 +415,7 @@ def test_a_payload_without_a_buffer_is_received_into_the_bytes_the_caller_gets()
         conn = open_blocking(address, 2.0)
         get = Call(Op.GET, b"k", write_id=1)
         conn.exchange([get], time.monotonic() + 2.0)
-        assert get.data is not None
+        assert isinstance(get.data, memoryview)
         assert get.data == payload
         assert type(get.data.obj) is bytes  # no buffer first, no copy after
         conn.close()
@@ -433,7 +433,7 @@ def test_a_payload_read_cut_short_by_a_signal_is_finished_whole() -> None:
             get = Call(Op.GET, b"k", write_id=1)
             signal.setitimer(signal.ITIMER_REAL, 0.15)  # while the second half is awaited
             conn.exchange([get], time.monotonic() + 5.0)
-            assert get.data is not None
+            assert isinstance(get.data, memoryview)
             assert get.data == payload
             assert type(get.data.obj) is bytearray  # the early end was taken
             assert not conn.broken

@@ -1,0 +1,79 @@
+"""A block in pieces (kvpool.buffers.Parts): hashed, copied and sliced as the pieces joined."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+from kvpool.buffers import Parts, copy_bytes
+from kvpool.checksum import block_checksum
+from kvpool.client.values import as_into, as_value
+from kvpool.errors import InvalidValueError, ValueTooLargeError
+
+
+def pieces(data: bytes, cuts: list[int]) -> Parts:
+    bounds = [0, *cuts, len(data)]
+    return Parts([memoryview(bytearray(data[a:b])) for a, b in itertools.pairwise(bounds)])
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [5, 5, 6], [300_000, 300_001, 600_000]])
+def test_pieces_hash_and_read_as_the_block_they_join(cuts: list[int]) -> None:
+    data = os.urandom(700_000)
+    parts = pieces(data, cuts)
+    assert parts.nbytes == len(parts) == len(data)
+    assert all(v.nbytes for v in parts.views)  # empty pieces are dropped
+    assert bytes(parts) == data
+    assert block_checksum(parts) == block_checksum(data)
+
+
+@pytest.mark.parametrize(
+    ("into", "out"), [([3], [7]), ([1, 2, 3], [699_999]), ([350_000], [100, 350_000, 350_001])]
+)
+def test_copies_scatter_and_gather_across_pieces_of_any_size(
+    into: list[int], out: list[int]
+) -> None:
+    data = os.urandom(700_000)
+    dest = pieces(bytes(len(data)), into)
+    copy_bytes(dest, memoryview(data))
+    assert bytes(dest) == data
+    flat = memoryview(bytearray(len(data)))
+    copy_bytes(flat, pieces(data, out))
+    assert bytes(flat) == data
+    both = pieces(bytes(len(data)), into)
+    copy_bytes(both, pieces(data, out))
+    assert bytes(both) == data
+    with pytest.raises(ValueError, match="copy of"):
+        copy_bytes(pieces(bytes(10), [4]), memoryview(bytes(11)))
+
+
+def test_a_leading_slice_is_the_first_bytes() -> None:
+    data = os.urandom(100)
+    parts = pieces(data, [10, 50])
+    assert parts[:100] is parts
+    assert bytes(parts[:30]) == data[:30]
+    assert bytes(parts[:10]) == data[:10]
+    assert parts[:0].nbytes == 0
+    with pytest.raises(TypeError):
+        parts[5:10]
+
+
+def test_a_value_or_buffer_in_pieces_is_checked_piece_by_piece() -> None:
+    arr = np.arange(16, dtype=np.float32).reshape(2, 8)
+    value = as_value([arr[0], b"xy", bytearray(3)], 1 << 20)
+    assert isinstance(value, Parts)
+    assert value.nbytes == 32 + 2 + 3
+    assert np.shares_memory(np.frombuffer(value.views[0], dtype=np.uint8), arr)  # no copy
+    assert isinstance(as_value([b"one piece"], 100), memoryview)
+    assert as_value([], 100).nbytes == 0
+    with pytest.raises(ValueTooLargeError):
+        as_value([b"x" * 60, b"y" * 60], 100)  # the whole block counts
+    with pytest.raises(InvalidValueError):
+        as_value([b"x", "not bytes"], 100)
+    sink = as_into([bytearray(4), np.zeros(3, dtype=np.int16)])
+    assert isinstance(sink, Parts)
+    assert sink.nbytes == 10
+    with pytest.raises(InvalidValueError, match="read-only"):
+        as_into([bytearray(4), b"read-only"])
