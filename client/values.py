@@ -38,8 +38,8 @@ else:
     WritableBuffer: TypeAlias = bytearray | memoryview | Any
 
 # A block given in pieces (a list or tuple of them; the block is their bytes joined).
-Value: TypeAlias = "BytesLike | Sequence[BytesLike]"
-Into: TypeAlias = "WritableBuffer | Sequence[WritableBuffer]"
+Value: TypeAlias = "BytesLike | Sequence[BytesLike] | Parts"
+Into: TypeAlias = "WritableBuffer | Sequence[WritableBuffer] | Parts"
 PutItems: TypeAlias = Mapping[str, "Value"] | Sequence[tuple[str, "Value"]]
 
 
@@ -121,6 +121,9 @@ def as_value(value: object, max_value_size: int) -> memoryview | Parts:
     """What a put sends: :func:`as_payload` of one value, or of a list or tuple of them — the
     block is their bytes joined, sent from where they are (a :class:`~kvpool.buffers.Parts`;
     a single piece is sent as a plain view)."""
+    if type(value) is Parts:  # made by kvpool's own adapters, of flat views already
+        _check_size(value.nbytes, max_value_size)
+        return value
     if not isinstance(value, list | tuple):
         return as_payload(value, max_value_size)
     parts = Parts([_flat_payload(v) for v in value])
@@ -173,6 +176,8 @@ def as_into(buffer: object) -> memoryview | Parts:
     """Where a get_into reads: :func:`as_sink` of one buffer, or of a list or tuple of them,
     filled in order (a :class:`~kvpool.buffers.Parts`: the block is scattered into them as it
     is received; a single piece is a plain view)."""
+    if type(buffer) is Parts:  # made by kvpool's own adapters, of flat writable views already
+        return buffer
     if not isinstance(buffer, list | tuple):
         return as_sink(buffer)
     parts = Parts([as_sink(b) for b in buffer])

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from kvpool.buffers import Parts
 from kvpool.client.sync import Client
 from kvpool.client.tensors import BlockFormatError, decode_tensor, encode_tensor
 from kvpool.compat.memory import Regions, adjacent
@@ -332,8 +333,8 @@ class MooncakeDistributedStore:
         return self._put_many([key], [value], config, replace=True)[0]
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
-        """Store the concatenation of ``parts`` (1-D bytes-like) as one object (gathered into
-        one buffer, as Mooncake does), unless ``key`` exists."""
+        """Store the concatenation of ``parts`` (1-D bytes-like) as one object, unless ``key``
+        exists (each part sent from where it is: no gathering copy)."""
         return self._put_parts(key, parts, config, replace=False)
 
     def upsert_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
@@ -349,7 +350,8 @@ class MooncakeDistributedStore:
             return INVALID_PARAMS
         if any(v.ndim != 1 or v.itemsize != 1 for v in views):
             return INVALID_PARAMS
-        return self._put_many([key], [b"".join(views)], config, replace=replace)[0]
+        # A list of parts is one value to the client, each part sent from where it is.
+        return self._put_many([key], [views], config, replace=replace)[0]
 
     def put_batch(
         self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig | None = None
@@ -600,7 +602,9 @@ class MooncakeDistributedStore:
         views = [self._memory.view(p, n) for p, n in zip(buffer_ptrs, sizes, strict=True)]
         return self._get_views(keys, views)
 
-    def _get_views(self, keys: Sequence[str], views: Sequence[memoryview | None]) -> list[int]:
+    def _get_views(
+        self, keys: Sequence[str], views: Sequence[memoryview | Parts | None]
+    ) -> list[int]:
         codes = [INVALID_PARAMS] * len(keys)
         ok = [i for i, v in enumerate(views) if v is not None]
         if not ok:
@@ -614,7 +618,7 @@ class MooncakeDistributedStore:
                 codes[i] = error_code(e)
             return codes
         fits: list[int] = []
-        sinks: list[memoryview] = []
+        sinks: list[memoryview | Parts] = []
         for i, size in zip(ok, sizes, strict=True):
             view = views[i]
             assert view is not None
@@ -647,8 +651,8 @@ class MooncakeDistributedStore:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """Store each key's buffers, in order, as one object (existing keys kept): a code per
-        key. Buffers that follow each other in memory are sent as they are; others are
-        gathered into one staging buffer per object first (one copy)."""
+        key. Each buffer is sent from where it is (buffers that follow each other in memory as
+        one): no gathering copy."""
         if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
             return [INVALID_PARAMS] * len(keys)
         values: list[Any | None] = []
@@ -659,7 +663,7 @@ class MooncakeDistributedStore:
             elif adjacent(list(ptrs), list(sizes)):
                 values.append(self._memory.view(ptrs[0], sum(sizes)))
             else:
-                values.append(b"".join(parts))
+                values.append(Parts(parts))
         return self._put_views(keys, values, config, replace=False)
 
     def batch_get_into_multi_buffers(
@@ -670,26 +674,20 @@ class MooncakeDistributedStore:
         prefer_alloc_in_same_node: bool = False,
     ) -> list[int]:
         """Read each object into its buffers, in order: the bytes read or a negative code per
-        key (BUFFER_OVERFLOW when the object is larger than the buffers together). Adjacent
-        buffers are read into straight; others through one staging buffer per object."""
+        key (BUFFER_OVERFLOW when the object is larger than the buffers together). Read
+        straight into the buffers, in order: no staging copy."""
         if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
             return [INVALID_PARAMS] * len(keys)
-        targets: list[memoryview | None] = []
-        scatter: dict[int, list[memoryview]] = {}
-        for i, (ptrs, sizes) in enumerate(zip(all_buffer_ptrs, all_sizes, strict=True)):
+        targets: list[memoryview | Parts | None] = []
+        for ptrs, sizes in zip(all_buffer_ptrs, all_sizes, strict=True):
             parts = self._memory.views(ptrs, sizes)
             if parts is None:
                 targets.append(None)
             elif adjacent(list(ptrs), list(sizes)):
                 targets.append(self._memory.view(ptrs[0], sum(sizes)))
             else:
-                scatter[i] = parts
-                targets.append(memoryview(bytearray(sum(sizes))))
-        codes = self._get_views(keys, targets)
-        for i, parts in scatter.items():
-            if codes[i] > 0:
-                _scatter(targets[i], codes[i], parts)
-        return codes
+                targets.append(Parts(parts))
+        return self._get_views(keys, targets)
 
     # --- torch tensors ----------------------------------------------------------------------
 
@@ -743,15 +741,3 @@ class MooncakeDistributedStore:
             return fn(self._client(), self._names(keys))
         except KVPoolError:
             return [None] * len(keys)
-
-
-def _scatter(source: memoryview | None, size: int, parts: list[memoryview]) -> None:
-    """Copy the first ``size`` bytes of ``source`` into ``parts``, in order."""
-    assert source is not None
-    at = 0
-    for part in parts:
-        n = min(part.nbytes, size - at)
-        if n <= 0:
-            return
-        part[:n] = source[at : at + n]
-        at += n

@@ -14,13 +14,13 @@ Loaded the way SGLang loads an out-of-tree store::
 ``namespace``, the token and TLS files, …) are listed in docs/engines/sglang.md; the token and
 TLS settings default to the usual ``KVPOOL_*`` variables.
 
-Pages go between the host pool's memory and the store nodes with no copy of ours: a page's K and
-V (MHA) or its one latent block (MLA) are each one kvpool block, sent from and read straight into
-the pool's tensors (``layer_first`` pools, whose page is spread over every layer, go through one
-staging buffer per block). One index lookup per batch. A failed or slow store is a miss (False,
-0, None) within ``timeout_s``, and once a presence query or a set found it down it is left alone
-for ``retry_after_s`` (those calls miss at once meanwhile); no method raises into SGLang's
-threads once the backend is built.
+Pages go between the host pool's memory and the store nodes with no copy of ours: a page is one
+kvpool block — its K then its V (MHA), or its one latent part (MLA) — sent from and read straight
+into the pool's tensors, piece by piece where the page is spread out (K and V apart, or every
+layer apart in ``layer_first``). One key per page, one index lookup per batch. A failed or slow
+store is a miss (False, 0, None) within ``timeout_s``, and once a presence query or a set found
+it down it is left alone for ``retry_after_s`` (those calls miss at once meanwhile); no method
+raises into SGLang's threads once the backend is built.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from kvpool.client.sync import Client
 from kvpool.integrations.settings import warm_up
 from kvpool.integrations.sglang_config import BackendSettings, parse_settings
 from kvpool.integrations.sglang_layout import (
-    MHA_COMPONENTS,
-    MLA_COMPONENTS,
+    MHA_PARTS,
+    MLA_PARTS,
     Component,
     KeyScheme,
     PageShape,
@@ -183,7 +183,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         scheme = KeyScheme(
             key_prefix(self.settings.namespace, self.model_name, shape.fingerprint()),
             rank_suffix(mla=mla, tp_rank=self.tp_rank, pp_rank=self.pp_rank, pp_size=self.pp_size),
-            MLA_COMPONENTS if mla else MHA_COMPONENTS,
+            MLA_PARTS if mla else MHA_PARTS,
         )
         return scheme, regions
 
@@ -221,10 +221,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         return self._guard("batch_exists", lambda: self._leading_pages(keys), 0, pause=True)
 
     def _leading_pages(self, keys: Sequence[str]) -> int:
-        scheme = self._kv_scheme()
-        names = scheme.page_keys(keys)
-        per_page = len(scheme.components)
-        return self._client.prefix_match(names, fetch_entries=False, strict=True) // per_page
+        names = self._kv_scheme().page_keys(keys)
+        return self._client.prefix_match(names, fetch_entries=False, strict=True)
 
     def _kv_scheme(self) -> KeyScheme:
         if self._scheme is None:
@@ -292,8 +290,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
             scheme, regions = self._pool_schemes[pool_name]
         indices = host_indices.detach().to(device="cpu")
         ptrs, sizes = pool.get_page_buffer_meta(indices)
-        comps = components_from_meta(regions, ptrs, sizes, pages, len(scheme.components))
-        return scheme, comps
+        return scheme, components_from_meta(regions, ptrs, sizes, pages, scheme.parts)
 
     def _get_pages(
         self, keys: Sequence[str], host_indices: torch.Tensor, pool: Any, pool_name: Any
@@ -302,21 +299,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
             return []
         scheme, comps = self._page_components(pool, host_indices, len(keys), pool_name)
         names = scheme.page_keys(keys, "" if pool_name is None else str(pool_name))
-        staged: dict[int, bytearray] = {}
-        sinks: list[memoryview] = []
-        for i, comp in enumerate(comps):
-            single = comp.single()
-            if single is None:
-                staged[i] = bytearray(comp.nbytes)
-                single = memoryview(staged[i])
-            sinks.append(single)
-        read = self._client.batch_get_into(names, sinks)
-        ok = [n is not None and n == comps[i].nbytes for i, n in enumerate(read)]
-        for i, buf in staged.items():
-            if ok[i]:
-                _scatter(buf, comps[i].parts)
-        per_page = len(scheme.components)
-        return [all(ok[p * per_page : (p + 1) * per_page]) for p in range(len(keys))]
+        read = self._client.batch_get_into(names, [c.parts for c in comps])
+        return [n is not None and n == c.nbytes for n, c in zip(read, comps, strict=True)]
 
     def _set_pages(
         self, keys: Sequence[str], host_indices: torch.Tensor, pool: Any, pool_name: Any
@@ -325,38 +309,33 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
             return []
         scheme, comps = self._page_components(pool, host_indices, len(keys), pool_name)
         names = scheme.page_keys(keys, "" if pool_name is None else str(pool_name))
-        return self._put_components(names, comps, len(scheme.components), len(keys))
+        return self._put_components(names, comps)
 
-    def _put_components(
-        self, names: list[str], comps: Sequence[Component], per_page: int, pages: int
-    ) -> list[bool]:
+    def _put_components(self, names: list[str], comps: Sequence[Component]) -> list[bool]:
+        """Put the pages the index does not hold yet (each from its pieces of host memory)."""
         present = self._client.sizes(names, strict=True)
-        stored = [size is not None and size == comps[i].nbytes for i, size in enumerate(present)]
+        stored = [
+            size is not None and size == c.nbytes for size, c in zip(present, comps, strict=True)
+        ]
         todo = [i for i, done in enumerate(stored) if not done]
         if todo:
-            items = []
-            for i in todo:
-                single = comps[i].single()
-                items.append((names[i], single if single is not None else _gather(comps[i])))
+            items = [(names[i], comps[i].parts) for i in todo]
             for i, ok in zip(todo, self._client.batch_put(items), strict=True):
                 stored[i] = ok
-        return [all(stored[p * per_page : (p + 1) * per_page]) for p in range(pages)]
+        return stored
 
     # --- the copying interface (without interface_v1) ---------------------------------------
 
     def _flat_components(self, pages: Sequence[Any]) -> list[Component]:
-        """The components of flat data pages (``get_data_page`` / ``get_dummy_flat_data_page``
-        tensors): K then V halves (MHA) or the whole page (MLA), in the pool's byte order."""
-        per_page = len(self._kv_scheme().components)
+        """The blocks of flat data pages (``get_data_page`` / ``get_dummy_flat_data_page``
+        tensors): the whole page, K half then V half (MHA), in the pool's byte order — the
+        bytes the zero-copy path sends for the same page."""
         out: list[Component] = []
         for page in pages:
             if not isinstance(page, torch.Tensor) or page.device.type != "cpu":
                 raise TypeError(f"expected a CPU tensor page, got {type(page).__name__}")
             raw = memoryview(page.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-            if raw.nbytes % per_page:
-                raise ValueError(f"a page of {raw.nbytes} bytes does not split in {per_page}")
-            part = raw.nbytes // per_page
-            out.extend(Component([raw[c * part : (c + 1) * part]]) for c in range(per_page))
+            out.append(Component([raw]))
         return out
 
     def batch_get(
@@ -383,16 +362,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         for t in targets:
             if not t.is_contiguous():
                 raise ValueError("target pages must be contiguous tensors")
-        scheme = self._kv_scheme()
         comps = self._flat_components(targets)
-        names = scheme.page_keys(keys)
-        sinks = [c.parts[0] for c in comps]
-        read = self._client.batch_get_into(names, sinks)
-        per_page = len(scheme.components)
-        ok = [n is not None and n == comps[i].nbytes for i, n in enumerate(read)]
+        names = self._kv_scheme().page_keys(keys)
+        read = self._client.batch_get_into(names, [c.parts[0] for c in comps])
         return [
-            targets[p] if all(ok[p * per_page : (p + 1) * per_page]) else None
-            for p in range(len(keys))
+            t if n is not None and n == c.nbytes else None
+            for t, n, c in zip(targets, read, comps, strict=True)
         ]
 
     def batch_set(
@@ -410,10 +385,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
         )
 
     def _set_flat(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
-        scheme = self._kv_scheme()
         comps = self._flat_components(values)
-        names = scheme.page_keys(keys)
-        return self._put_components(names, comps, len(scheme.components), len(keys))
+        return self._put_components(self._kv_scheme().page_keys(keys), comps)
 
     def get(
         self,
@@ -458,33 +431,27 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
     def _exists_v2(self, keys: list[str], transfers: list[PoolTransfer]) -> PoolTransferResult:
         logical_kv = self.mem_pool_host is not None and self.mem_pool_host.kv_buffer is None
         names: list[str] = []
-        spans: list[tuple[PoolTransfer, int, int, int]] = []
+        spans: list[tuple[PoolTransfer, int, int]] = []
         if not logical_kv:
-            scheme = self._kv_scheme()
-            names.extend(scheme.page_keys(keys))
-            kv_span = (0, len(names), len(scheme.components))
+            names.extend(self._kv_scheme().page_keys(keys))
         for t in transfers:
             pool_scheme, _ = self._pool_schemes[t.name]
             start = len(names)
             names.extend(pool_scheme.page_keys(keys, str(t.name)))
-            spans.append((t, start, len(names), len(pool_scheme.components)))
+            spans.append((t, start, len(names)))
         present = [s is not None for s in self._client.sizes(names, strict=True)] if names else []
-
-        def pages_present(start: int, end: int, per_page: int) -> list[bool]:
-            got = present[start:end]
-            return [all(got[p * per_page : (p + 1) * per_page]) for p in range(len(keys))]
 
         if logical_kv:
             kv_pages = len(keys)
         else:
-            kv_present = pages_present(*kv_span)
+            kv_present = present[: len(keys)]
             kv_pages = kv_present.index(False) if False in kv_present else len(keys)
         hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
-        for t, start, end, per_page in spans:
+        for t, start, end in spans:
             if not restorable:
                 break
-            page_ok = pages_present(start, end, per_page)
+            page_ok = present[start:end]
             if t.hit_policy == PoolHitPolicy.ALL_PAGES:
                 boundary = page_ok.index(False) if False in page_ok[:kv_pages] else kv_pages
                 allowed = set(range(1, boundary + 1))
@@ -558,18 +525,6 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is u
                 getattr(metrics, name).extend(values)
                 values.clear()
         return metrics
-
-
-def _gather(comp: Component) -> bytes:
-    return b"".join(comp.parts)
-
-
-def _scatter(source: bytearray, parts: list[memoryview]) -> None:
-    at = 0
-    src = memoryview(source)
-    for part in parts:
-        part[:] = src[at : at + part.nbytes]
-        at += part.nbytes
 
 
 __all__ = ["KVPoolHiCacheStorage"]

@@ -3,11 +3,13 @@
 Pure helpers of :mod:`kvpool.integrations.sglang` that need no SGLang import: the key scheme, the
 byte order of each host-pool layout, and the views of host memory a page's components occupy.
 
-A page is stored as one kvpool block per component: K and V for an MHA pool (each
-``layers x page_size x heads x head_dim`` elements), one block for an MLA pool. A component's
-bytes are the page's elements in the layout's byte order; layouts with the same order share
-blocks (``layer_first`` and ``page_first_direct`` both store layer by layer), layouts with
-another order get other keys, so that no instance can read a page in the wrong order.
+A page is stored as one kvpool block: for an MHA pool its K then its V (each
+``layers x page_size x heads x head_dim`` elements), for an MLA pool its one latent part. Each
+part's bytes are the page's elements in the layout's byte order; layouts with the same order
+share blocks (``layer_first`` and ``page_first_direct`` both store layer by layer), layouts with
+another order get other keys, so that no instance can read a page in the wrong order. One block
+per page: one key per page to look up, and a page is evicted, replicated and lost whole, never
+half of it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ BYTE_ORDER = {
     "layer_first": "lthd",
     "page_head": "htld",
 }
-MHA_COMPONENTS = ("k", "v")
-MLA_COMPONENTS = ("k",)
+MHA_PARTS = 2
+"""An MHA page's parts in the host pool's metadata: K, then V."""
+MLA_PARTS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,19 +61,23 @@ class PageShape:
 
 @dataclass(frozen=True, slots=True)
 class KeyScheme:
-    """``<namespace>/<model>/<fingerprint>/<page hash>_<rank suffix>_<component>``: the model
-    and the rank as SGLang's Mooncake backend puts them in its keys, the page shape as
-    docs/keys.md asks of a namespace."""
+    """``<namespace>/<model>/<fingerprint>/<page hash>_<rank suffix>_<kind>``: the model and
+    the rank as SGLang's Mooncake backend puts them in its keys, the page shape as
+    docs/keys.md asks of a namespace; ``kind`` is ``kv`` (an MHA page: K then V) or ``k`` (an
+    MLA page)."""
 
     prefix: str
     rank_suffix: str  # "3" (MHA, TP rank 3), "3_1" (with pipeline stage 1), "" (MLA)
-    components: tuple[str, ...]
+    parts: int  # MHA_PARTS or MLA_PARTS
 
     def page_keys(self, page_hashes: Sequence[str], pool: str = "") -> list[str]:
-        """The keys of every component of every page, page by page."""
+        """One key per page, in order."""
         tail = f"_{pool}" if pool else ""
         sep = f"_{self.rank_suffix}" if self.rank_suffix else ""
-        return [f"{self.prefix}{h}{sep}{tail}_{c}" for h in page_hashes for c in self.components]
+        kind = "kv" if self.parts == MHA_PARTS else "k"
+        end = f"{sep}{tail}_{kind}"
+        prefix = self.prefix
+        return [f"{prefix}{h}{end}" for h in page_hashes]
 
 
 def key_prefix(namespace: str, model_name: str | None, fingerprint: str) -> str:
@@ -114,16 +121,14 @@ def find_view(regions: Sequence[Region], ptr: int, size: int) -> memoryview:
 
 @dataclass(slots=True)
 class Component:
-    """One block's worth of a page: the host memory it occupies, in order."""
+    """One page's block: the host memory it occupies, in order (a put sends these pieces as
+    they are, a read fills them: :class:`kvpool.buffers.Parts`)."""
 
     parts: list[memoryview]
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
-
-    def single(self) -> memoryview | None:
-        return self.parts[0] if len(self.parts) == 1 else None
 
 
 def components_from_meta(
@@ -133,10 +138,11 @@ def components_from_meta(
     pages: int,
     per_page: int,
 ) -> list[Component]:
-    """Split a host pool's ``get_page_buffer_meta`` answer into ``pages x per_page``
-    components. The pool lists a page's pointers component by component (``k, v``) or, in
-    ``layer_first``, layer by layer (``k0, v0, k1, v1…``): component ``c`` of a page is every
-    ``per_page``-th pointer from ``c``. Adjacent pointers merge into one view."""
+    """Split a host pool's ``get_page_buffer_meta`` answer into one component per page: the
+    page's ``per_page`` parts, each whole before the next (K, then V). The pool lists a page's
+    pointers part by part (``k, v``) or, in ``layer_first``, layer by layer (``k0, v0, k1,
+    v1…``): part ``c`` of a page is every ``per_page``-th pointer from ``c``. Adjacent pointers
+    merge into one view."""
     if pages <= 0 or len(ptrs) != len(sizes) or len(ptrs) % (pages * per_page):
         raise ValueError(
             f"host pool metadata: {len(ptrs)} pointers for {pages} pages x {per_page} parts"
@@ -145,13 +151,12 @@ def components_from_meta(
     out: list[Component] = []
     for page in range(pages):
         base = page * step
+        merged: list[tuple[int, int]] = []
         for c in range(per_page):
-            idx = range(base + c, base + step, per_page)
-            merged: list[tuple[int, int]] = []
-            for i in idx:
+            for i in range(base + c, base + step, per_page):
                 if merged and merged[-1][0] + merged[-1][1] == ptrs[i]:
                     merged[-1] = (merged[-1][0], merged[-1][1] + sizes[i])
                 else:
                     merged.append((ptrs[i], sizes[i]))
-            out.append(Component([find_view(regions, p, n) for p, n in merged]))
+        out.append(Component([find_view(regions, p, n) for p, n in merged]))
     return out

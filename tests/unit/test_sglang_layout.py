@@ -8,8 +8,8 @@ import pytest
 
 from kvpool.errors import ConfigError
 from kvpool.integrations.sglang_layout import (
-    MHA_COMPONENTS,
-    MLA_COMPONENTS,
+    MHA_PARTS,
+    MLA_PARTS,
     KeyScheme,
     PageShape,
     Region,
@@ -43,46 +43,45 @@ def test_the_fingerprint_changes_with_everything_that_changes_the_bytes() -> Non
         shape(layout="page_unified").fingerprint()
 
 
-def test_keys_carry_model_rank_and_component_as_sglangs_mooncake_backend() -> None:
+def test_keys_carry_model_and_rank_as_sglangs_mooncake_backend_one_per_page() -> None:
     prefix = key_prefix("sglang", "meta-llama/Llama-3-8B", "abc")
     assert prefix == "sglang/meta-llama-Llama-3-8B/abc/"
     assert key_prefix("sglang", None, "abc") == "sglang/default/abc/"
-    mha = KeyScheme(prefix, rank_suffix(mla=False, tp_rank=3, pp_rank=0, pp_size=1), MHA_COMPONENTS)
-    assert mha.page_keys(["h1", "h2"]) == [
-        f"{prefix}h1_3_k", f"{prefix}h1_3_v", f"{prefix}h2_3_k", f"{prefix}h2_3_v",
-    ]  # fmt: skip
-    mla = KeyScheme(prefix, rank_suffix(mla=True, tp_rank=3, pp_rank=0, pp_size=1), MLA_COMPONENTS)
+    mha = KeyScheme(prefix, rank_suffix(mla=False, tp_rank=3, pp_rank=0, pp_size=1), MHA_PARTS)
+    assert mha.page_keys(["h1", "h2"]) == [f"{prefix}h1_3_kv", f"{prefix}h2_3_kv"]
+    mla = KeyScheme(prefix, rank_suffix(mla=True, tp_rank=3, pp_rank=0, pp_size=1), MLA_PARTS)
     assert mla.page_keys(["h1"]) == [f"{prefix}h1_k"]
     assert mla.page_keys(["h1"], "swa") == [f"{prefix}h1_swa_k"]
     assert rank_suffix(mla=False, tp_rank=1, pp_rank=2, pp_size=4) == "1_2"
     assert rank_suffix(mla=True, tp_rank=1, pp_rank=2, pp_size=4) == "2"
 
 
-def test_components_split_page_first_and_merge_nothing_that_is_apart() -> None:
+def test_a_page_first_page_is_its_k_then_its_v_from_where_they_are() -> None:
     mem = np.arange(4096, dtype=np.uint8)
     base = mem.ctypes.data
     regions = [Region(base, mem.data)]
     # two pages, K and V each: the pool lists k, v per page
     ptrs = [base, base + 2048, base + 100, base + 2148]
-    comps = components_from_meta(regions, ptrs, [100] * 4, pages=2, per_page=2)
-    assert [bytes(c.parts[0])[:1] for c in comps] == [b"\x00", b"\x00", b"\x64", b"\x64"]
-    assert all(c.single() is not None and c.nbytes == 100 for c in comps)
+    pages = components_from_meta(regions, ptrs, [100] * 4, pages=2, per_page=2)
+    assert [[bytes(p)[:1] for p in c.parts] for c in pages] == [
+        [b"\x00", b"\x00"], [b"\x64", b"\x64"],
+    ]  # fmt: skip
+    assert all(len(c.parts) == 2 and c.nbytes == 200 for c in pages)
+    assert np.shares_memory(np.frombuffer(pages[1].parts[1], dtype=np.uint8), mem)  # no copy
 
 
-def test_layer_first_components_gather_every_layer_in_order() -> None:
+def test_a_layer_first_page_is_every_layer_of_k_then_every_layer_of_v() -> None:
     mem = np.arange(4096, dtype=np.uint8)
     base = mem.ctypes.data
     regions = [Region(base, mem.data)]
     # one page, two layers: k0, v0, k1, v1 (layer stride 1000, V 2000 further)
     ptrs = [base, base + 2000, base + 1000, base + 3000]
-    (k, v) = components_from_meta(regions, ptrs, [10] * 4, pages=1, per_page=2)
-    assert [p.nbytes for p in k.parts] == [10, 10]
-    assert bytes(v.parts[0])[0] == 2000 % 256
-    assert bytes(k.parts[1])[0] == 1000 % 256
-    assert k.single() is None
+    (page,) = components_from_meta(regions, ptrs, [10] * 4, pages=1, per_page=2)
+    assert [p.nbytes for p in page.parts] == [10, 10, 10, 10]
+    assert [int(bytes(p)[0]) for p in page.parts] == [0, 1000 % 256, 2000 % 256, 3000 % 256]
     # adjacent layers merge into one view
     (m,) = components_from_meta(regions, [base, base + 10], [10, 10], pages=1, per_page=1)
-    assert m.single() is not None
+    assert len(m.parts) == 1
     assert m.nbytes == 20
 
 
