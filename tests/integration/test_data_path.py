@@ -530,3 +530,26 @@ def test_a_block_in_pieces_is_put_from_them_and_read_into_them(
     # Another client reads the blocks whole: a block put in pieces is the pieces joined.
     with Client(cluster.master_addresses, timeout_s=5.0, transport="tcp") as other:
         assert other.batch_get(list(blocks)) == list(blocks.values())
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])
+def test_a_block_in_pieces_is_read_by_content_into_pieces(
+    cluster: LocalCluster, transport: str
+) -> None:
+    """Keys that name their content are read with no lookup, into pieces too — the pieces
+    exactly the block, or longer (the block fills their first bytes)."""
+    blocks = scheme_blocks(f"pieces-{transport}")
+    with Client(cluster.master_addresses, timeout_s=5.0) as writer:
+        items = [(k, _pieces(v, [len(v) // 2])) for k, v in blocks.items()]
+        assert writer.batch_put(items) == [True] * len(blocks)
+    with Client(cluster.master_addresses, timeout_s=5.0, transport=transport) as kv:
+        asked = count_lookups(kv)
+        for key, value in blocks.items():
+            sink = _pieces(bytes(len(value)), [len(value) // 3])
+            assert kv.get_into(key, sink) == len(value)
+            assert b"".join(bytes(p) for p in sink) == value
+        assert asked == []
+        for key, value in blocks.items():
+            longer = [bytearray(3), bytearray(len(value) + 5)]
+            assert kv.get_into(key, longer) == len(value)
+            assert (bytes(longer[0]) + bytes(longer[1]))[: len(value)] == value
