@@ -39,15 +39,7 @@ class Parts:
 
     def __getitem__(self, index: slice) -> Parts:
         """``parts[:n]``: the first ``n`` bytes (the only slice a read asks for)."""
-        if (
-            not isinstance(index, slice)
-            or index.start not in (None, 0)
-            or index.step
-            not in (
-                None,
-                1,
-            )
-        ):
+        if not isinstance(index, slice) or index.start or index.step not in (None, 1):
             raise TypeError("Parts takes only a leading slice [:n]")
         want = self.nbytes if index.stop is None else max(0, min(index.stop, self.nbytes))
         if want == self.nbytes:
@@ -74,8 +66,8 @@ def _copy(dest: memoryview, src: memoryview) -> None:
 def copy_bytes(dest: memoryview | Parts, src: memoryview | Parts) -> None:
     """``dest[:] = src`` for views or :class:`Parts` of the same size (a gather, a scatter, or
     both); large copies without holding the GIL."""
-    if type(dest) is not Parts and type(src) is not Parts:
-        _copy(dest, src)  # type: ignore[arg-type]
+    if not isinstance(dest, Parts) and not isinstance(src, Parts):
+        _copy(dest, src)
         return
     if dest.nbytes != src.nbytes:
         raise ValueError(f"copy of {src.nbytes} bytes into {dest.nbytes}")

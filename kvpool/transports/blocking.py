@@ -74,6 +74,17 @@ LATE_S = 0.01
 two ``setsockopt`` calls)."""
 
 
+def _add_frame(views: list[bytes | bytearray | memoryview], call: Call, header: Header) -> None:
+    """A call's frame as views to write: header and key, then its payload from where it is (a
+    block in pieces: each piece)."""
+    views.append(header.pack() + call.key)
+    payload = call.payload
+    if isinstance(payload, Parts):
+        views.extend(payload.views)
+    elif len(payload):
+        views.append(payload)
+
+
 class BlockingConnection:
     """A connected stream socket speaking frames; see the module doc."""
 
@@ -169,12 +180,7 @@ class BlockingConnection:
         for call in calls:
             rid = next(self._ids)
             call.request_id = rid
-            views.append(call.request_header(trace).pack() + call.key)
-            payload = call.payload
-            if isinstance(payload, Parts):  # a block in pieces: each sent from where it is
-                views.extend(payload.views)
-            elif len(payload):
-                views.append(payload)
+            _add_frame(views, call, call.request_header(trace))
             if posted:
                 self._posted.add(rid)
         self._sendall(views, deadline)
@@ -184,12 +190,7 @@ class BlockingConnection:
         views: list[bytes | bytearray | memoryview] = []
         for call in calls:
             call.request_id = next(self._ids)
-            views.append(call.request_header().pack() + call.key)
-            payload = call.payload
-            if isinstance(payload, Parts):
-                views.extend(payload.views)
-            elif len(payload):
-                views.append(payload)
+            _add_frame(views, call, call.request_header())
         self._sendall(views, deadline)
 
     def _sendall(self, views: list[bytes | bytearray | memoryview], deadline: float) -> None:

@@ -335,9 +335,7 @@ class FrameConnection:
         pending.started = pending.scattered = True
         return Scatter(head, lambda left: table_rest(call, head, left))
 
-    def frame_received(
-        self, header: Header, key: bytes, payload: memoryview | Parts | None
-    ) -> None:
+    def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
         pending = self._pending.get(header.request_id)
         if pending is None or pending.future.done():
             return
@@ -368,10 +366,11 @@ class FrameConnection:
                 )
             )
             return
+        answer: memoryview | Parts | None = payload
         parts = pending.sink
         if isinstance(parts, Parts) and parts.views and payload is parts.views[0]:
-            payload = parts  # the Scatter over its pieces was filled: the whole is the answer
-        pending.future.set_result(Response(header, key, payload))
+            answer = parts  # the Scatter over its pieces was filled: the whole is the answer
+        pending.future.set_result(Response(header, key, answer))
 
     def version_mismatch(self, theirs: int) -> None:
         self._fail_all(
