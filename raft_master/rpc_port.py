@@ -70,6 +70,17 @@ _LATENCY: dict[str, Any] = {}
 """Each served call's latency histogram (``labels()`` costs more than the observation)."""
 
 
+READS = frozenset({"Lookup", "PrefixMatch", "GetMembers"})
+"""The calls answered from the index as it is (:meth:`MasterService.read_now`), when they can be."""
+
+
+def _observe(method: str, seconds: float) -> None:
+    latency = _LATENCY.get(method)
+    if latency is None:
+        latency = _LATENCY[method] = RPC_SERVER_LATENCY.labels(method, "frame")
+    latency.observe(seconds)
+
+
 _HELLO = json.dumps({"features": ["trace"]}).encode()
 """What the port offers (a HELLO answer): frames may carry a trace context."""
 
@@ -190,6 +201,10 @@ class RpcConnection:
             return
         finally:
             self._uncharge()  # decoded: the payload's buffer is no longer needed
+        # A read the index can answer as it is goes now (a traced one: as every other call).
+        traced = header.trace and tracing.STATE.enabled
+        if name in READS and not traced and self._read_now(header, name, request):
+            return
         budget_s = header.version / 1e6 if header.version else None
         # Most handlers answer without waiting: run them now, a task only for those that wait.
         task = start_eagerly(
@@ -198,6 +213,25 @@ class RpcConnection:
         if task is not None:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _read_now(self, header: Header, name: str, request: Any) -> bool:
+        """Answer a read the index can answer as it is, with no coroutine or task (most
+        reads): True when answered (or refused); False when it has to wait — no read lease
+        yet, or an index behind the caller — which the async method does."""
+        started = time.perf_counter()
+        try:
+            response = self._port.service.read_now(name, request)
+        except KVPoolError as e:
+            self._error(header, e)
+        except Exception as e:  # the port keeps serving whatever a handler does
+            self._port.log.exception("rpc_failed", method=name)
+            self._error(header, InternalError(f"{type(e).__name__}: {e}"))
+        else:
+            if response is None:
+                return False
+            self._reply(header, response)
+        _observe(name, time.perf_counter() - started)
+        return True
 
     async def _call(self, header: Header, name: str, request: Any, budget_s: float | None) -> None:
         started = time.perf_counter()
@@ -212,10 +246,7 @@ class RpcConnection:
             else:
                 await self._answer(header, name, request, budget_s, None)
         finally:
-            latency = _LATENCY.get(name)
-            if latency is None:
-                latency = _LATENCY[name] = RPC_SERVER_LATENCY.labels(name, "frame")
-            latency.observe(time.perf_counter() - started)
+            _observe(name, time.perf_counter() - started)
 
     async def _answer(
         self, header: Header, name: str, request: Any, budget_s: float | None, span: Any
@@ -234,6 +265,9 @@ class RpcConnection:
             self._port.log.exception("rpc_failed", method=name)
             self._error(header, InternalError(f"{type(e).__name__}: {e}"))
             return
+        self._reply(header, response)
+
+    def _reply(self, header: Header, response: Message) -> None:
         body = response.SerializeToString()
         if self.stream is not None:
             self.stream.send(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc.aio
+from google.protobuf.message import Message
 
 from kvpool.config import MasterConfig
 from kvpool.errors import (
@@ -551,10 +552,20 @@ class MasterService(master_pb2_grpc.MasterServicer):
     async def Lookup(  # noqa: N802 - gRPC method name
         self, request: master_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.LookupResponse:
-        check_key_count(len(request.keys), self.cfg.max_lookup_keys, "Lookup")
-        keys = check_keys(request.keys, allow_empty=True)
+        keys = self._read_keys(request, "Lookup")
         await self._require_read_lease(context)
         await self._wait_for_revision(request.min_revision, context)
+        return self._lookup(request, keys)
+
+    def _read_keys(
+        self, request: master_pb2.LookupRequest | master_pb2.PrefixMatchRequest, method: str
+    ) -> list[str]:
+        check_key_count(len(request.keys), self.cfg.max_lookup_keys, method)
+        return check_keys(request.keys, allow_empty=True)
+
+    def _lookup(
+        self, request: master_pb2.LookupRequest, keys: list[str]
+    ) -> master_pb2.LookupResponse:
         if self.replicas is not None and len(keys) > 1 and not request.internal:
             self.replicas.looked_up(keys)
 
@@ -588,10 +599,14 @@ class MasterService(master_pb2_grpc.MasterServicer):
     async def PrefixMatch(  # noqa: N802 - gRPC method name
         self, request: master_pb2.PrefixMatchRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.PrefixMatchResponse:
-        check_key_count(len(request.keys), self.cfg.max_lookup_keys, "PrefixMatch")
-        keys = check_keys(request.keys, allow_empty=True)
+        keys = self._read_keys(request, "PrefixMatch")
         await self._require_read_lease(context)
         await self._wait_for_revision(request.min_revision, context)
+        return self._prefix_match(request, keys)
+
+    def _prefix_match(
+        self, request: master_pb2.PrefixMatchRequest, keys: list[str]
+    ) -> master_pb2.PrefixMatchResponse:
         if not request.each:
             matched, revision = self.replicator.read(
                 lambda ix: (ix.prefix_match(keys), ix.revision)
@@ -601,9 +616,34 @@ class MasterService(master_pb2_grpc.MasterServicer):
         matched = next((i for i, hit in enumerate(found) if not hit), len(found))
         return master_pb2.PrefixMatchResponse(matched=matched, revision=revision, found=found)
 
+    def read_now(self, method: str, request: Any) -> Message | None:
+        """Answer a read (``Lookup``, ``PrefixMatch``, ``GetMembers``) without waiting, as the
+        async method would answer it: None when that would wait first (no read lease yet, or an
+        index behind the caller's ``min_revision``) or for any other method — then call that.
+        Invalid requests raise as there. The frame RPC port answers most reads here, with no
+        coroutine or task (:mod:`kvpool.raft_master.rpc_port`)."""
+        if method == "GetMembers":
+            return self._members()
+        if method == "PrefixMatch":
+            answer: Callable[[Any, list[str]], Message] = self._prefix_match
+        elif method == "Lookup":
+            answer = self._lookup
+        else:
+            return None
+        keys = self._read_keys(request, method)
+        if self.cfg.raft_read_lease and not self.replicator.lease_held():
+            return None
+        if request.min_revision > self.replicator.read(lambda ix: ix.revision):
+            return None
+        response: Message = answer(request, keys)
+        return response
+
     async def GetMembers(  # noqa: N802 - gRPC method name
         self, request: master_pb2.GetMembersRequest, context: grpc.aio.ServicerContext
     ) -> master_pb2.GetMembersResponse:
+        return self._members()
+
+    def _members(self) -> master_pb2.GetMembersResponse:
         members, ring_version = self.replicator.read(
             lambda ix: (ix.live_members(), ix.ring_version)
         )

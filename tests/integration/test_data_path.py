@@ -83,6 +83,13 @@ def test_every_master_offers_its_rpc_port_and_answers_as_over_grpc(cluster: Loca
     unknown = rpc(members_of(leader).rpc_address, "RegisterNode", b"")
     assert unknown.status == Status.BAD_REQUEST
     assert NotLeaderError.code == "NOT_LEADER"
+    # A read the leader cannot answer as it is (behind the caller) waits, then says so.
+    ahead = master_pb2.LookupRequest(keys=["rpc/k"], min_revision=1 << 50)
+    started = time.monotonic()
+    lagging = rpc(members_of(leader).rpc_address, "Lookup", ahead.SerializeToString())
+    assert lagging.status == Status.RPC_ERROR
+    assert b"NOT_CAUGHT_UP" in bytes(lagging.data or b"")
+    assert time.monotonic() - started >= 0.9  # MAX_REVISION_WAIT_S, as over gRPC
 
 
 def _rpc_port_answers(cluster: LocalCluster) -> str | None:
