@@ -38,6 +38,10 @@ _HOSTPORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(?P<port>
 C = TypeVar("C")
 
 
+AUTO_OFF = ("auto", "off")
+"""The words a port setting takes besides an address (``rpc_listen``, ``read_listen``)."""
+
+
 def opt(default: Any, help: str, kind: str = "", *, flag: bool = True) -> Any:
     """A config field: ``kind`` is ``size`` (bytes with units), ``duration`` (seconds), ``secret``
     (never printed) or ``""`` (by type)."""
@@ -290,6 +294,12 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
         "host:port, 'auto' (the gRPC host, any free port; offered only when this master is "
         "dialled directly, not through a proxy or NAT: advertise_address unset) or 'off'",
     )
+    read_listen: str = opt(
+        "auto",
+        "read port: the RPC port's index reads (Lookup, PrefixMatch, GetMembers) answered by a "
+        "thread per connection, without the event loop: host:port, 'auto' (the RPC port's "
+        "host, any free port) or 'off'; offered whenever the RPC port is",
+    )
     metrics_port: int = opt(
         0,
         "Prometheus /metrics HTTP port on the listen host: 0 = any free port (logged as "
@@ -311,12 +321,12 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
             errors.append("max_lookup_keys: must be at least 1")
         if self.max_node_capacity < 1:
             errors.append("max_node_capacity: must be positive")
-        if self.rpc_listen not in ("auto", "off"):
-            errors += _validate_addresses(self, ("rpc_listen",))
-        # raft_listen is not refused: Raft traffic is authenticated by raft_secret already.
-        errors += self._security_problems(
-            ("listen",) if self.rpc_listen in ("auto", "off") else ("listen", "rpc_listen")
+        frame_ports = tuple(
+            name for name in ("rpc_listen", "read_listen") if getattr(self, name) not in AUTO_OFF
         )
+        errors += _validate_addresses(self, frame_ports)
+        # raft_listen is not refused: Raft traffic is authenticated by raft_secret already.
+        errors += self._security_problems(("listen", *frame_ports))
         for peer in self.raft_peers:
             try:
                 split_hostport(peer)

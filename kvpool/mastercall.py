@@ -89,6 +89,7 @@ class MasterRouting:
         self._rotation = 0
         self._lock = threading.Lock()
         self._rpc: dict[str, str] = {}  # gRPC address -> its frame RPC port ("" = none)
+        self._read: dict[str, str] = {}  # gRPC address -> its read port (none: not offered)
         self._failed_at: dict[str, float] = {}  # address -> when a call to it last failed
         self._clock = clock
 
@@ -101,14 +102,27 @@ class MasterRouting:
         not known yet."""
         return self._rpc.get(address)
 
-    def learn_rpc(self, address: str, rpc_address: str) -> None:
+    def read_of(self, address: str) -> str:
+        """The read port of the master at ``address`` (its index reads, served by threads:
+        ``read_address`` in GetMembers), or "" when none is known."""
+        return self._read.get(address, "")
+
+    def learn_rpc(self, address: str, rpc_address: str, read_address: str = "") -> None:
         self._rpc[address] = rpc_address
+        if read_address:
+            self._read[address] = read_address
+        else:
+            self._read.pop(address, None)
 
     def forget_rpc(self, address: str, rpc_address: str) -> None:
-        """The RPC port learned for ``address`` refused or dropped us: learn it again next time
-        (a restarted master listens on another one)."""
-        if self._rpc.get(address) == rpc_address:
+        """The RPC port (or read port) learned for ``address`` refused or dropped us: learn it
+        again next time (a restarted master listens on another one). A read port forgotten
+        leaves the RPC port, which serves the same reads."""
+        if self._read.get(address) == rpc_address:
+            del self._read[address]
+        elif self._rpc.get(address) == rpc_address:
             del self._rpc[address]
+            self._read.pop(address, None)
 
     def _failed_lately(self, address: str, now: float) -> bool:
         return now - self._failed_at.get(address, -FAILED_HOLD_S) < FAILED_HOLD_S
@@ -359,12 +373,17 @@ def _attempt(plan: CallPlan, ask: Ask, request: Any, clock: Callable[[], float])
             rpc = no_rpc_port(routing, address, e)
         else:
             rpc = rpc_port_address(str(members.rpc_address))
-            routing.learn_rpc(address, rpc)
+            read = rpc_port_address(str(members.read_address)) if rpc else ""
+            routing.learn_rpc(address, rpc, read)
             if method == "GetMembers":
                 return members
         timeout_s -= clock() - started
     if not rpc:
         return (yield CallGrpc(address, method, request, timeout_s))
+    # Index reads go to the read port when the master offers one (unless traced: its threads
+    # make no spans), the rest to the RPC port.
+    if method in READ_PORT_METHODS and not tracing.STATE.enabled:
+        rpc = routing.read_of(address) or rpc
     payload = request.SerializeToString()  # the time allowed, in µs, goes as the version
     call = Call(Op.RPC, method.encode(), version=max(1, int(timeout_s * 1e6)), payload=payload)
     try:
@@ -585,6 +604,9 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
             channel.close()
         self._rpc_conns.close()
 
+
+READ_PORT_METHODS = frozenset({"Lookup", "PrefixMatch", "GetMembers"})
+"""The calls a master's read port serves (``read_address``; raft_master/read_port.py)."""
 
 READ_METHODS = frozenset({"Lookup", "PrefixMatch", "GetMembers"})
 """The RPC-port calls answered from the index as it is (no Raft round): worth a busy poll."""

@@ -74,7 +74,16 @@ READS = frozenset({"Lookup", "PrefixMatch", "GetMembers"})
 """The calls answered from the index as it is (:meth:`MasterService.read_now`), when they can be."""
 
 
-def _observe(method: str, seconds: float) -> None:
+def error_body(error: KVPoolError) -> bytes:
+    """An RPC_ERROR answer's payload: the error's code and message, and the leader it names."""
+    doc: dict[str, str] = {"code": error.code, "message": error.message}
+    if isinstance(error, NotLeaderError) and error.leader:
+        doc["leader"] = error.leader
+    return json.dumps(doc).encode()
+
+
+def observe(method: str, seconds: float) -> None:
+    """A served call's latency (``kvpool_rpc_server_latency_seconds``, transport ``frame``)."""
     latency = _LATENCY.get(method)
     if latency is None:
         latency = _LATENCY[method] = RPC_SERVER_LATENCY.labels(method, "frame")
@@ -96,7 +105,7 @@ def _span_attributes(request: Any, response: Any) -> dict[str, Any]:
     return attrs
 
 
-class _Budget:
+class Budget:
     """What the service methods ask of a gRPC context: the time the caller gave."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, budget_s: float | None) -> None:
@@ -230,7 +239,7 @@ class RpcConnection:
             if response is None:
                 return False
             self._reply(header, response)
-        _observe(name, time.perf_counter() - started)
+        observe(name, time.perf_counter() - started)
         return True
 
     async def _call(self, header: Header, name: str, request: Any, budget_s: float | None) -> None:
@@ -246,14 +255,14 @@ class RpcConnection:
             else:
                 await self._answer(header, name, request, budget_s, None)
         finally:
-            _observe(name, time.perf_counter() - started)
+            observe(name, time.perf_counter() - started)
 
     async def _answer(
         self, header: Header, name: str, request: Any, budget_s: float | None, span: Any
     ) -> None:
         loop = asyncio.get_running_loop()
         try:
-            response = await getattr(self._port.service, name)(request, _Budget(loop, budget_s))
+            response = await getattr(self._port.service, name)(request, Budget(loop, budget_s))
             if span is not None:
                 span.set_attributes(_span_attributes(request, response))
         except KVPoolError as e:
@@ -282,10 +291,7 @@ class RpcConnection:
             )
 
     def _error(self, header: Header, error: KVPoolError) -> None:
-        doc: dict[str, str] = {"code": error.code, "message": error.message}
-        if isinstance(error, NotLeaderError) and error.leader:
-            doc["leader"] = error.leader
-        body = json.dumps(doc).encode()
+        body = error_body(error)
         if self.stream is not None:
             self.stream.send(
                 Header(

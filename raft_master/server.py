@@ -38,6 +38,7 @@ from kvpool.metrics import MetricsServer, register_collector, start_metrics
 from kvpool.proto.v1 import master_pb2_grpc
 from kvpool.raft_master.failure import FailureDetector, FailureLoop
 from kvpool.raft_master.master_metrics import master_families
+from kvpool.raft_master.read_port import ReadPort
 from kvpool.raft_master.replica_loop import ReplicaLoop
 from kvpool.raft_master.replica_rpc import ReplicaRpc
 from kvpool.raft_master.replication import Replicator, StartupError, StuckFollowerWatch
@@ -172,6 +173,7 @@ class MasterProcess:
         self._exit_code = EXIT_OK
         self._handle: ServerHandle | None = None
         self._rpc: RpcPort | None = None
+        self._read: ReadPort | None = None
         self._lock_fd: int | None = None
         self._metrics: MetricsServer | None = None
         self._unregister: Callable[[], None] | None = None
@@ -219,6 +221,7 @@ class MasterProcess:
                         "grpc": self.service.grpc_address,
                         "raft": cfg.raft_listen,
                         "rpc": self.service.rpc_address,
+                        "read": self.service.read_address,
                         "metrics": self.metrics_address,
                     },
                 )
@@ -227,6 +230,7 @@ class MasterProcess:
                 grpc=self.service.grpc_address,
                 raft=cfg.raft_listen,
                 rpc=self.service.rpc_address or None,
+                read=self.service.read_address or None,
                 peers=list(cfg.raft_peers),
                 data_dir=cfg.data_dir if not cfg.in_memory else None,
                 in_memory=cfg.in_memory,
@@ -278,6 +282,32 @@ class MasterProcess:
             raise StartupError(f"rpc_listen: cannot listen on {host}:{port}: {e}") from None
         shown = f"[{host}]" if ":" in host else host
         self.service.rpc_address = f"{shown}:{bound}"
+        # Index reads have a port of their own, served by threads (read_port.py), offered
+        # with the RPC port (which serves the same reads to clients that do not use it).
+        if cfg.read_listen == "off":
+            return
+        read_host, read_port = (
+            (host, 0) if cfg.read_listen == "auto" else split_hostport(cfg.read_listen)
+        )
+        self._read = ReadPort(
+            self.service, self.log, token=self.security.token, limits=self.cfg.ingress_limits()
+        )
+        try:
+            read_bound = self._read.start(read_host, read_port)
+        except OSError as e:
+            self._read = None
+            raise StartupError(
+                f"read_listen: cannot listen on {read_host}:{read_port}: {e}"
+            ) from None
+        shown = f"[{read_host}]" if ":" in read_host else read_host
+        self.service.read_address = f"{shown}:{read_bound}"
+
+    def _close_rpc_ports(self) -> None:
+        self.service.read_address = ""
+        for port in (self._read, self._rpc):
+            if port is not None:
+                port.close()
+        self._read = self._rpc = None
 
     async def _start_metrics(self) -> None:
         """``/metrics`` on the gRPC host (``metrics_port``; see :mod:`kvpool.metrics`)."""
@@ -303,9 +333,7 @@ class MasterProcess:
 
     async def _cleanup_after_failed_start(self) -> None:
         await self._stop_metrics()
-        if self._rpc is not None:
-            self._rpc.close()
-            self._rpc = None
+        self._close_rpc_ports()
         if self._handle is not None:
             with contextlib.suppress(Exception):
                 await self._handle.stop(0)
@@ -314,9 +342,7 @@ class MasterProcess:
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
         await self._stop_metrics()
-        if self._rpc is not None:
-            self._rpc.close()
-            self._rpc = None
+        self._close_rpc_ports()
         handle, self._handle = self._handle, None
         if handle is not None:
             with contextlib.suppress(Exception):

@@ -191,6 +191,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         )
         self._node_stats: dict[int, NodeStats] = {}
         self.rpc_address = ""  # the frame RPC port, when offered (see rpc_port.py)
+        self.read_address = ""  # the read port, offered with it (see read_port.py)
         self._established_term: int | None = None
         self._announce_in_flight = False
         self.replicas: ReplicaHooks | None = None  # the replica loop, set by the server
@@ -564,10 +565,16 @@ class MasterService(master_pb2_grpc.MasterServicer):
         return check_keys(request.keys, allow_empty=True)
 
     def _lookup(
-        self, request: master_pb2.LookupRequest, keys: list[str]
+        self,
+        request: master_pb2.LookupRequest,
+        keys: list[str],
+        on_loop: Callable[[Callable[[list[str]], None], list[str]], Any] | None = None,
     ) -> master_pb2.LookupResponse:
         if self.replicas is not None and len(keys) > 1 and not request.internal:
-            self.replicas.looked_up(keys)
+            if on_loop is None:
+                self.replicas.looked_up(keys)
+            else:
+                on_loop(self.replicas.looked_up, keys)
 
         def read(ix: BlockIndex) -> tuple[Any, list[MemberRecord], int, int]:
             views = ix.lookup(keys)
@@ -616,27 +623,32 @@ class MasterService(master_pb2_grpc.MasterServicer):
         matched = next((i for i, hit in enumerate(found) if not hit), len(found))
         return master_pb2.PrefixMatchResponse(matched=matched, revision=revision, found=found)
 
-    def read_now(self, method: str, request: Any) -> Message | None:
+    def read_now(
+        self,
+        method: str,
+        request: Any,
+        on_loop: Callable[[Callable[[list[str]], None], list[str]], Any] | None = None,
+    ) -> Message | None:
         """Answer a read (``Lookup``, ``PrefixMatch``, ``GetMembers``) without waiting, as the
         async method would answer it: None when that would wait first (no read lease yet, or an
         index behind the caller's ``min_revision``) or for any other method — then call that.
         Invalid requests raise as there. The frame RPC port answers most reads here, with no
-        coroutine or task (:mod:`kvpool.raft_master.rpc_port`)."""
+        coroutine or task (:mod:`kvpool.raft_master.rpc_port`), and the read port from its
+        threads (:mod:`kvpool.raft_master.read_port`): the index is read under its apply lock,
+        and ``on_loop`` (``loop.call_soon_threadsafe``) takes what must run on the event loop
+        (a Lookup's chain for the hot-prefix replicas)."""
         if method == "GetMembers":
             return self._members()
-        if method == "PrefixMatch":
-            answer: Callable[[Any, list[str]], Message] = self._prefix_match
-        elif method == "Lookup":
-            answer = self._lookup
-        else:
+        keys = self._read_keys(request, method) if method in ("PrefixMatch", "Lookup") else None
+        if keys is None:
             return None
-        keys = self._read_keys(request, method)
         if self.cfg.raft_read_lease and not self.replicator.lease_held():
             return None
         if request.min_revision > self.replicator.read(lambda ix: ix.revision):
             return None
-        response: Message = answer(request, keys)
-        return response
+        if method == "PrefixMatch":
+            return self._prefix_match(request, keys)
+        return self._lookup(request, keys, on_loop)
 
     async def GetMembers(  # noqa: N802 - gRPC method name
         self, request: master_pb2.GetMembersRequest, context: grpc.aio.ServicerContext
@@ -651,6 +663,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             ring_version=ring_version,
             members=map(member_pb, members),
             rpc_address=self.rpc_address,
+            read_address=self.read_address,
         )
 
     def master_status(self) -> master_pb2.MasterStatus:

@@ -462,11 +462,17 @@ class GetMembersResponse(_message.Message):
     RING_VERSION_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
     RPC_ADDRESS_FIELD_NUMBER: _builtins.int
+    READ_ADDRESS_FIELD_NUMBER: _builtins.int
     ring_version: _builtins.int
     rpc_address: _builtins.str
     """The answering master's frame RPC port ("host:port"; the data-plane frame with op RPC):
     Lookup, CommitPuts, GetMembers, PrefixMatch and Remove without gRPC's per-call cost.
     Empty when it offers none (e.g. it is reached through a proxy or NAT).
+    """
+    read_address: _builtins.str
+    """The answering master's read port ("host:port"; offered with rpc_address): the same frames,
+    for Lookup, PrefixMatch and GetMembers only, each connection answered by a thread of its
+    own without an event loop in between. Empty when it offers none.
     """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Member]:
@@ -478,10 +484,11 @@ class GetMembersResponse(_message.Message):
         ring_version: _builtins.int = ...,
         members: _abc.Iterable[_common_pb2.Member] | None = ...,
         rpc_address: _builtins.str = ...,
+        read_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "ring_version", b"ring_version", "rpc_address", b"rpc_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "read_address", b"read_address", "ring_version", b"ring_version", "rpc_address", b"rpc_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -83,6 +83,16 @@ def test_every_master_offers_its_rpc_port_and_answers_as_over_grpc(cluster: Loca
     unknown = rpc(members_of(leader).rpc_address, "RegisterNode", b"")
     assert unknown.status == Status.BAD_REQUEST
     assert NotLeaderError.code == "NOT_LEADER"
+    # Its read port answers the same reads, from threads, and no writes.
+    read_port = members_of(leader).read_address
+    assert read_port
+    assert read_port != members_of(leader).rpc_address
+    lookup = master_pb2.LookupRequest(keys=["rpc/k", "rpc/absent"])
+    read = rpc(read_port, "Lookup", lookup.SerializeToString())
+    assert read.status == Status.OK
+    found = master_pb2.LookupResponse.FromString(bytes(read.data or b"")).entries
+    assert [e.found for e in found] == [True, False]
+    assert rpc(read_port, "CommitPuts", b"").status == Status.BAD_REQUEST
     # A read the leader cannot answer as it is (behind the caller) waits, then says so.
     ahead = master_pb2.LookupRequest(keys=["rpc/k"], min_revision=1 << 50)
     started = time.monotonic()
@@ -285,9 +295,11 @@ def test_a_busy_polling_client_spins_for_reads_and_lookups_only(
         assert kv.batch_exists([*keys, "poll/absent"]) == [True, True, True, False]
         assert kv.prefix_match([*keys, "poll/absent", keys[0]]) == 3
         assert polled, "reads and lookups spin before they sleep"
-        rpc_ports = {f"tcp://{members_of(a).rpc_address}" for a in cluster.master_addresses}
-        assert rpc_ports & set(polled), "a lookup's answer is awaited spinning"
-        assert set(polled) - rpc_ports, "a node's answer to a read is awaited spinning"
+        offered = [members_of(a) for a in cluster.master_addresses]
+        index_ports = {f"tcp://{m.rpc_address}" for m in offered}
+        index_ports |= {f"tcp://{m.read_address}" for m in offered}
+        assert index_ports & set(polled), "a lookup's answer is awaited spinning"
+        assert set(polled) - index_ports, "a node's answer to a read is awaited spinning"
         assert kv.remove(keys[0])
         assert kv.get(keys[0]) is None
 

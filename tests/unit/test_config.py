@@ -121,6 +121,19 @@ def test_raft_on_the_event_loop_is_off_by_default_and_needs_a_data_dir(tmp_path:
     assert load_config(MasterConfig, env=env, overrides=on).raft_tick_on_loop
 
 
+def test_the_read_port_setting_takes_auto_off_or_an_address() -> None:
+    env = {"KVPOOL_RAFT_SECRET": "s3cret"}
+    base = {"in_memory": True}
+    assert load_config(MasterConfig, env=env, overrides=base).read_listen == "auto"
+    for ok in ("off", "127.0.0.1:7321", "[::1]:0"):
+        assert load_config(MasterConfig, env=env, overrides={**base, "read_listen": ok})
+    with pytest.raises(ConfigError, match=r"read_listen: not a host:port address"):
+        load_config(MasterConfig, env=env, overrides={**base, "read_listen": "on"})
+    # as the RPC port: no other host without the cluster token (it serves the index)
+    with pytest.raises(ConfigError, match=r"read_listen: 10.1.0.5:7321 is not a loopback"):
+        load_config(MasterConfig, env=env, overrides={**base, "read_listen": "10.1.0.5:7321"})
+
+
 def test_node_tier_above_the_memory_share_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"cpu_cache_size: .* of this machine's memory"):
         load_config(NodeConfig, env={}, overrides={"cpu_cache_size": "1024TiB"})

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvpool import mastercall
+from kvpool import mastercall, tracing
 from kvpool.errors import (
     DeadlineExceededError,
     InternalError,
@@ -509,3 +509,56 @@ def test_a_port_that_does_not_know_the_call_is_not_used_again(clock: Clock) -> N
     assert masters.call(routing) == FOUND
     assert routing.rpc_of(A) == ""
     assert isinstance(masters.ios[-1], CallGrpc)
+
+
+# --- the read port ----------------------------------------------------------------------------
+
+READ_A = "a:3"
+COMMIT = master_pb2.CommitPutsRequest(request_id=b"r" * 16)
+
+
+def test_reads_go_to_the_read_port_the_master_offers_and_writes_to_its_rpc_port(
+    clock: Clock,
+) -> None:
+    masters = Masters(clock)
+    masters.grpc[A, "GetMembers"] = master_pb2.GetMembersResponse(
+        rpc_address=RPC_A, read_address=READ_A
+    )
+    masters.rpc[READ_A, "Lookup"] = FOUND
+    masters.rpc[READ_A, "PrefixMatch"] = master_pb2.PrefixMatchResponse(matched=1)
+    masters.rpc[RPC_A, "CommitPuts"] = master_pb2.CommitPutsResponse()
+    routing = MasterRouting([A], clock=clock)
+    assert masters.call(routing) == FOUND
+    prefix = master_pb2.PrefixMatchRequest(keys=["k"])
+    assert masters.call(routing, "PrefixMatch", prefix).matched == 1
+    assert masters.call(routing, "CommitPuts", COMMIT) == master_pb2.CommitPutsResponse()
+    assert where(masters.ios) == [A, READ_A, READ_A, RPC_A]
+    assert (routing.rpc_of(A), routing.read_of(A)) == (RPC_A, READ_A)
+
+
+def test_a_read_port_that_drops_the_call_is_forgotten_and_the_rpc_port_serves_the_reads(
+    clock: Clock,
+) -> None:
+    masters = Masters(clock)
+    masters.rpc[READ_A, "Lookup"] = TransportError("a:3: connection reset")
+    masters.rpc[RPC_A, "Lookup"] = FOUND
+    routing = MasterRouting([A], clock=clock)
+    routing.learn_rpc(A, RPC_A, READ_A)
+    routing.leader = A
+    assert masters.call(routing) == FOUND
+    assert where(masters.ios)[0] == READ_A
+    assert where(masters.ios)[-1] == RPC_A
+    assert (routing.rpc_of(A), routing.read_of(A)) == (RPC_A, "")  # the RPC port stays
+    # A master that offers no read port (an older one): the reads stay on its RPC port.
+    routing.learn_rpc(A, RPC_A)
+    assert routing.read_of(A) == ""
+
+
+def test_a_traced_read_goes_to_the_rpc_port(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracing.STATE, "enabled", True)
+    masters = Masters(clock)
+    masters.rpc[RPC_A, "Lookup"] = FOUND
+    routing = MasterRouting([A], clock=clock)
+    routing.learn_rpc(A, RPC_A, READ_A)
+    assert masters.call(routing) == FOUND
+    assert where(masters.ios) == [RPC_A]  # the read port's threads make no spans

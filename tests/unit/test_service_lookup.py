@@ -130,7 +130,8 @@ def test_a_read_that_would_wait_is_not_answered_now() -> None:
     assert svc.read_now("Lookup", ahead) is None  # the async method waits for the revision
     caught_up = master_pb2.PrefixMatchRequest(keys=["a"], min_revision=index.revision)
     answer = svc.read_now("PrefixMatch", caught_up)
-    assert answer is not None and answer.matched == 1
+    assert isinstance(answer, master_pb2.PrefixMatchResponse)
+    assert answer.matched == 1
     assert svc.read_now("Remove", master_pb2.RemoveRequest(keys=["a"])) is None  # not a read
     follower, _ = service(leading=False)  # no read lease: the async method waits or refuses
     assert follower.read_now("PrefixMatch", master_pb2.PrefixMatchRequest(keys=["a"])) is None
