@@ -45,7 +45,6 @@ from kvpool.errors import (
     RequestTooLargeError,
     UnavailableError,
 )
-from kvpool.logs import OncePer, get_logger
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.wire import (
     HEADER_SIZE,
@@ -64,18 +63,15 @@ from kvpool.raft_master.rpc_port import (
     METHODS,
     READS,
     Budget,
+    FramePort,
     error_body,
     observe,
 )
-from kvpool.raft_master.service import MasterService
-from kvpool.transports.auth import Gate
 from kvpool.transports.limits import (
-    IngressLimits,
-    MemoryBudget,
     overloaded_message,
     too_large_message,
 )
-from kvpool.transports.stream import StreamServer, listen_tcp, tune_socket
+from kvpool.transports.stream import tune_socket
 
 BUFFER_BYTES = 64 << 10
 """Each connection's own buffer: a frame that fits is read into it, a larger one into a buffer
@@ -110,6 +106,7 @@ class ReadConnection:
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # the bytes read and not yet taken: _buf[_start:_end]
         self._between_frames = True
+        self._frame_started: float | None = None  # when the frame being read began
 
     def abort(self) -> None:
         """End the connection from another thread: its ``recv`` returns, the thread ends."""
@@ -141,24 +138,35 @@ class ReadConnection:
 
     def _fill(self, view: memoryview, idle: bool) -> int:
         """One ``recv`` into ``view`` (its byte count). ``idle``: nothing of the next frame has
-        come yet, so a timeout keeps waiting (an idle connection is not cut); mid-frame, one
-        cuts the connection."""
+        come yet, so a timeout keeps waiting (an idle connection is not cut); a frame begun
+        and not whole ``frame_timeout_s`` after its first byte cuts the connection, however its
+        bytes trickle in."""
+        limit = self._port.limits.frame_timeout_s
         while True:
             try:
                 n = self._sock.recv_into(view)
             except (BlockingIOError, TimeoutError):
-                if idle:
-                    continue
-                self._port.cut += 1
-                self._port.once.warning(
-                    "slow_peer_cut", self.peer.rsplit(":", 1)[0], peer=self.peer, port="read"
-                )
-                raise _ClosedError from None
+                n = -1
             except InterruptedError:
                 continue
             if n == 0:
                 raise _ClosedError
-            return n
+            now = time.monotonic()
+            if idle:
+                if n < 0:
+                    continue
+                self._frame_started = now
+                return n
+            if self._frame_started is None:
+                self._frame_started = now  # a frame that began with bytes read before
+            if now - self._frame_started > limit:
+                self._port.cut += 1
+                self._port.once.warning(
+                    "slow_peer_cut", self.peer.rsplit(":", 1)[0], peer=self.peer, port="read"
+                )
+                raise _ClosedError
+            if n > 0:
+                return n
 
     def _ensure(self, size: int) -> None:
         """Have the stream's next ``size`` bytes (at most the buffer's size) in the buffer,
@@ -183,6 +191,7 @@ class ReadConnection:
     def _frame(self) -> bool:
         """Read one frame and answer it; False when the connection must close."""
         self._between_frames = True
+        self._frame_started = None
         self._ensure(PREFIX_SIZE)
         started = time.perf_counter()
         try:
@@ -313,45 +322,22 @@ class ReadConnection:
         )
 
 
-class ReadPort:
-    """The listening side; :meth:`start` binds (on the event loop), :meth:`close` stops and
-    cuts every caller. Its limits are its own (``max_connections``, ``request_memory``)."""
+class ReadPort(FramePort):
+    """The read port; :meth:`close` stops and cuts every caller. Its limits are its own
+    (``max_connections``, ``request_memory``), as the RPC port's are."""
 
-    def __init__(
-        self,
-        service: MasterService,
-        log: Any = None,
-        token: bytes = b"",
-        limits: IngressLimits | None = None,
-    ) -> None:
-        self.service = service
-        self.log = log if log is not None else get_logger("kvpool.raft_master.read")
-        self.once = OncePer(self.log)
-        self.limits = limits if limits is not None else IngressLimits()
-        self.budget = MemoryBudget(self.limits.request_memory_bytes)
-        self._budget_lock = threading.Lock()
-        self.connections: set[ReadConnection] = set()
+    LOGGER = "kvpool.raft_master.read"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._budget_lock = threading.Lock()  # the budget is shared by the threads
         self._lock = threading.Lock()
-        self.gate = Gate(
-            token,
-            self._adopt,
-            log=self.log,
-            max_connections=self.limits.max_connections,
-            live=lambda: len(self.connections),
-        )
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
-        self._server: StreamServer | None = None
-        self.port = 0
-        self.bad_requests = 0
-        self.cut = 0
         self._closed = False
 
     def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: any free port); OSError when it cannot."""
         self.loop = asyncio.get_running_loop()
-        self._server = StreamServer(listen_tcp(host, port), self.gate, log=self.log)
-        self.port = self._server.port
-        return self.port
+        return super().start(host, port)
 
     def _adopt(self, sock: socket.socket) -> None:
         conn = ReadConnection(self, sock)
@@ -378,9 +364,6 @@ class ReadPort:
         with self._lock:
             self._closed = True
             conns = list(self.connections)
-        self.gate.close()
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        self._stop_listening()
         for conn in conns:
             conn.abort()

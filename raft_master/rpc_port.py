@@ -343,8 +343,12 @@ class RpcConnection:
         self.stream = None  # nothing points back at the stream: freed by reference counting
 
 
-class RpcPort:
-    """The listening side; :meth:`start` binds, :meth:`close` stops and cuts every caller."""
+class FramePort:
+    """What a master's frame ports share: the service, the log, the ingress limits and request
+    memory budget, the token gate (with ``max_connections``) and the listening socket.
+    :meth:`start` binds (on the event loop); subclasses adopt each admitted socket."""
+
+    LOGGER = "kvpool.raft_master.rpc"
 
     def __init__(
         self,
@@ -354,11 +358,11 @@ class RpcPort:
         limits: IngressLimits | None = None,
     ) -> None:
         self.service = service
-        self.log = log if log is not None else get_logger("kvpool.raft_master.rpc")
+        self.log = log if log is not None else get_logger(self.LOGGER)
         self.once = OncePer(self.log)
         self.limits = limits if limits is not None else IngressLimits()
         self.budget = MemoryBudget(self.limits.request_memory_bytes)
-        self.connections: set[RpcConnection] = set()
+        self.connections: set[Any] = set()
         self.gate = Gate(
             token,
             self._adopt,
@@ -367,7 +371,6 @@ class RpcPort:
             live=lambda: len(self.connections),
         )
         self._server: StreamServer | None = None
-        self._guard: asyncio.Task[None] | None = None
         self.port = 0
         self.bad_requests = 0
         self.cut = 0
@@ -376,8 +379,27 @@ class RpcPort:
         """Listen on ``host:port`` (0: any free port); OSError when it cannot."""
         self._server = StreamServer(listen_tcp(host, port), self.gate, log=self.log)
         self.port = self._server.port
-        self._guard = asyncio.get_running_loop().create_task(self._cut_slow())
         return self.port
+
+    def _adopt(self, sock: socket.socket) -> None:
+        raise NotImplementedError
+
+    def _stop_listening(self) -> None:
+        self.gate.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+class RpcPort(FramePort):
+    """The frame RPC port; :meth:`close` stops and cuts every caller."""
+
+    _guard: asyncio.Task[None] | None = None  # cuts slow callers (cut_slow), once started
+
+    def start(self, host: str, port: int) -> int:
+        bound = super().start(host, port)
+        self._guard = asyncio.get_running_loop().create_task(self._cut_slow())
+        return bound
 
     def _adopt(self, sock: socket.socket) -> None:
         RpcConnection(self).attach(sock)
@@ -412,9 +434,6 @@ class RpcPort:
         if self._guard is not None:
             self._guard.cancel()
             self._guard = None
-        self.gate.close()
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        self._stop_listening()
         for conn in list(self.connections):
             conn.abort()

@@ -188,6 +188,30 @@ def test_the_rpc_ports_limits_hold_here() -> None:
     run(scenario())
 
 
+def test_a_frame_trickled_in_is_cut_at_its_frame_timeout() -> None:
+    svc, _ = service()
+
+    async def scenario() -> None:
+        port = ReadPort(svc, limits=IngressLimits(frame_timeout_s=0.5))
+        bound = await started(port)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", bound)
+            request = frame("PrefixMatch", master_pb2.PrefixMatchRequest(keys=["a"] * 50))
+            began = time.monotonic()
+            for i in range(len(request)):  # a byte every 50 ms: each recv well within 0.5 s
+                if reader.at_eof():
+                    break
+                writer.write(request[i : i + 1])
+                await asyncio.sleep(0.05)
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert time.monotonic() - began < 2.0
+            assert port.cut == 1
+        finally:
+            port.close()
+
+    run(scenario())
+
+
 def test_the_cluster_token_is_asked_first_and_closing_the_port_ends_every_connection() -> None:
     svc, _ = service()
 
