@@ -382,7 +382,7 @@ def _attempt(plan: CallPlan, ask: Ask, request: Any, clock: Callable[[], float])
         return (yield CallGrpc(address, method, request, timeout_s))
     # Index reads go to the read port when the master offers one (unless traced: its threads
     # make no spans), the rest to the RPC port.
-    if method in READ_PORT_METHODS and not tracing.STATE.enabled:
+    if method in READ_METHODS and not tracing.STATE.enabled:
         rpc = routing.read_of(address) or rpc
     payload = request.SerializeToString()  # the time allowed, in µs, goes as the version
     call = Call(Op.RPC, method.encode(), version=max(1, int(timeout_s * 1e6)), payload=payload)
@@ -605,11 +605,9 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
         self._rpc_conns.close()
 
 
-READ_PORT_METHODS = frozenset({"Lookup", "PrefixMatch", "GetMembers"})
-"""The calls a master's read port serves (``read_address``; raft_master/read_port.py)."""
-
 READ_METHODS = frozenset({"Lookup", "PrefixMatch", "GetMembers"})
-"""The RPC-port calls answered from the index as it is (no Raft round): worth a busy poll."""
+"""The calls answered from the index as it is (no Raft round): served by a master's read port
+too (``read_address``; raft_master/read_port.py), and worth a busy poll."""
 
 RPC_RESPONSES: dict[str, type[Any]] = {
     "Lookup": master_pb2.LookupResponse,
