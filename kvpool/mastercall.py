@@ -606,8 +606,9 @@ class SyncMasterClient(_MasterCaller[grpc.Channel]):
 
 
 READ_METHODS = frozenset({"Lookup", "PrefixMatch", "GetMembers"})
-"""The calls answered from the index as it is (no Raft round): served by a master's read port
-too (``read_address``; raft_master/read_port.py), and worth a busy poll."""
+"""The calls answered from the index as it is (no Raft round): a master answers them without a
+coroutine when it can (``MasterService.read_now``) and on its read port too (``read_address``;
+raft_master/read_port.py); worth a busy poll."""
 
 RPC_RESPONSES: dict[str, type[Any]] = {
     "Lookup": master_pb2.LookupResponse,

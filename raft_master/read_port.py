@@ -45,9 +45,11 @@ from kvpool.errors import (
     RequestTooLargeError,
     UnavailableError,
 )
+from kvpool.mastercall import READ_METHODS
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.wire import (
     HEADER_SIZE,
+    MAX_ERROR_MESSAGE_BYTES,
     PREFIX_SIZE,
     FrameError,
     Header,
@@ -61,7 +63,6 @@ from kvpool.proto.wire import (
 from kvpool.raft_master.rpc_port import (
     BLOCKED_TIMEOUT_S,
     METHODS,
-    READS,
     Budget,
     FramePort,
     error_body,
@@ -246,7 +247,7 @@ class ReadConnection:
             self._send(header, Status.OK, _HELLO)
             return True
         name = key.decode("ascii", "replace")
-        if header.op != Op.RPC or name not in READS:
+        if header.op != Op.RPC or name not in READ_METHODS:
             self._bad_request(header, key, "not served on this port")
             self._send_error(
                 header, Status.BAD_REQUEST, f"op {header.op} {name!r}: not served on this port"
@@ -286,22 +287,28 @@ class ReadConnection:
 
     # --- answers ----------------------------------------------------------------------------
 
-    def _send(self, request: Header, status: int, body: bytes) -> None:
+    def _send(self, request: Header | None, status: int, body: bytes) -> None:
+        """One answer frame (``request`` None: a frame that could not be read), all of it: a
+        blocking send may take part of it when its time-out ends it (then OSError ends the
+        connection, never half an answer followed by the next)."""
         head = Header(
-            op=request.op, status=status, request_id=request.request_id, payload_len=len(body)
-        ).pack()
-        self._sock.sendmsg([head, body] if body else [head])
-
-    def _send_error(self, request: Header | None, status: Status, message: str) -> None:
-        body = message.encode("utf-8")[:1024]
-        head = Header(
-            op=request.op if request else 0,
+            op=request.op if request is not None else 0,
             status=status,
-            request_id=request.request_id if request else 0,
+            request_id=request.request_id if request is not None else 0,
             payload_len=len(body),
         ).pack()
+        views = [memoryview(head), memoryview(body)] if body else [memoryview(head)]
+        while views:
+            sent = self._sock.sendmsg(views)
+            while views and sent >= views[0].nbytes:
+                sent -= views.pop(0).nbytes
+            if views:
+                views[0] = views[0][sent:]
+
+    def _send_error(self, request: Header | None, status: Status, message: str) -> None:
+        """An error answer whose message is its payload, as the RPC port's ``send_error``."""
         with contextlib.suppress(OSError):
-            self._sock.sendall(head + body)
+            self._send(request, status, message.encode("utf-8")[:MAX_ERROR_MESSAGE_BYTES])
 
     def _bad_frame(self, reason: str) -> bool:
         self._bad_request(None, b"", reason)

@@ -41,6 +41,7 @@ from kvpool.errors import (
     UnavailableError,
 )
 from kvpool.logs import OncePer, get_logger
+from kvpool.mastercall import READ_METHODS
 from kvpool.metrics import RPC_SERVER_LATENCY
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.v1 import master_pb2
@@ -68,10 +69,6 @@ METHODS: dict[str, type[Message]] = {
 """The calls served here (every other one: gRPC)."""
 _LATENCY: dict[str, Any] = {}
 """Each served call's latency histogram (``labels()`` costs more than the observation)."""
-
-
-READS = frozenset({"Lookup", "PrefixMatch", "GetMembers"})
-"""The calls answered from the index as it is (:meth:`MasterService.read_now`), when they can be."""
 
 
 def error_body(error: KVPoolError) -> bytes:
@@ -212,7 +209,7 @@ class RpcConnection:
             self._uncharge()  # decoded: the payload's buffer is no longer needed
         # A read the index can answer as it is goes now (a traced one: as every other call).
         traced = header.trace and tracing.STATE.enabled
-        if name in READS and not traced and self._read_now(header, name, request):
+        if name in READ_METHODS and not traced and self._read_now(header, name, request):
             return
         budget_s = header.version / 1e6 if header.version else None
         # Most handlers answer without waiting: run them now, a task only for those that wait.

@@ -639,9 +639,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
         (a Lookup's chain for the hot-prefix replicas)."""
         if method == "GetMembers":
             return self._members()
-        keys = self._read_keys(request, method) if method in ("PrefixMatch", "Lookup") else None
-        if keys is None:
+        if method not in ("PrefixMatch", "Lookup"):
             return None
+        keys = self._read_keys(request, method)
         if self.cfg.raft_read_lease and not self.replicator.lease_held():
             return None
         if request.min_revision > self.replicator.read(lambda ix: ix.revision):

@@ -5,9 +5,10 @@ port's limits (request size, request memory, half-sent frames, the cluster token
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from kvpool.proto import PROTOCOL_VERSION
@@ -50,8 +51,14 @@ async def answer(reader: asyncio.StreamReader) -> tuple[Header, bytes]:
     return header, await reader.readexactly(header.payload_len)
 
 
-async def started(port: ReadPort) -> int:
-    return port.start("127.0.0.1", 0)
+@contextlib.asynccontextmanager
+async def serving(port: ReadPort) -> AsyncIterator[tuple[ReadPort, int]]:
+    """``port`` listening on 127.0.0.1 (the port and its number); closed after."""
+    bound = port.start("127.0.0.1", 0)
+    try:
+        yield port, bound
+    finally:
+        port.close()
 
 
 async def eventually(check: Any, timeout_s: float = 5.0) -> None:
@@ -66,9 +73,7 @@ def test_reads_are_answered_as_the_rpc_port_answers_them_and_writes_are_refused(
     _stored(svc, ["a", "c"])
 
     async def scenario() -> None:
-        port = ReadPort(svc)
-        bound = await started(port)
-        try:
+        async with serving(ReadPort(svc)) as (_, bound):
             reader, writer = await asyncio.open_connection("127.0.0.1", bound)
             # several requests in one write: each answered, in order, on the same connection
             prefix = master_pb2.PrefixMatchRequest(keys=["a", "b", "c"], each=True)
@@ -99,8 +104,6 @@ def test_reads_are_answered_as_the_rpc_port_answers_them_and_writes_are_refused(
             header, _ = await answer(reader)
             assert (header.op, header.status, header.request_id) == (Op.PING, Status.OK, 5)
             writer.close()
-        finally:
-            port.close()
 
     run(scenario())
 
@@ -110,9 +113,7 @@ def test_a_read_that_has_to_wait_is_answered_by_the_event_loop() -> None:
     index = _stored(svc, ["a"])
 
     async def scenario() -> None:
-        port = ReadPort(svc)
-        bound = await started(port)
-        try:
+        async with serving(ReadPort(svc)) as (port, bound):
             reader, writer = await asyncio.open_connection("127.0.0.1", bound)
             ahead = master_pb2.LookupRequest(keys=["a"], min_revision=index.revision + 1)
             began = time.monotonic()
@@ -127,8 +128,6 @@ def test_a_read_that_has_to_wait_is_answered_by_the_event_loop() -> None:
             header, body = await answer(reader)
             assert json.loads(body)["code"] == "NOT_LEADER"
             writer.close()
-        finally:
-            port.close()
 
     run(scenario())
 
@@ -138,9 +137,7 @@ def test_the_rpc_ports_limits_hold_here() -> None:
     limits = IngressLimits(frame_timeout_s=0.5, max_request_bytes=1 << 20)
 
     async def scenario() -> None:
-        port = ReadPort(svc, limits=limits)
-        bound = await started(port)
-        try:
+        async with serving(ReadPort(svc, limits=limits)) as (port, bound):
             # above max_request_size: refused before anything is allocated, then closed
             reader, writer = await asyncio.open_connection("127.0.0.1", bound)
             writer.write(
@@ -182,8 +179,6 @@ def test_the_rpc_ports_limits_hold_here() -> None:
             assert port.cut == 1
             assert port.bad_requests == 3
             writer.close()
-        finally:
-            port.close()
 
     run(scenario())
 
@@ -192,9 +187,8 @@ def test_a_frame_trickled_in_is_cut_at_its_frame_timeout() -> None:
     svc, _ = service()
 
     async def scenario() -> None:
-        port = ReadPort(svc, limits=IngressLimits(frame_timeout_s=0.5))
-        bound = await started(port)
-        try:
+        limits = IngressLimits(frame_timeout_s=0.5)
+        async with serving(ReadPort(svc, limits=limits)) as (port, bound):
             reader, writer = await asyncio.open_connection("127.0.0.1", bound)
             request = frame("PrefixMatch", master_pb2.PrefixMatchRequest(keys=["a"] * 50))
             began = time.monotonic()
@@ -206,8 +200,6 @@ def test_a_frame_trickled_in_is_cut_at_its_frame_timeout() -> None:
             assert await asyncio.wait_for(reader.read(), 5) == b""
             assert time.monotonic() - began < 2.0
             assert port.cut == 1
-        finally:
-            port.close()
 
     run(scenario())
 
@@ -216,9 +208,7 @@ def test_the_cluster_token_is_asked_first_and_closing_the_port_ends_every_connec
     svc, _ = service()
 
     async def scenario() -> None:
-        port = ReadPort(svc, token=b"secret-token")
-        bound = await started(port)
-        try:
+        async with serving(ReadPort(svc, token=b"secret-token")) as (port, bound):
             reader, writer = await asyncio.open_connection("127.0.0.1", bound)
             writer.write(frame("PrefixMatch", master_pb2.PrefixMatchRequest(keys=["a"])))
             header, _ = await answer(reader)
@@ -232,8 +222,6 @@ def test_the_cluster_token_is_asked_first_and_closing_the_port_ends_every_connec
             assert header.status == Status.OK
             assert master_pb2.PrefixMatchResponse.FromString(body).matched == 0
             await eventually(lambda: len(port.connections) == 1)
-        finally:
-            port.close()
         assert await asyncio.wait_for(reader.read(), 5) == b""  # its thread ended it
         await eventually(lambda: not port.connections)
 
