@@ -285,12 +285,15 @@ def judge(
     answer: tuple[int, ...],
     data: memoryview | Parts | None,
     message: str = "",
+    *,
+    digest: int | None = None,
 ) -> None:
     """Judge one node's answer for ``it`` — ``answer`` is (status, flags, write id, size,
     checksum), as an MGET record — : a hit sets ``it.ok``, anything else records why. An entry
     of write id 0 is a direct read (:func:`kvpool.client.ops.direct_entry`): the node names the
     write, its size (the caller's buffer's, when one was given) and the checksum the bytes
-    must hash to; a hit fills the entry in with them."""
+    must hash to; a hit fills the entry in with them. ``digest``: the bytes' checksum, when
+    the transport took it as they landed (:func:`~kvpool.transports.calls.hash_landed`)."""
     status, flags, write_id, size, checksum = answer[:5]
     entry = it.entry
     if status == Status.MISS:
@@ -301,7 +304,7 @@ def judge(
         it.fail("node_error", node_error(address, "GET", status, message))
         return
     if not entry.write_id:
-        _judge_direct(it, address, answer, data)
+        _judge_direct(it, address, answer, data, digest=digest)
         return
     if write_id not in (0, entry.write_id):
         it.fail(
@@ -322,7 +325,7 @@ def judge(
             ),
         )
         return
-    _take(it, address, data, size=size, checksum=checksum, flags=flags)
+    _take(it, address, data, size=size, checksum=checksum, flags=flags, digest=digest)
 
 
 def _take(
@@ -333,15 +336,17 @@ def _take(
     size: int,
     checksum: int,
     flags: int,
+    digest: int | None = None,
 ) -> bool:
     """The bytes of a hit whose answer was judged right: they must be ``size`` bytes hashing
-    to ``checksum``; then they are the item's value (a hit, on tier ``flags``)."""
+    to ``checksum`` (``digest``, when already taken); then they are the item's value (a hit,
+    on tier ``flags``)."""
     if data is None and size == 0:
         data = memoryview(b"")
     if data is None or data.nbytes != size:
         it.fail("node_down", UnavailableError(f"{address}: {it.key!r}: payload not received"))
         return False
-    if block_checksum(data) != checksum:
+    if (block_checksum(data) if digest is None else digest) != checksum:
         it.fail(
             "checksum_mismatch",
             ChecksumMismatchError(
@@ -359,7 +364,12 @@ def _take(
 
 
 def _judge_direct(
-    it: ReadItem, address: str, answer: tuple[int, ...], data: memoryview | Parts | None
+    it: ReadItem,
+    address: str,
+    answer: tuple[int, ...],
+    data: memoryview | Parts | None,
+    *,
+    digest: int | None,
 ) -> None:
     """:func:`judge` of an OK answer to a direct read."""
     _status, flags, write_id, size, checksum = answer[:5]
@@ -374,7 +384,7 @@ def _judge_direct(
             ),
         )
         return
-    if _take(it, address, data, size=size, checksum=checksum, flags=flags):
+    if _take(it, address, data, size=size, checksum=checksum, flags=flags, digest=digest):
         entry.write_id, entry.size_bytes, entry.checksum = write_id, size, checksum
 
 
@@ -526,7 +536,8 @@ class NodeRead:
 
     def _judge_mget(self, call: Call, group: list[ReadItem]) -> None:
         datas = call.sinks or [None] * len(group)
-        for record, data, it in zip(call.records, datas, group, strict=True):
+        digests = call.digests or [None] * len(group)  # hashed as they landed, where taken
+        for record, data, digest, it in zip(call.records, datas, digests, group, strict=True):
             status = record[0]
             if status == Status.DEFERRED:
                 self._deferred.append(it)
@@ -539,7 +550,7 @@ class NodeRead:
                 and record[2] == entry.write_id
                 and record[3] == entry.size_bytes
                 and record[4] == entry.checksum
-                and block_checksum(data) == record[4]
+                and (block_checksum(data) if digest is None else digest) == record[4]
             ):
                 if it.sink is None:
                     it.value = owned_bytes(data)
@@ -548,7 +559,7 @@ class NodeRead:
                 it.ok = True
                 it.tier = record[1]
             else:
-                judge(it, self.address, record, data)
+                judge(it, self.address, record, data, digest=digest)
 
     def _judge_shm(self, call: Call, group: list[ReadItem]) -> None:
         arena = self.arena

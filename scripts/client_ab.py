@@ -13,7 +13,8 @@ processes for both.
 
 The cells: a 4 KiB ``get`` with its entry cached and never cached (a fresh client with
 ``lookup_cache_size=0``), the first ``get`` of a key the client has just put, a 1 MiB
-``get_into``, a 1 MiB and a 4 MiB ``get``, ``batch_get`` of 32 x 1 MiB, ``batch_get`` and
+``get_into``, a 1 MiB and a 4 MiB ``get``, ``batch_get`` and ``batch_get_into`` of 32 x 1 MiB
+(the latter for both clients), ``batch_get`` and
 ``batch_get_into`` of 32 x 64 KiB, a 4 KiB ``put``, ``exists``,
 the AsyncClient's cached 4 KiB ``get`` and ``put``, and (once per round, listed under tcp) the
 client's own Python per get with the network faked away — the data plane, and for a never-cached
@@ -97,6 +98,12 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
         big32 = [f"{pre}-g{i}" for i in range(32)]
         assert all(kv.batch_put([(k, big) for k in big32]))
         timed("batch_get 32 x 1 MiB", lambda: kv.batch_get(big32), max(10, n // 20))
+        bigbufs = [bytearray(1 << 20) for _ in range(32)]
+        timed(
+            "batch_get_into 32 x 1 MiB",
+            lambda: kv.batch_get_into(big32, bigbufs),
+            max(10, n // 20),
+        )
         timed("batch_get 32 x 64 KiB", lambda: kv.batch_get(keys32), max(20, n // 10))
         bufs = [bytearray(65536) for _ in range(32)]
         timed(
@@ -124,6 +131,13 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
                 await ak.put(f"{pre}-ap{i}", small)
                 samples.append(time.perf_counter() - t)
             cell("AsyncClient put 4 KiB", samples)
+            bigbufs = [bytearray(1 << 20) for _ in range(32)]
+            samples = []
+            for _ in range(max(10, n // 20)):
+                t = time.perf_counter()
+                await ak.batch_get_into(big32, bigbufs)
+                samples.append(time.perf_counter() - t)
+            cell("AsyncClient batch_get_into 32 x 1 MiB", samples)
 
     asyncio.run(async_cells())
     with Client(masters) as kv, contextlib.suppress(AttributeError):

@@ -55,6 +55,7 @@ from kvpool.transports.calls import (
     MAX_ALLOC_BYTES,
     Call,
     OwnHit,
+    hash_landed,
     may_allocate,
     refused_answer,
     table_head_size,
@@ -373,18 +374,30 @@ class BlockingConnection:
         except FrameError as e:
             self.broken = True
             raise TransportError(f"{self.address}: {e}") from None
+        # Each hit is hashed as its last byte lands (hash_landed), between receives.
         run: list[memoryview] = []
-        for view in views:
+        run_ends: list[int] = []
+        for view, end in zip(views, call.hit_ends, strict=True):
             if isinstance(view, OwnHit):
-                self._recv_scatter(run, deadline)
-                run = []
+                self._recv_scatter(run, deadline, call, run_ends)
+                run, run_ends = [], []
                 view.datas[view.slot] = self._recv_bytes(view.size, deadline)
+                hash_landed(call, view.slot)
             else:
                 run.append(view)
-        self._recv_scatter(run, deadline)
+                run_ends.append(end)
+        self._recv_scatter(run, deadline, call, run_ends)
 
-    def _recv_scatter(self, views: list[memoryview], deadline: float) -> None:
-        """Fill ``views`` in order from the stream, many per ``recvmsg_into``."""
+    def _recv_scatter(
+        self,
+        views: list[memoryview],
+        deadline: float,
+        call: Call | None = None,
+        ends: list[int] | None = None,
+    ) -> None:
+        """Fill ``views`` in order from the stream, many per ``recvmsg_into``; with ``call``
+        and ``ends`` (an MGET's, :func:`hit_views`), each hit is hashed once its last view is
+        full (:func:`hash_landed`)."""
         sock = self._sock
         i, offset = 0, 0
         while i < len(views):
@@ -396,6 +409,8 @@ class BlockingConnection:
                 rest = views[i].nbytes - offset
                 if n >= rest:
                     n -= rest
+                    if ends is not None and call is not None and ends[i] >= 0:
+                        hash_landed(call, ends[i])
                     i += 1
                     offset = 0
                 else:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, overload
 
 from kvpool.buffers import Parts
+from kvpool.checksum import block_checksum
 from kvpool.proto.wire import COUNT, MGET_RECORD, FrameError, Header, Status
 
 MAX_ALLOC_BYTES = 1 << 30
@@ -53,11 +54,13 @@ class Call:
     __slots__ = (
         "checksum",
         "data",
+        "digests",
         "error",
         "expect",
         "expects",
         "flags",
         "header",
+        "hit_ends",
         "key",
         "op",
         "payload",
@@ -105,6 +108,10 @@ class Call:
         self.data: memoryview | Parts | None = None  # the response payload (sink, table, message)
         self.records: list[tuple[int, ...]] = []  # table records, when ``table`` is set
         self.error: Exception | None = None  # this call's response could not be taken
+        # MGET: the checksum of each hit's bytes, taken as they land (:func:`hash_landed`; None
+        # where not taken), and which hit each of :func:`hit_views`' views ends (-1: none).
+        self.digests: list[int | None] | None = None
+        self.hit_ends: list[int] = []
 
     def request_header(self, trace: bytes = b"") -> Header:
         """The request frame's header (``request_id`` set), with the trace context ``trace``."""
@@ -198,6 +205,8 @@ def hit_views(call: Call, left: int, own_from: int | None = None) -> list[memory
     spill = memoryview(bytearray(spill_bytes)) if spill_bytes else None
     datas: list[memoryview | Parts | None] = []
     views: list[memoryview | OwnHit] = []
+    ends = call.hit_ends = []
+    call.digests = None
     pos = 0
     for rec, sink in zip(call.records, sinks, strict=True):
         if rec[0] != Status.OK:
@@ -205,24 +214,42 @@ def hit_views(call: Call, left: int, own_from: int | None = None) -> list[memory
             continue
         n = rec[3]
         if sink is None and n >= own:
+            ends.append(len(datas))
             views.append(OwnHit(datas, len(datas), n))
             datas.append(None)
             continue
         view: memoryview
         if sink is not None and sink.nbytes == n:
-            datas.append(sink)
             if isinstance(sink, Parts):  # the caller's pieces, each filled in turn
-                views.extend(sink.views)
+                if sink.views:
+                    ends.extend([-1] * (len(sink.views) - 1) + [len(datas)])
+                    views.extend(sink.views)
+                datas.append(sink)
                 continue
+            datas.append(sink)
             view = sink
         else:
             view = spill[pos : pos + n] if spill is not None else memoryview(b"")  # n == 0
             pos += n
             datas.append(view if sink is None else None)  # a wrong size is dropped
         if n:
+            ends.append(len(datas) - 1)
             views.append(view)
     call.sinks = datas
     return views
+
+
+def hash_landed(call: Call, slot: int) -> None:
+    """Take the checksum of MGET hit ``slot``'s bytes now that they have all landed in
+    ``call.sinks[slot]`` (the judge then compares it instead of hashing them again): hashed
+    while they are still in the CPU's cache and, on a connection that receives in the caller's
+    thread, while the node sends the next hits (overlapped, not after the whole answer)."""
+    data = call.sinks[slot] if call.sinks is not None else None
+    if data is None:
+        return
+    if call.digests is None:
+        call.digests = [None] * len(call.sinks)  # type: ignore[arg-type]
+    call.digests[slot] = block_checksum(data)
 
 
 @overload

@@ -65,32 +65,50 @@ class Scatter:
     first bytes (a table response, whose records say where each hit's bytes go): ``first`` is
     filled, then ``rest(left)`` names the views that take the ``left`` bytes after it, in order,
     each filled straight from the socket. ``rest`` raises FrameError when they cannot take
-    exactly ``left`` bytes; it is asked once, even when nothing follows ``first``."""
+    exactly ``left`` bytes; it is asked once, even when nothing follows ``first``. ``landed``,
+    when given, is told the index (in ``rest``'s list) of each view once it is full: when the
+    next is asked for, or the payload is complete."""
 
-    __slots__ = ("_next", "_rest", "_views", "first")
+    __slots__ = ("_landed", "_next", "_rest", "_views", "first")
 
-    def __init__(self, first: memoryview, rest: Callable[[int], list[memoryview]]) -> None:
+    def __init__(
+        self,
+        first: memoryview,
+        rest: Callable[[int], list[memoryview]],
+        landed: Callable[[int], None] | None = None,
+    ) -> None:
         self.first = first
         self._rest = rest
-        self._views: list[memoryview] | None = None
+        self._landed = landed
+        self._views: list[tuple[int, memoryview]] | None = None
         self._next = 0
+
+    def _pieces(self, left: int) -> list[tuple[int, memoryview]]:
+        if self._views is None:
+            self._views = [(i, v) for i, v in enumerate(self._rest(left)) if v.nbytes]
+        return self._views
+
+    def _filled(self) -> None:
+        """The view before the next one is full (none before the first)."""
+        if self._landed is not None and self._next:
+            assert self._views is not None
+            self._landed(self._views[self._next - 1][0])
 
     def advance(self, left: int) -> memoryview:
         """The next view to fill, once those before it are full; ``left``: bytes to come."""
-        if self._views is None:
-            self._views = [v for v in self._rest(left) if v.nbytes]
-        if self._next == len(self._views):
+        views = self._pieces(left)
+        if self._next == len(views):
             raise FrameError(f"{left} bytes more than the response's table says")
-        view = self._views[self._next]
+        self._filled()
+        view = views[self._next][1]
         self._next += 1
         return view
 
     def complete(self) -> None:
         """The whole payload arrived: FrameError when it was shorter than the table says."""
-        if self._views is None:
-            self._views = [v for v in self._rest(0) if v.nbytes]
-        if self._next != len(self._views):
+        if self._next != len(self._pieces(0)):
             raise FrameError("a response shorter than its table says")
+        self._filled()
 
 
 class FrameReader:

@@ -45,6 +45,7 @@ from kvpool.transports.blocking import (
 )
 from kvpool.transports.calls import (
     Call,
+    hash_landed,
     may_allocate,
     parse_records,
     refused_answer,
@@ -333,7 +334,13 @@ class FrameConnection:
             return None
         head = memoryview(bytearray(head_size))
         pending.started = pending.scattered = True
-        return Scatter(head, lambda left: table_rest(call, head, left))
+
+        def landed(view: int) -> None:  # each MGET hit hashed once its last byte is in
+            slot = call.hit_ends[view]
+            if slot >= 0:
+                hash_landed(call, slot)
+
+        return Scatter(head, lambda left: table_rest(call, head, left), landed)
 
     def frame_received(self, header: Header, key: bytes, payload: memoryview | None) -> None:
         pending = self._pending.get(header.request_id)

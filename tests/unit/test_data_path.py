@@ -9,7 +9,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -196,6 +196,73 @@ def test_batch_get_into_refuses_mismatched_buffers(cluster: Cluster) -> None:
             kv.batch_get_into(["k", "k"], [bytearray(10)])
         with pytest.raises(InvalidArgumentError):
             kv.batch_get_into(["k"], [bytearray(9)])  # too small for the block
+
+
+def _flip_first_byte(node: Node, keys: set[str]) -> int:
+    """Change the first byte of every stored copy of ``keys`` on ``node`` (as a bad DIMM or a
+    stray write would): how many copies were changed."""
+
+    def flip() -> int:
+        store = node.store
+        changed = 0
+        for block in list(store._blocks.values()):
+            if block.key in keys and block.size_bytes:
+                view = store.view(block)
+                view[0] ^= 0xFF
+                changed += 1
+        return changed
+
+    return node.call(flip)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=needs_shm)])
+def test_bytes_changed_on_the_node_are_a_miss_however_a_batch_receives_them(
+    cluster: Cluster, transport: str, kind: str
+) -> None:
+    """A batch read hashes each block's bytes where they landed (over tcp, as they land): into
+    the caller's buffer of the block's size, a larger buffer, a buffer in two pieces, or fresh
+    memory (small blocks share one buffer; 64 KiB and up get bytes of their own). Wherever they
+    land, a changed block is a checksum miss and its neighbours in the batch are still hits."""
+    rng = random.Random(7)
+    sizes = [100, 4096, 100_000, 3 * MIB]
+    good = {f"good/{n}": rng.randbytes(n) for n in sizes}
+    bad = {f"bad/{n}": rng.randbytes(n) for n in sizes}
+    size = {k: len(v) for k, v in {**good, **bad}.items()}
+    keys = [k for pair in zip(good, bad, strict=True) for k in pair]
+    want = [good.get(k) for k in keys]
+
+    async def scenario(kv: Any, wait: Callable[[Any], Any]) -> None:
+        assert await wait(kv.batch_put({**good, **bad})) == [True] * len(keys)
+        assert sum(_flip_first_byte(n, set(bad)) for n in cluster.nodes) == len(bad)
+        assert await wait(kv.batch_get(keys)) == want
+        for extra, pieces in ((0, 1), (1, 1), (0, 2)):
+            bufs = [bytearray(size[k] + extra) for k in keys]
+            into: list[Any] = bufs
+            if pieces == 2:
+                into = [[memoryview(b)[: len(b) // 2], memoryview(b)[len(b) // 2 :]] for b in bufs]
+            got = await wait(kv.batch_get_into(keys, into))
+            assert got == [None if v is None else len(v) for v in want]
+            for k, b in zip(keys, bufs, strict=True):
+                if k in good:
+                    assert bytes(b[: size[k]]) == good[k]
+        assert kv.stats["misses_by_reason"]["checksum_mismatch"] == 4 * len(bad)
+
+    async def done(value: Any) -> Any:
+        return value
+
+    async def awaited(value: Any) -> Any:
+        return await value
+
+    async def run_async() -> None:
+        async with AsyncClient([cluster.address], timeout_s=5.0, transport=transport) as kv:
+            await scenario(kv, awaited)
+
+    if kind == "async":
+        asyncio.run(run_async())
+    else:
+        with Client([cluster.address], timeout_s=5.0, transport=transport) as kv:
+            asyncio.run(scenario(kv, done))
 
 
 # --- the lookup cache ---------------------------------------------------------------------------
