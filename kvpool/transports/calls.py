@@ -267,6 +267,7 @@ def table_rest(
     parse_records(call, head)
     if call.table is MGET_RECORD and call.sinks is not None:
         return hit_views(call, left, own_from)
+    call.hit_ends, call.digests = [], None
     if left:
         raise FrameError(f"{left} bytes after a response table")
     return []
