@@ -156,7 +156,11 @@ class ShmListener:
         assert directory is not None
         while True:
             await asyncio.sleep(BEAT_S)
-            directory.tend()
+            try:
+                directory.tend()
+            except Exception as e:  # a beat missed must not end the beats: clients would
+                # stop reading through the directory for good, a second after the last one
+                self.server.once.warning("shm_directory_tend_failed", "shm", error=repr(e))
 
     def _adopt(self, sock: socket.socket) -> None:
         tier = self.server.store.tier

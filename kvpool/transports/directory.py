@@ -154,11 +154,14 @@ class DirectoryWriter:
     def take_reads(self) -> list[tuple[int, int]]:
         """(slot, reads) for every slot clients counted reads on since the last call; resets."""
         hits = self.hits
-        touched = np.flatnonzero(hits)
+        # Clients count into this memory while the node reads it: work on one copy of it
+        # (numpy's nonzero counts, then fills, and fails when the count changed in between).
+        seen = hits.copy()
+        touched = np.flatnonzero(seen)
         if not touched.size:
             return []
-        counts = np.minimum(hits[touched], MAX_READS_PER_TAKE)
-        hits[touched] = 0
+        counts = np.minimum(seen[touched], MAX_READS_PER_TAKE)
+        hits[touched] = 0  # a read counted since the copy may go uncredited: a hint, no more
         listed = np.frombuffer(self._used, dtype=np.uint8)[touched].astype(bool)
         slots, counts = touched[listed], counts[listed]
         if slots.size > MAX_SLOTS_PER_TAKE:
