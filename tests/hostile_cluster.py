@@ -81,7 +81,7 @@ def shm_name(data_address: str, timeout_s: float = 2.0) -> str:
 
 
 def ports(cluster: LocalCluster) -> list[Port]:
-    """Every listening port of every process: masters' gRPC, Raft, frame RPC and /metrics;
+    """Every listening port of every process: masters' gRPC, Raft, frame RPC, read and /metrics;
     nodes' data port, shared-memory socket, admin gRPC and /metrics."""
     out: list[Port] = []
     inet = socket.AF_INET
@@ -91,6 +91,8 @@ def ports(cluster: LocalCluster) -> list[Port]:
         out.append(Port(f"{info.name} raft", inet, _hostport(info.raft), info.pid))
         if ready.get("rpc"):
             out.append(Port(f"{info.name} rpc", inet, _hostport(str(ready["rpc"])), info.pid))
+        if ready.get("read"):
+            out.append(Port(f"{info.name} read", inet, _hostport(str(ready["read"])), info.pid))
         if info.extra.get("metrics"):
             out.append(
                 Port(f"{info.name} metrics", inet, _hostport(info.extra["metrics"]), info.pid)

@@ -1,8 +1,8 @@
 """The fuzz suite at every port of a real cluster (issue 16): random, truncated, oversized and
-bit-flipped frames and junk gRPC requests to the masters' gRPC, Raft, frame RPC and /metrics
-ports and the nodes' data port, shared-memory socket, admin gRPC and /metrics. After the run:
-every process alive, its memory within a stated margin of where it was, every known block read
-back exactly. A short run here; a long one marked slow."""
+bit-flipped frames and junk gRPC requests to the masters' gRPC, Raft, frame RPC, read and
+/metrics ports and the nodes' data port, shared-memory socket, admin gRPC and /metrics. After
+the run: every process alive, its memory within a stated margin of where it was, every known
+block read back exactly. A short run here; a long one marked slow."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def _run(tmp_path: Path, per_port: int, deadline_s: float) -> None:
         known.put()
         before = memory(cluster)
         sent = attack_all(cluster, _inputs(per_port, 16), deadline_s=deadline_s)
-        assert len(sent) >= 16, f"ports reached: {sorted(sent)}"  # 4 per master, 4 per node
+        assert len(sent) >= 19, f"ports reached: {sorted(sent)}"  # 5 per master, 4 per node
+        assert sum(name.endswith(" read") for name in sent) == 3, f"ports reached: {sorted(sent)}"
         after = memory(cluster)
         print(f"\ninputs per port: {sent}")
         print(f"RssAnon MiB before: {before}")
