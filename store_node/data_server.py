@@ -751,7 +751,11 @@ class DataServer:
         period_s = max(0.05, min(1.0, self.lease_timeout_s / 4, self.limits.frame_timeout_s / 4))
         while True:
             await asyncio.sleep(period_s)
-            self.cut_stalled()
+            try:
+                self.cut_stalled()
+            except Exception as e:  # a sweep that fails must not end the sweeps: a stalled
+                # peer would then keep its leases and buffers for good
+                self.once.warning("lease_guard_failed", "guard", error=repr(e))
 
     def stop_accepting(self) -> None:
         self.gate.close()

@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 from typing import Any, NamedTuple, Protocol
 
-from kvpool.errors import KVPoolError, UnavailableError
+from kvpool.errors import InternalError, KVPoolError, UnavailableError
 from kvpool.logs import OncePer, get_logger
 from kvpool.proto.v1 import master_pb2
 
@@ -115,12 +115,16 @@ class IndexVersions:
                 deadline=loop.time() + self._timeout_s,
                 leader_only=True,
             )
-        except KVPoolError as e:
-            self._log.warning("publish_check_failed", e.code, keys=len(keys), error=e.message)
+        except Exception as e:  # any failure is the waiting PUBLISHes' answer (not only a
+            # KVPoolError: anything else would leave them waiting for good)
+            error = e if isinstance(e, KVPoolError) else InternalError(f"publish check: {e!r}")
+            self._log.warning(
+                "publish_check_failed", error.code, keys=len(keys), error=error.message
+            )
             for items in waiting.values():
                 for _, future in items:
                     if not future.done():
-                        future.set_exception(e)
+                        future.set_exception(error)
             return
         except asyncio.CancelledError:
             for items in waiting.values():

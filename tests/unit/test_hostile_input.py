@@ -16,7 +16,12 @@ from typing import Any, TypeVar
 import pytest
 
 from kvpool.checksum import block_checksum
-from kvpool.errors import MalformedRequestError, RequestTooLargeError, UnavailableError
+from kvpool.errors import (
+    InternalError,
+    MalformedRequestError,
+    RequestTooLargeError,
+    UnavailableError,
+)
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import (
     HEADER_SIZE,
@@ -363,6 +368,61 @@ def test_a_publish_checked_while_no_master_answers_is_settled_once_one_does() ->
                 await asyncio.sleep(0.05)
             conn.close()
         await versions.close()
+
+    run(scenario())
+
+
+def test_a_publish_check_that_fails_unexpectedly_answers_its_waiters_and_checks_on() -> None:
+    """Any failure of the index check (not only a KVPoolError) is the waiting PUBLISHes'
+    answer: none is left waiting for good, and the next check runs as usual."""
+    index = FakeIndex()
+    real = index.call
+
+    async def broken(
+        method: str, request: Any, *, deadline: float, leader_only: bool = False
+    ) -> Any:
+        raise ValueError("a malformed answer")
+
+    async def scenario() -> None:
+        versions = IndexVersions(index, timeout_s=2.0)
+        try:
+            index.call = broken  # type: ignore[method-assign]
+            with pytest.raises(InternalError, match="malformed"):
+                await asyncio.wait_for(versions.version_of("k", 1), 5)
+            index.call = real  # type: ignore[method-assign]
+            index.entries["k"] = (1, 3)
+            verdict = await asyncio.wait_for(versions.version_of("k", 1), 5)
+            assert verdict.version == 3
+        finally:
+            await versions.close()
+
+    run(scenario())
+
+
+def test_a_failed_sweep_for_stalled_peers_does_not_end_the_sweeps() -> None:
+    """The node's guard that cuts stalled peers (and ends their leases) logs a sweep that
+    fails and sweeps again: were it to end, a stalled peer would keep its memory for good."""
+
+    async def scenario() -> None:
+        tier = CpuTier(8 * MIB)
+        store = BlockStore(tier, LruPolicy(), max_block_size=MIB, clock=lambda: 0.0)
+        server = DataServer(store, lease_timeout_s=0.2)
+        sweeps: list[float] = []
+        real = server.cut_stalled
+
+        def cut_stalled() -> int:
+            sweeps.append(asyncio.get_running_loop().time())
+            if len(sweeps) == 1:
+                raise RuntimeError("a sweep that fails")
+            return real()
+
+        server.cut_stalled = cut_stalled  # type: ignore[method-assign]
+        try:
+            await server.start("127.0.0.1", 0)
+            await eventually(lambda: len(sweeps) >= 3)
+        finally:
+            await server.close()
+            tier.close()
 
     run(scenario())
 
