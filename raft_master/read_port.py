@@ -161,10 +161,7 @@ class ReadConnection:
             if self._frame_started is None:
                 self._frame_started = now  # a frame that began with bytes read before
             if now - self._frame_started > limit:
-                self._port.cut += 1
-                self._port.once.warning(
-                    "slow_peer_cut", self.peer.rsplit(":", 1)[0], peer=self.peer, port="read"
-                )
+                self._port.slow_peer_cut(self.peer)
                 raise _ClosedError
             if n > 0:
                 return n
@@ -316,17 +313,7 @@ class ReadConnection:
         return False
 
     def _bad_request(self, header: Header | None, key: bytes, reason: str) -> None:
-        port = self._port
-        port.bad_requests += 1
-        port.once.warning(
-            "rpc_bad_request",
-            self.peer.rsplit(":", 1)[0],
-            peer=self.peer,
-            op=header.op if header is not None else None,
-            method=key[:64].decode("ascii", "replace"),
-            reason=reason,
-            port="read",
-        )
+        self._port.refused(self.peer, reason, header, key)
 
 
 class ReadPort(FramePort):
@@ -334,6 +321,7 @@ class ReadPort(FramePort):
     (``max_connections``, ``request_memory``), as the RPC port's are."""
 
     LOGGER = "kvpool.raft_master.read"
+    NAME = "read"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

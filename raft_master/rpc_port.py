@@ -302,15 +302,7 @@ class RpcConnection:
             )
 
     def _bad_request(self, header: Header, key: bytes, reason: str) -> None:
-        self._port.bad_requests += 1
-        self._port.once.warning(
-            "rpc_bad_request",
-            self.peer.rsplit(":", 1)[0],
-            peer=self.peer,
-            op=header.op,
-            method=key[:64].decode("ascii", "replace"),
-            reason=reason,
-        )
+        self._port.refused(self.peer, reason, header, key)
 
     def version_mismatch(self, theirs: int) -> None:
         self._port.once.warning(
@@ -325,10 +317,7 @@ class RpcConnection:
             )
 
     def bad_frame(self, error: FrameError) -> None:
-        self._port.bad_requests += 1
-        self._port.once.warning(
-            "rpc_bad_request", self.peer.rsplit(":", 1)[0], peer=self.peer, reason=str(error)
-        )
+        self._port.refused(self.peer, str(error))
         if self.stream is not None:
             self.stream.send_error(None, Status.BAD_REQUEST, str(error), close=True)
 
@@ -346,6 +335,7 @@ class FramePort:
     :meth:`start` binds (on the event loop); subclasses adopt each admitted socket."""
 
     LOGGER = "kvpool.raft_master.rpc"
+    NAME = "rpc"  # the port, in its log lines
 
     def __init__(
         self,
@@ -381,6 +371,27 @@ class FramePort:
     def _adopt(self, sock: socket.socket) -> None:
         raise NotImplementedError
 
+    def refused(
+        self, peer: str, reason: str, header: Header | None = None, key: bytes = b""
+    ) -> None:
+        """A request refused or a frame unread: counted, and logged once per peer and minute
+        (``rpc_bad_request``)."""
+        self.bad_requests += 1
+        self.once.warning(
+            "rpc_bad_request",
+            peer.rsplit(":", 1)[0],
+            peer=peer,
+            op=header.op if header is not None else None,
+            method=key[:64].decode("ascii", "replace"),
+            reason=reason,
+            port=self.NAME,
+        )
+
+    def slow_peer_cut(self, peer: str) -> None:
+        """A connection cut for a frame or an answer that took too long: counted and logged."""
+        self.cut += 1
+        self.once.warning("slow_peer_cut", peer.rsplit(":", 1)[0], peer=peer, port=self.NAME)
+
     def _stop_listening(self) -> None:
         self.gate.close()
         if self._server is not None:
@@ -413,12 +424,9 @@ class RpcPort(FramePort):
             if (started is not None and now - started > self.limits.frame_timeout_s) or (
                 blocked is not None and now - blocked > BLOCKED_TIMEOUT_S
             ):
-                self.once.warning(
-                    "slow_peer_cut", conn.peer.rsplit(":", 1)[0], peer=conn.peer, port="rpc"
-                )
+                self.slow_peer_cut(conn.peer)
                 conn.abort()
                 cut += 1
-        self.cut += cut
         return cut
 
     async def _cut_slow(self) -> None:
