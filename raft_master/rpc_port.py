@@ -305,9 +305,7 @@ class RpcConnection:
         self._port.refused(self.peer, reason, header, key)
 
     def version_mismatch(self, theirs: int) -> None:
-        self._port.once.warning(
-            "rpc_bad_request", self.peer.rsplit(":", 1)[0], peer=self.peer, reason="version"
-        )
+        self._port.refused(self.peer, "version")
         if self.stream is not None:
             self.stream.send_error(
                 None,
@@ -433,7 +431,11 @@ class RpcPort(FramePort):
         period_s = max(0.05, min(1.0, self.limits.frame_timeout_s / 4))
         while True:
             await asyncio.sleep(period_s)
-            self.cut_slow(time.monotonic())
+            try:
+                self.cut_slow(time.monotonic())
+            except Exception as e:  # a sweep that fails must not end the sweeps: a slow
+                # caller would then hold its connection and buffers for good
+                self.once.warning("slow_peer_guard_failed", self.NAME, error=repr(e))
 
     def close(self) -> None:
         if self._guard is not None:

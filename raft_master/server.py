@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from kvpool.config import MasterConfig, load_config, split_hostport
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.gctune import freeze_after_slow_collections
 from kvpool.grpcutil import ServerHandle, start_server
-from kvpool.logs import bind_process, configure_logging, get_logger
+from kvpool.logs import OncePer, bind_process, configure_logging, get_logger
 from kvpool.metrics import MetricsServer, register_collector, start_metrics
 from kvpool.proto.v1 import master_pb2_grpc
 from kvpool.raft_master.failure import FailureDetector, FailureLoop
@@ -133,6 +134,15 @@ def lock_data_dir(data_dir: str, wait_s: float = LOCK_WAIT_S) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+@dataclass
+class _Watch:
+    """What the monitor saw on its last check."""
+
+    led_term: int | None = None  # the term this master was last seen leading
+    was_ready: bool | None = None
+    last_stuck_check: float = 0.0
 
 
 class MasterProcess:
@@ -357,39 +367,46 @@ class MasterProcess:
                 os.unlink(self.cfg.ready_file)
 
     async def _monitor(self) -> None:
-        """Role changes, readiness, Raft thread liveness, stuck followers."""
-        led_term: int | None = None  # the term this master was last seen leading
-        was_ready: bool | None = None
-        last_stuck_check = 0.0
+        """Role changes, readiness, Raft thread liveness, stuck followers. A check that fails is
+        logged (at most once a minute) and the next one comes: a monitor that ended would leave
+        readiness and the Raft thread's death unwatched for good."""
+        watch = _Watch()
+        once = OncePer(self.log)
         while True:
             await asyncio.sleep(MONITOR_PERIOD_S)
             if not self.replicator.tick_alive():
                 self.log.critical("raft_thread_died")
                 self.request_stop(EXIT_RAFT_DIED)
                 return
-            leader = self.replicator.is_leader()
-            term = self.replicator.term()
-            if led_term is not None and (not leader or term != led_term):
-                self.log.info(
-                    "lost_leadership", term=led_term, leader=self.replicator.leader_raft_address()
-                )
-                self.stuck_watch.reset()
-                led_term = None
-            if leader and led_term is None:
-                self.log.info("became_leader", term=term)
-                led_term = term
-            ready = self.replicator.is_ready()
-            if ready != was_ready and self._handle is not None:
-                await self._handle.set_ready(ready)
-                if ready:
-                    self.log.info("master_ready", leader=self.replicator.leader_raft_address())
-                elif was_ready is not None:
-                    self.log.warning("master_not_ready")
-                was_ready = ready
-            now = time.monotonic()
-            if leader and now - last_stuck_check >= STUCK_CHECK_PERIOD_S:
-                last_stuck_check = now
-                self._check_stuck_followers(now)
+            try:
+                await self._watch_once(watch)
+            except Exception as e:
+                once.warning("monitor_check_failed", "monitor", error=repr(e))
+
+    async def _watch_once(self, watch: _Watch) -> None:
+        leader = self.replicator.is_leader()
+        term = self.replicator.term()
+        if watch.led_term is not None and (not leader or term != watch.led_term):
+            self.log.info(
+                "lost_leadership", term=watch.led_term, leader=self.replicator.leader_raft_address()
+            )
+            self.stuck_watch.reset()
+            watch.led_term = None
+        if leader and watch.led_term is None:
+            self.log.info("became_leader", term=term)
+            watch.led_term = term
+        ready = self.replicator.is_ready()
+        if ready != watch.was_ready and self._handle is not None:
+            await self._handle.set_ready(ready)
+            if ready:
+                self.log.info("master_ready", leader=self.replicator.leader_raft_address())
+            elif watch.was_ready is not None:
+                self.log.warning("master_not_ready")
+            watch.was_ready = ready
+        now = time.monotonic()
+        if leader and now - watch.last_stuck_check >= STUCK_CHECK_PERIOD_S:
+            watch.last_stuck_check = now
+            self._check_stuck_followers(now)
 
     def _check_stuck_followers(self, now: float) -> None:
         status = self.replicator.status()

@@ -22,6 +22,7 @@ from kvpool.errors import (
     RequestTooLargeError,
     UnavailableError,
 )
+from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.v1 import common_pb2, master_pb2
 from kvpool.proto.wire import (
     HEADER_SIZE,
@@ -427,6 +428,60 @@ def test_a_failed_sweep_for_stalled_peers_does_not_end_the_sweeps() -> None:
     run(scenario())
 
 
+def test_a_failed_check_does_not_end_the_masters_monitor() -> None:
+    """The master's monitor (role changes, readiness, the Raft thread's liveness) logs a check
+    that fails and checks again: were it to end, a dead Raft thread would go unnoticed."""
+    from kvpool.raft_master import server
+    from kvpool.raft_master.replication import StuckFollowerWatch
+
+    class Replicator:
+        asked = 0
+        alive = True
+
+        def tick_alive(self) -> bool:
+            return self.alive
+
+        def is_leader(self) -> bool:
+            self.asked += 1
+            if self.asked == 1:
+                raise RuntimeError("a check that fails")
+            return True
+
+        def term(self) -> int:
+            return 3
+
+        def is_ready(self) -> bool:
+            return True
+
+        def status(self) -> Any:
+            return type("Status", (), {"role": "follower"})()
+
+    events: list[str] = []
+
+    class Log:
+        def __getattr__(self, level: str) -> Any:
+            return lambda event, **fields: events.append(event)
+
+    async def scenario() -> None:
+        master = server.MasterProcess.__new__(server.MasterProcess)
+        replicator = Replicator()
+        stops: list[int] = []
+        master.replicator = replicator  # type: ignore[assignment]
+        master.log = Log()
+        master._handle = None
+        master.stuck_watch = StuckFollowerWatch(5.0)
+        master.request_stop = stops.append  # type: ignore[method-assign,assignment]
+        task = asyncio.get_running_loop().create_task(master._monitor())
+        await eventually(lambda: "became_leader" in events)
+        assert events[0] == "monitor_check_failed"
+        replicator.alive = False  # the Raft thread died: still seen, after the failed check
+        await asyncio.wait_for(task, 5)
+        assert events[-1] == "raft_thread_died"
+        assert stops == [server.EXIT_RAFT_DIED]
+
+    run(scenario())
+
+
 def test_a_publish_of_a_write_deleted_first_still_retires_the_older_write() -> None:
     """An overwrite raced by a remove: the remove's DELETE of the new write reaches the node
     before the new write's PUBLISH. The PUBLISH finds nothing to publish, but the older write
@@ -535,6 +590,57 @@ def test_a_socket_that_declares_a_huge_payload_gets_no_memory() -> None:
             assert await asyncio.wait_for(reader.read(), 5) == b""
             assert port.budget.used_bytes == 0
             assert port.cut == 1
+        finally:
+            port.close()
+
+    run(scenario())
+
+
+def test_the_rpc_port_refuses_another_protocol_version_and_counts_it() -> None:
+    """A caller speaking another protocol version is told so, cut, and counted as a bad request
+    (as the read port counts it)."""
+    from kvpool.raft_master.rpc_port import RpcPort
+
+    async def scenario() -> None:
+        port = RpcPort(object())  # type: ignore[arg-type]
+        bound = port.start("127.0.0.1", 0)
+        try:
+            reader, writer = await raw(bound)
+            writer.write(Header(op=Op.PING, protocol_version=PROTOCOL_VERSION + 1).pack())
+            header, _ = await answer(reader)
+            assert header.status == Status.VERSION_MISMATCH
+            assert await reader.read() == b""
+            assert port.bad_requests == 1
+        finally:
+            port.close()
+
+    run(scenario())
+
+
+def test_a_failed_sweep_for_slow_callers_does_not_end_the_rpc_ports_sweeps() -> None:
+    """The master's RPC port cuts callers that stall mid-frame; a sweep that fails is logged
+    and the next one comes, so a later stalled caller is still cut."""
+    from kvpool.raft_master.rpc_port import RpcPort
+
+    async def scenario() -> None:
+        port = RpcPort(object(), limits=IngressLimits(frame_timeout_s=0.4))  # type: ignore[arg-type]
+        sweeps: list[float] = []
+        real = port.cut_slow
+
+        def cut_slow(now: float) -> int:
+            sweeps.append(now)
+            if len(sweeps) == 1:
+                raise RuntimeError("a sweep that fails")
+            return real(now)
+
+        port.cut_slow = cut_slow  # type: ignore[method-assign]
+        bound = port.start("127.0.0.1", 0)
+        try:
+            reader, writer = await raw(bound)
+            writer.write(Header(op=Op.RPC, request_id=2, payload_len=4096, key_len=6).pack())
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # cut by a later sweep
+            assert port.cut == 1
+            assert len(sweeps) >= 2
         finally:
             port.close()
 
