@@ -300,6 +300,11 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
         "thread per connection, without the event loop: host:port, 'auto' (the RPC port's "
         "host, any free port) or 'off'; offered whenever the RPC port is",
     )
+    read_threads: int = opt(
+        512,
+        "most connections the read port serves at once, each by a thread of its own (~90 KiB "
+        "each); one more is closed at once and its client reads over the RPC port",
+    )
     metrics_port: int = opt(
         0,
         "Prometheus /metrics HTTP port on the listen host: 0 = any free port (logged as "
@@ -319,6 +324,8 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
         errors += self._ingress_problems()
         if self.max_lookup_keys < 1:
             errors.append("max_lookup_keys: must be at least 1")
+        if self.read_threads < 1:
+            errors.append("read_threads: must be at least 1 (read_listen = 'off' turns it off)")
         if self.max_node_capacity < 1:
             errors.append("max_node_capacity: must be positive")
         frame_ports = tuple(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import socket
 import struct
@@ -68,15 +69,22 @@ from kvpool.raft_master.rpc_port import (
     error_body,
     observe,
 )
+from kvpool.raft_master.service import MasterService
 from kvpool.transports.limits import (
+    IngressLimits,
     overloaded_message,
     too_large_message,
 )
 from kvpool.transports.stream import tune_socket
 
+READ_THREADS = 512
+"""Connections (each a thread) the port serves at once unless told (``read_threads``)."""
+IDLE_BUFFER_BYTES = 4 << 10
+"""Each connection's own buffer to begin with: a header and its key fit (an idle connection
+costs its thread and this)."""
 BUFFER_BYTES = 64 << 10
-"""Each connection's own buffer: a frame that fits is read into it, a larger one into a buffer
-charged to the ``request_memory`` budget."""
+"""What the own buffer grows to for a payload that does not fit; a frame larger still is read
+into a buffer charged to the ``request_memory`` budget."""
 WAIT_LIMIT_S = 30.0
 """The longest a read port thread waits for a read the event loop answers (when its caller
 gave no time): the loop's own waits end within seconds."""
@@ -103,7 +111,7 @@ class ReadConnection:
         with contextlib.suppress(OSError):
             host, peer_port = sock.getpeername()[:2]
             self.peer = f"{host}:{peer_port}"
-        self._buf = bytearray(BUFFER_BYTES)
+        self._buf = bytearray(IDLE_BUFFER_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # the bytes read and not yet taken: _buf[_start:_end]
         self._between_frames = True
@@ -179,6 +187,14 @@ class ReadConnection:
             self._end += self._fill(buf[self._end :], idle)
             self._between_frames = False
 
+    def _grow(self) -> None:
+        """The own buffer at its full size, with the bytes read and not yet taken."""
+        left = self._end - self._start
+        buf = bytearray(BUFFER_BYTES)
+        buf[:left] = self._view[self._start : self._end]
+        self._buf, self._view = buf, memoryview(buf)
+        self._start, self._end = 0, left
+
     def _take(self, size: int) -> memoryview:
         """The next ``size`` bytes, taken (valid until the next :meth:`_ensure`)."""
         self._ensure(size)
@@ -218,7 +234,9 @@ class ReadConnection:
             self._bad_request(header, key, error.message)
             self._send(header, Status.RPC_ERROR, error_body(error))
             return False
-        if size <= len(self._buf):
+        if size <= BUFFER_BYTES:
+            if size > len(self._buf):
+                self._grow()
             return self._answer(header, key, self._take(size), started)
         if not port.take(size):
             error = UnavailableError(overloaded_message(size, port.budget))
@@ -318,13 +336,24 @@ class ReadConnection:
 
 class ReadPort(FramePort):
     """The read port; :meth:`close` stops and cuts every caller. Its limits are its own
-    (``max_connections``, ``request_memory``), as the RPC port's are."""
+    (``request_memory``), as the RPC port's are, but for its connections: at most ``threads``
+    (``read_threads``), each served by a thread."""
 
     LOGGER = "kvpool.raft_master.read"
     NAME = "read"
+    LIMIT_NAME = "read_threads"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        service: MasterService,
+        log: Any = None,
+        token: bytes = b"",
+        limits: IngressLimits | None = None,
+        *,
+        threads: int = READ_THREADS,
+    ) -> None:
+        limits = dataclasses.replace(limits or IngressLimits(), max_connections=threads)
+        super().__init__(service, log, token, limits)
         self._budget_lock = threading.Lock()  # the budget is shared by the threads
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()

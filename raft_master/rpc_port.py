@@ -334,6 +334,7 @@ class FramePort:
 
     LOGGER = "kvpool.raft_master.rpc"
     NAME = "rpc"  # the port, in its log lines
+    LIMIT_NAME = "max_connections"  # the setting that bounds its connections (limits')
 
     def __init__(
         self,
@@ -354,6 +355,7 @@ class FramePort:
             log=self.log,
             max_connections=self.limits.max_connections,
             live=lambda: len(self.connections),
+            limit_name=self.LIMIT_NAME,
         )
         self._server: StreamServer | None = None
         self.port = 0

@@ -300,7 +300,11 @@ class MasterProcess:
             (host, 0) if cfg.read_listen == "auto" else split_hostport(cfg.read_listen)
         )
         self._read = ReadPort(
-            self.service, self.log, token=self.security.token, limits=self.cfg.ingress_limits()
+            self.service,
+            self.log,
+            token=self.security.token,
+            limits=self.cfg.ingress_limits(),
+            threads=cfg.read_threads,
         )
         try:
             read_bound = self._read.start(read_host, read_port)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import struct
 import sys
@@ -124,7 +125,51 @@ def finding_1(cluster: LocalCluster) -> dict[str, Any]:
                 pass
     time.sleep(0.5)
     out["500_connect_drop_rssanon_mib"] = {k: [before[k], v] for k, v in memory(cluster).items()}
+    out["read_port_idle_flood"] = idle_flood(master.pid, read_address(master), 2000)
     return out
+
+
+def read_address(info: Any) -> tuple[str, int]:
+    doc = json.loads(Path(info.ready_file).read_text())
+    return hostport(str(doc["read"]))
+
+
+def threads_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def idle_flood(pid: int, address: tuple[str, int], n: int) -> dict[str, Any]:
+    """``n`` connections to a master's read port that never send: its threads and heap while
+    they are open (beyond ``read_threads`` they are closed at once) and after they close."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 256)), hard))
+    before = rss_mib(pid)
+    socks = [socket.create_connection(address, timeout=2.0) for _ in range(n)]
+    time.sleep(1.0)
+    during, threads = rss_mib(pid), threads_of(pid)
+    closed = sum(1 for s in socks if _closed_by_peer(s))
+    for s in socks:
+        s.close()
+    time.sleep(1.0)
+    return {
+        "connections": n,
+        "closed_at_once": closed,
+        "master_threads_while_open": threads,
+        "rssanon_mib": [round(before, 1), round(during, 1), round(rss_mib(pid), 1)],
+    }
 
 
 def finding_2(cluster: LocalCluster) -> dict[str, Any]:

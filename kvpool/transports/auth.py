@@ -295,9 +295,11 @@ class Gate:
         timeout_s: float = AUTH_TIMEOUT_S,
         max_connections: int = 0,
         live: Callable[[], int] | None = None,
+        limit_name: str = "max_connections",
     ) -> None:
         """``max_connections`` (0: no bound): with ``live()`` connections open, and those still
-        proving their token, a new one is closed at once."""
+        proving their token, a new one is closed at once (logged naming the setting,
+        ``limit_name``)."""
         self.token = token
         self._adopt = adopt
         self._log = log
@@ -306,6 +308,7 @@ class Gate:
         self._tasks: set[asyncio.Task[None]] = set()
         self._max_connections = max_connections
         self._live = live
+        self._limit_name = limit_name
         self.refused = 0
         self.over_limit = 0
 
@@ -325,7 +328,7 @@ class Gate:
                     "connection_refused",
                     peer.rsplit(":", 1)[0],
                     peer=peer,
-                    reason=f"more than max_connections ({self._max_connections}) open",
+                    reason=f"more than {self._limit_name} ({self._max_connections}) open",
                 )
             return
         if not self.token:

@@ -226,3 +226,83 @@ def test_the_cluster_token_is_asked_first_and_closing_the_port_ends_every_connec
         await eventually(lambda: not port.connections)
 
     run(scenario())
+
+
+def test_connections_beyond_read_threads_are_closed_at_once_and_idle_ones_cost_little() -> None:
+    """Each connection is a thread: at most ``read_threads`` at once, one more closed at once
+    (its client reads over the RPC port). An idle connection holds a 4 KiB buffer, grown to
+    64 KiB only for a request that needs it."""
+    from kvpool.raft_master import read_port
+
+    svc, _ = service()
+    _stored(svc, [f"key-{i:04d}" for i in range(3)])
+
+    async def scenario() -> None:
+        async with serving(ReadPort(svc, threads=3)) as (port, bound):
+            held = [await asyncio.open_connection("127.0.0.1", bound) for _ in range(3)]
+            await eventually(lambda: len(port.connections) == 3)
+            assert all(len(c._buf) == read_port.IDLE_BUFFER_BYTES for c in port.connections)
+            reader, _ = await asyncio.open_connection("127.0.0.1", bound)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # the fourth: closed
+            assert port.gate.over_limit == 1
+            # a request larger than the idle buffer is read whole and answered
+            big = master_pb2.LookupRequest(keys=[f"key-{i:04d}" for i in range(1200)])
+            assert 4 << 10 < big.ByteSize() < 64 << 10
+            reader, writer = held[0]
+            writer.write(frame("Lookup", big))
+            header, body = await answer(reader)
+            assert header.status == Status.OK
+            found = [e.key for e in master_pb2.LookupResponse.FromString(body).entries if e.found]
+            assert found == ["key-0000", "key-0001", "key-0002"]
+            assert port.budget.peak_bytes == 0  # the own buffer, not request memory
+            # one closed: a new one is served
+            held[1][1].close()
+            await eventually(lambda: len(port.connections) == 2)
+            reader, writer = await asyncio.open_connection("127.0.0.1", bound)
+            writer.write(Header(op=Op.PING, request_id=9).pack())
+            header, _ = await answer(reader)
+            assert header.request_id == 9
+            writer.close()
+            for _, w in held:
+                w.close()
+
+    run(scenario())
+
+
+def test_a_client_turned_away_by_a_full_read_port_reads_over_the_rpc_port() -> None:
+    from kvpool.mastercall import MasterRouting, SyncMasterClient
+    from kvpool.raft_master.rpc_port import RpcPort
+
+    svc, _ = service()
+    _stored(svc, ["a"])
+
+    async def scenario() -> None:
+        rpc_port = RpcPort(svc)
+        rpc_bound = rpc_port.start("127.0.0.1", 0)
+        try:
+            async with serving(ReadPort(svc, threads=1)) as (port, bound):
+                _, holder = await asyncio.open_connection("127.0.0.1", bound)  # its one thread
+                await eventually(lambda: len(port.connections) == 1)
+                routing = MasterRouting(["127.0.0.1:1"])  # a gRPC address never dialled
+                routing.learn_rpc("127.0.0.1:1", f"127.0.0.1:{rpc_bound}", f"127.0.0.1:{bound}")
+                client = SyncMasterClient(routing)
+
+                def lookup() -> Any:
+                    request = master_pb2.LookupRequest(keys=["a"])
+                    return client.call("Lookup", request, deadline=time.monotonic() + 5)
+
+                try:
+                    got = await asyncio.to_thread(lookup)
+                    assert [e.found for e in got.entries] == [True]
+                    assert port.gate.over_limit == 1
+                    assert routing.read_of("127.0.0.1:1") == ""  # it reads over the RPC port now
+                    got = await asyncio.to_thread(lookup)
+                    assert [e.found for e in got.entries] == [True]
+                    assert port.gate.over_limit == 1
+                finally:
+                    client.close()
+                    holder.close()
+        finally:
+            rpc_port.close()
+
+    run(scenario())
