@@ -332,6 +332,7 @@ async def start_server(
     *,
     security: Security = NO_SECURITY,
     max_receive_bytes: int = 0,
+    max_connections: int = 0,
 ) -> ServerHandle:
     """Start a ``grpc.aio`` server on ``listen`` (``host:port``; port 0 picks one).
 
@@ -339,6 +340,7 @@ async def start_server(
     reflection services are added; kvpool services start NOT_SERVING until ``set_ready(True)``.
     ``security``: TLS when it has a certificate; the cluster token required on kvpool RPCs.
     ``max_receive_bytes``: the largest request accepted (default :data:`MAX_MESSAGE_BYTES`).
+    ``max_connections`` (0: no bound): connections held at once; one more is closed at once.
     A request that does not parse is refused (INVALID_ARGUMENT), logged once per peer and
     minute (``rpc_bad_request``), never with a traceback.
     """
@@ -348,6 +350,8 @@ async def start_server(
             *(o for o in _SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
             ("grpc.max_receive_message_length", max_receive_bytes),
         ]
+    if max_connections:
+        options = [*options, ("grpc.max_allowed_incoming_connections", max_connections)]
     server = grpc.aio.server(options=options)
     names = []
     for add, servicer, name in services:

@@ -213,6 +213,7 @@ class MasterProcess:
                     ],
                     security=self.security,
                     max_receive_bytes=cfg.max_request_size,
+                    max_connections=cfg.max_connections,
                 )
             except (KVPoolError, RuntimeError) as e:
                 raise StartupError(f"cannot bind the gRPC address {cfg.listen}: {e}") from None

@@ -194,6 +194,7 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
                     [(node_pb2_grpc.add_NodeAdminServicer_to_server, admin, SERVICE_NAME)],
                     security=security,
                     max_receive_bytes=cfg.max_request_size,
+                    max_connections=cfg.max_connections,
                 )
             except (KVPoolError, RuntimeError, OSError) as e:
                 raise StartupError(f"listen: cannot serve gRPC on {cfg.listen}: {e}") from e

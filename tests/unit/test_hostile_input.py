@@ -647,6 +647,49 @@ def test_a_failed_sweep_for_slow_callers_does_not_end_the_rpc_ports_sweeps() -> 
     run(scenario())
 
 
+def test_a_grpc_server_holds_at_most_max_connections() -> None:
+    """Masters' and nodes' gRPC ports: one connection beyond ``max_connections`` is closed at
+    once (silent connections would otherwise each cost the server memory, without bound); once
+    they close, a client is served again."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvpool.grpcutil import start_server
+
+    async def scenario() -> None:
+        handle = await start_server("127.0.0.1:0", [], max_connections=4)
+        try:
+
+            def flood() -> list[socket.socket]:
+                return [socket.create_connection(("127.0.0.1", handle.port)) for _ in range(10)]
+
+            socks = await asyncio.to_thread(flood)
+
+            def closed() -> int:
+                count = 0
+                for s in socks:
+                    s.setblocking(False)
+                    try:
+                        count += s.recv(64) == b""
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        count += 1
+                return count
+
+            await eventually(lambda: closed() >= 6)
+            for s in socks:
+                s.close()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await handle.stop(0)
+
+    run(scenario())
+
+
 def test_many_silent_connections_beyond_the_limit_are_closed_at_once() -> None:
     async def scenario() -> None:
         async with node(limits=IngressLimits(max_connections=8)) as (server, port):
