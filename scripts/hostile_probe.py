@@ -87,7 +87,8 @@ def rpc_address(info: Any) -> tuple[str, int]:
 
 
 def finding_1(cluster: LocalCluster) -> dict[str, Any]:
-    """RPC headers declaring 64 MiB; MGET tables never sent; 500 connect-and-drop cycles."""
+    """RPC headers declaring 64 MiB; MGET tables never sent; 500 connect-and-drop cycles; 2,000
+    silent connections to the leader's read port."""
     name, master = leader_of(cluster)
     node = cluster.nodes[0]
     out: dict[str, Any] = {"master": name}
