@@ -47,7 +47,12 @@ from kvpool.raft_master.loop_tick import (
     poller_for_construction,
     supported,
 )
-from kvpool.raft_master.raft_guard import GuardLimits, GuardStats, guarded_transport
+from kvpool.raft_master.raft_guard import (
+    GuardLimits,
+    GuardStats,
+    guarded_transport,
+    session_secret,
+)
 
 T = TypeVar("T")
 
@@ -360,6 +365,8 @@ class Replicator:
             self.cfg.raft_max_message_bytes,
             self.cfg.raft_message_timeout_s,
             compress_level=self.cfg.raft_compress_level,
+            session_secret=session_secret(self.cfg.raft_secret),
+            send_sessions=self.cfg.raft_session_cipher,
         )
         transport = guarded_transport(guard, self.guard_stats)  # the Raft port's guard
         if self.cfg.raft_read_lease:

@@ -1,17 +1,27 @@
-"""What our Raft connections send is what a plain PySyncObj peer reads, at any zlib level."""
+"""What our Raft connections send is what a plain PySyncObj peer reads, at any zlib level; and
+the session messages that follow each connection's handshake (``raft_session_cipher``)."""
 
 from __future__ import annotations
 
+import socket
 import struct
 
 import pytest
+from cryptography.exceptions import InvalidTag
 from pysyncobj.encryptor import getEncryptor
 from pysyncobj.poller import createPoller
 from pysyncobj.tcp_connection import TcpConnection
 
 from kvpool.config import MasterConfig, load_config
 from kvpool.errors import ConfigError
-from kvpool.raft_master.raft_guard import GuardedConnection, GuardLimits, encode_message
+from kvpool.raft_master.raft_guard import (
+    SESSION_MARK,
+    GuardedConnection,
+    GuardLimits,
+    encode_message,
+    session_key,
+    session_secret,
+)
 
 APPEND = {
     "type": "append_entries",
@@ -97,3 +107,148 @@ def test_raft_max_message_bytes_must_hold_a_whole_append() -> None:
             env={"KVPOOL_RAFT_SECRET": "s3cret"},
             overrides={"in_memory": True, "raft_max_message_bytes": 2 << 20},
         )
+
+
+# --- session messages (raft_session_cipher) ---------------------------------------------------
+
+
+class Link:
+    """Two guarded connections over a socket pair, taken through PySyncObj's handshake by hand
+    (what its transport does): the dialler sends its random key, the acceptor answers with its
+    own, the dialler sends its address; then each end sends what it likes."""
+
+    def __init__(self, dialler: GuardLimits, acceptor: GuardLimits, secret: str = "s3cret") -> None:
+        self.socks = socket.socketpair()
+        self.refused: list[str] = []
+        self.got: dict[str, list[object]] = {"d": [], "a": []}
+        self.ends: dict[str, GuardedConnection] = {}
+        for name, sock, limits in (("d", self.socks[0], dialler), ("a", self.socks[1], acceptor)):
+            sock.setblocking(False)
+            conn = GuardedConnection(
+                createPoller("select"),
+                limits=limits,
+                refuse=lambda _c, why: self.refused.append(why),
+                sock=sock,
+            )
+            conn.encryptor = getEncryptor(secret)
+            conn.setOnMessageReceivedCallback(self.got[name].append)
+            self.ends[name] = conn
+        self.ends["d"]._dialled = True  # set by connect() for an outgoing connection
+        self.kinds: list[str] = []  # how each message went: "session" or "fernet"
+
+    def deliver(self, to: str) -> object:
+        """Read the next message at ``to`` (noting how it was sent); what it decoded."""
+        sock = self.socks[1 if to == "a" else 0]
+        head = sock.recv(5, socket.MSG_PEEK)
+        self.kinds.append("session" if head[4:5] == SESSION_MARK else "fernet")
+        self.ends[to]._read()
+        return self.got[to][-1] if self.got[to] else None
+
+    def raw_next(self, to: str) -> bytes:
+        """The next whole frame waiting at ``to``, left in place."""
+        sock = self.socks[1 if to == "a" else 0]
+        (length,) = struct.unpack("i", sock.recv(4, socket.MSG_PEEK))
+        return sock.recv(4 + length, socket.MSG_PEEK)
+
+    def handshake(self, *, check: bool = True) -> None:
+        d, a = self.ends["d"], self.ends["a"]
+        d.recvRandKey = b"D" * 32
+        d.send(d.recvRandKey)
+        assert self.deliver("a") == b"D" * 32
+        a.sendRandKey, a.recvRandKey = b"D" * 32, b"A" * 32
+        a.send(a.recvRandKey)
+        assert self.deliver("d") == b"A" * 32
+        d.sendRandKey = b"A" * 32
+        d.send("127.0.0.1:7310")
+        address = self.deliver("a")
+        assert address == "127.0.0.1:7310" or not check
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+
+SESSIONS = GuardLimits(session_secret=session_secret("s3cret"), send_sessions=True)
+FERNET_ONLY = GuardLimits(session_secret=session_secret("s3cret"), send_sessions=False)
+
+
+def test_after_the_handshake_both_ends_send_session_messages_each_read_in_order() -> None:
+    link = Link(SESSIONS, SESSIONS)
+    try:
+        link.handshake()
+        for i in range(3):
+            link.ends["a"].send(APPEND)
+            assert link.deliver("d") == APPEND
+            link.ends["d"].send(("answer", i))
+            assert link.deliver("a") == ("answer", i)
+        # The two random keys go in Fernet (neither end has both yet); then sessions.
+        assert link.kinds == ["fernet", "fernet"] + ["session"] * 7
+        assert link.refused == []
+    finally:
+        link.close()
+
+
+def test_a_peer_with_sessions_off_is_read_and_answered_in_kind() -> None:
+    """Rolling a group onto sessions (``raft_session_cipher``): a dialler with them off is
+    answered in Fernet (the acceptor waits for a session message first); a dialler with them
+    on is read by an acceptor with them off, which answers in Fernet."""
+    off_dials = Link(FERNET_ONLY, SESSIONS)
+    on_dials = Link(SESSIONS, FERNET_ONLY)
+    try:
+        for link in (off_dials, on_dials):
+            link.handshake()
+            link.ends["a"].send(APPEND)
+            assert link.deliver("d") == APPEND
+            link.ends["d"].send("answer")
+            assert link.deliver("a") == "answer"
+            assert link.refused == []
+        assert off_dials.kinds == ["fernet"] * 5
+        assert on_dials.kinds == ["fernet", "fernet", "session", "fernet", "session"]
+    finally:
+        off_dials.close()
+        on_dials.close()
+
+
+def test_a_session_message_replayed_or_from_another_secret_closes_the_connection() -> None:
+    link = Link(SESSIONS, SESSIONS)
+    try:
+        link.handshake()
+        link.ends["d"].send("once")
+        frame = link.raw_next("a")
+        assert link.deliver("a") == "once"
+        link.socks[0].sendall(frame)  # the same bytes again: its counter is behind
+        link.ends["a"]._read()
+        assert link.refused == ["a message that does not decrypt or decode"]
+        assert link.got["a"] == [b"D" * 32, "127.0.0.1:7310", "once"]
+    finally:
+        link.close()
+    other = Link(GuardLimits(session_secret=session_secret("other"), send_sessions=True), SESSIONS)
+    try:
+        other.handshake(check=False)  # the keys go in Fernet; its session key differs
+        assert other.refused == ["a message that does not decrypt or decode"]
+    finally:
+        other.close()
+
+
+def test_after_a_session_message_a_fernet_one_is_refused() -> None:
+    link = Link(SESSIONS, SESSIONS)
+    try:
+        link.handshake()  # the acceptor has read a session message
+        fernet = encode_message((b"A" * 32, "downgraded"), getEncryptor("s3cret"), 0)
+        link.socks[0].sendall(struct.pack("i", len(fernet)) + fernet)
+        link.ends["a"]._read()
+        assert link.refused == ["a message that does not decrypt or decode"]
+    finally:
+        link.close()
+
+
+def test_each_direction_of_each_connection_has_a_key_of_its_own() -> None:
+    secret = session_secret("s3cret")
+    nonce = bytes(12)
+    d_to_a = session_key(secret, b"A" * 32, b"D" * 32).encrypt(nonce, b"m", SESSION_MARK)
+    assert session_key(secret, b"A" * 32, b"D" * 32).decrypt(nonce, d_to_a, SESSION_MARK) == b"m"
+    for sender, receiver in ((b"D" * 32, b"A" * 32), (b"A" * 32, b"E" * 32)):
+        with pytest.raises(InvalidTag):
+            session_key(secret, sender, receiver).decrypt(nonce, d_to_a, SESSION_MARK)
+    assert session_secret("s3cret") != session_secret("s3cret2")
+    assert MasterConfig().raft_session_cipher is True
