@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import json
 import socket
 import struct
@@ -69,9 +68,7 @@ from kvpool.raft_master.rpc_port import (
     error_body,
     observe,
 )
-from kvpool.raft_master.service import MasterService
 from kvpool.transports.limits import (
-    IngressLimits,
     overloaded_message,
     too_large_message,
 )
@@ -336,24 +333,17 @@ class ReadConnection:
 
 class ReadPort(FramePort):
     """The read port; :meth:`close` stops and cuts every caller. Its limits are its own
-    (``request_memory``), as the RPC port's are, but for its connections: at most ``threads``
-    (``read_threads``), each served by a thread."""
+    (``request_memory``), as the RPC port's are, but for its connections: at most
+    ``max_connections`` (``read_threads``; :data:`READ_THREADS` unless told), each served by a
+    thread."""
 
     LOGGER = "kvpool.raft_master.read"
     NAME = "read"
     LIMIT_NAME = "read_threads"
 
-    def __init__(
-        self,
-        service: MasterService,
-        log: Any = None,
-        token: bytes = b"",
-        limits: IngressLimits | None = None,
-        *,
-        threads: int = READ_THREADS,
-    ) -> None:
-        limits = dataclasses.replace(limits or IngressLimits(), max_connections=threads)
-        super().__init__(service, log, token, limits)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("max_connections", READ_THREADS)
+        super().__init__(*args, **kwargs)
         self._budget_lock = threading.Lock()  # the budget is shared by the threads
         self._lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()

@@ -24,6 +24,7 @@ Undecodable and refused requests are logged once per peer and minute (``rpc_bad_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -342,11 +343,17 @@ class FramePort:
         log: Any = None,
         token: bytes = b"",
         limits: IngressLimits | None = None,
+        *,
+        max_connections: int = 0,
     ) -> None:
+        """``max_connections``: the port's own bound on connections, over ``limits``' (0:
+        theirs)."""
         self.service = service
         self.log = log if log is not None else get_logger(self.LOGGER)
         self.once = OncePer(self.log)
         self.limits = limits if limits is not None else IngressLimits()
+        if max_connections:
+            self.limits = dataclasses.replace(self.limits, max_connections=max_connections)
         self.budget = MemoryBudget(self.limits.request_memory_bytes)
         self.connections: set[Any] = set()
         self.gate = Gate(

@@ -305,7 +305,7 @@ class MasterProcess:
             self.log,
             token=self.security.token,
             limits=self.cfg.ingress_limits(),
-            threads=cfg.read_threads,
+            max_connections=cfg.read_threads,
         )
         try:
             read_bound = self._read.start(read_host, read_port)

@@ -238,7 +238,7 @@ def test_connections_beyond_read_threads_are_closed_at_once_and_idle_ones_cost_l
     _stored(svc, [f"key-{i:04d}" for i in range(3)])
 
     async def scenario() -> None:
-        async with serving(ReadPort(svc, threads=3)) as (port, bound):
+        async with serving(ReadPort(svc, max_connections=3)) as (port, bound):
             held = [await asyncio.open_connection("127.0.0.1", bound) for _ in range(3)]
             await eventually(lambda: len(port.connections) == 3)
             assert all(len(c._buf) == read_port.IDLE_BUFFER_BYTES for c in port.connections)
@@ -280,7 +280,7 @@ def test_a_client_turned_away_by_a_full_read_port_reads_over_the_rpc_port() -> N
         rpc_port = RpcPort(svc)
         rpc_bound = rpc_port.start("127.0.0.1", 0)
         try:
-            async with serving(ReadPort(svc, threads=1)) as (port, bound):
+            async with serving(ReadPort(svc, max_connections=1)) as (port, bound):
                 _, holder = await asyncio.open_connection("127.0.0.1", bound)  # its one thread
                 await eventually(lambda: len(port.connections) == 1)
                 routing = MasterRouting(["127.0.0.1:1"])  # a gRPC address never dialled
