@@ -65,6 +65,7 @@ from kvpool.raft_master.rpc_port import (
     METHODS,
     Budget,
     FramePort,
+    caller_budget,
     error_body,
     observe,
 )
@@ -277,7 +278,7 @@ class ReadConnection:
         try:
             response = port.service.read_now(name, request, port.loop.call_soon_threadsafe)
             if response is None:  # it has to wait: the async method waits, on the event loop
-                budget_s = header.version / 1e6 if header.version else None
+                budget_s = caller_budget(header)
                 waiting = asyncio.run_coroutine_threadsafe(
                     getattr(port.service, name)(request, Budget(port.loop, budget_s)), port.loop
                 )

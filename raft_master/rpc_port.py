@@ -103,6 +103,16 @@ def _span_attributes(request: Any, response: Any) -> dict[str, Any]:
     return attrs
 
 
+MAX_BUDGET_S = 600.0
+"""The most time a caller may give one call (a frame's ``version``, in µs); more is taken as
+this. A u64 of µs is ~585,000 years: past what a thread can be told to wait."""
+
+
+def caller_budget(header: Header) -> float | None:
+    """The time the caller gave its call (None: it gave none), at most :data:`MAX_BUDGET_S`."""
+    return min(header.version / 1e6, MAX_BUDGET_S) if header.version else None
+
+
 class Budget:
     """What the service methods ask of a gRPC context: the time the caller gave."""
 
@@ -212,7 +222,7 @@ class RpcConnection:
         traced = header.trace and tracing.STATE.enabled
         if name in READ_METHODS and not traced and self._read_now(header, name, request):
             return
-        budget_s = header.version / 1e6 if header.version else None
+        budget_s = caller_budget(header)
         # Most handlers answer without waiting: run them now, a task only for those that wait.
         task = start_eagerly(
             asyncio.get_running_loop(), self._call(header, name, request, budget_s)

@@ -122,6 +122,12 @@ def test_a_read_that_has_to_wait_is_answered_by_the_event_loop() -> None:
             assert header.status == Status.RPC_ERROR
             assert json.loads(body)["code"] == "NOT_CAUGHT_UP"
             assert time.monotonic() - began >= 0.9  # it waited for the revision, then said so
+            # A caller giving more time than a thread can wait for (the fuzz suite's find):
+            # taken as MAX_BUDGET_S, the same answer, no internal error.
+            writer.write(frame("Lookup", ahead, request_id=2, version=2**64 - 1))
+            header, body = await answer(reader)
+            assert (header.status, header.request_id) == (Status.RPC_ERROR, 2)
+            assert json.loads(body)["code"] == "NOT_CAUGHT_UP"
             follower, _ = service(leading=False)
             port.service = follower
             writer.write(frame("PrefixMatch", master_pb2.PrefixMatchRequest(keys=["a"])))
