@@ -105,8 +105,11 @@ class LoopTicker:
         self._pending = False
         self._timer: asyncio.Handle | None = None
         self._stopped = False
+        self._ticking = False
+        self.thread_id: int | None = None  # the loop's thread, once started
 
     def start(self) -> None:
+        self.thread_id = threading.get_ident()  # started on the loop's thread
         self._timer = self._loop.call_soon(self._periodic)
 
     def request(self) -> None:
@@ -114,6 +117,18 @@ class LoopTicker:
         if not self._pending and not self._stopped:
             self._pending = True
             self._loop.call_soon(self._requested)
+
+    def now(self) -> None:
+        """Tick at once, on the loop's thread (a proposal's entry goes out without waiting for
+        the loop's next turn, ~80 µs of a put on a 2-vCPU VM); from within a tick as
+        :meth:`request`; from another thread, handed to the loop."""
+        if threading.get_ident() != self.thread_id:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(self.request)
+        elif self._ticking:
+            self.request()
+        else:
+            self._run()
 
     def stop(self) -> None:
         self._stopped = True
@@ -166,7 +181,10 @@ class LoopTicker:
     def _run(self) -> None:
         if self._stopped:
             return
+        self._ticking = True
         try:
             self._tick()
         except Exception:  # as PySyncObj's own thread does: log, and tick again next time
             self._log.exception("raft_tick_failed")
+        finally:
+            self._ticking = False

@@ -307,19 +307,26 @@ class Replicator:
     # lifecycle
 
     def start(self) -> None:
-        """Create the SyncObj and wait until Raft is bound. With ``raft_tick_on_loop`` it is
-        ticked on the calling thread's running event loop (:mod:`~kvpool.raft_master.loop_tick`);
-        otherwise PySyncObj ticks it on a thread of its own, which stops when the calling thread
-        ends (so that thread must outlive it). Without a running loop: a thread of its own."""
+        """Create the SyncObj and wait until Raft is bound. With ``raft_tick_on_loop`` (auto:
+        wherever the index has a data_dir) it is ticked on the calling thread's running event
+        loop (:mod:`~kvpool.raft_master.loop_tick`); otherwise PySyncObj ticks it on a thread of
+        its own, which stops when the calling thread ends (so that thread must outlive it).
+        Without a running loop: a thread of its own."""
         loop: asyncio.AbstractEventLoop | None = None
-        if self.cfg.raft_tick_on_loop:
-            if not supported():
+        if self.cfg.ticks_on_loop:
+            if supported():
+                with contextlib.suppress(RuntimeError):
+                    loop = asyncio.get_running_loop()
+            elif self.cfg.raft_tick_on_loop:
                 raise StartupError(
                     "raft_tick_on_loop: this PySyncObj does not make its poller where kvpool "
                     "can hand it the event loop's; set raft_tick_on_loop = false"
                 )
-            with contextlib.suppress(RuntimeError):
-                loop = asyncio.get_running_loop()
+            else:
+                self._log.info(
+                    "raft_tick_on_thread",
+                    reason="this PySyncObj does not let kvpool hand it the event loop's poller",
+                )
         conf = build_conf(
             self.cfg,
             max_bind_retries=self._max_bind_retries,
@@ -481,8 +488,15 @@ class Replicator:
             if not future.done():
                 future.set_result((result, error))
 
-        def on_done(result: Any, error: int) -> None:  # the Raft thread
+        ticker = self._ticker
+
+        def on_done(result: Any, error: int) -> None:  # the Raft thread, or the loop's tick
             self._done += 1
+            if ticker is not None and threading.get_ident() == ticker.thread_id:
+                # Ticked on this loop: resolved now, so the caller's answer goes on this turn
+                # of the loop rather than the next (no wake-up through the loop's self-pipe).
+                resolve(result, error)
+                return
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(resolve, result, error)
 
@@ -497,8 +511,8 @@ class Replicator:
 
         self._proposed += 1
         self.consumer.apply_command(encode(command), callback=on_done)
-        if self._ticker is not None:
-            self._ticker.request()  # append it on this loop's next turn
+        if ticker is not None:
+            ticker.now()  # append it and send it to the followers now
         # A timer on our own future, not asyncio.timeout: that needs a current task, and
         # request handlers start outside one (kvpool.transports.eager).
         timer = loop.call_later(timeout_s, expire)
@@ -553,6 +567,11 @@ class Replicator:
         """A leader is known and this master has applied up to its commit index (once)."""
         syncobj = self._syncobj
         return bool(syncobj is not None and syncobj.isReady() and syncobj._getLeader() is not None)
+
+    @property
+    def ticked_on_loop(self) -> bool:
+        """Whether Raft is ticked on the event loop (``raft_tick_on_loop``), not a thread."""
+        return self._ticker is not None
 
     def tick_alive(self) -> bool:
         """Raft is being ticked: by this master's event loop (until stopped), or by PySyncObj's

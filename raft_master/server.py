@@ -245,6 +245,7 @@ class MasterProcess:
                 peers=list(cfg.raft_peers),
                 data_dir=cfg.data_dir if not cfg.in_memory else None,
                 in_memory=cfg.in_memory,
+                raft_tick="loop" if self.replicator.ticked_on_loop else "thread",
                 pid=os.getpid(),
                 grpc_fork_support=os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "default"),
             )

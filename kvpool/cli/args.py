@@ -39,7 +39,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
         else:
             shown = str(default)
         env = "KVPOOL_" + f.name.upper()
-        if typ is bool:
+        if typ in (bool, bool | None):
+            if default is None:
+                shown = "auto"
             group.add_argument(
                 flag,
                 dest=f.name,

@@ -112,13 +112,23 @@ def test_master_refuses_to_run_without_secret_or_persistence() -> None:
     assert redacted(cfg)["raft_secret"] == "***"
 
 
-def test_raft_on_the_event_loop_is_off_by_default_and_needs_a_data_dir(tmp_path: Path) -> None:
+def test_raft_runs_on_the_event_loop_wherever_the_index_has_a_data_dir(tmp_path: Path) -> None:
     env = {"KVPOOL_RAFT_SECRET": "s3cret"}
-    assert not load_config(MasterConfig, env=env, overrides={"in_memory": True}).raft_tick_on_loop
+    in_memory = load_config(MasterConfig, env=env, overrides={"in_memory": True})
+    assert in_memory.raft_tick_on_loop is None
+    assert not in_memory.ticks_on_loop
+    on_disk = load_config(MasterConfig, env=env, overrides={"data_dir": str(tmp_path)})
+    assert on_disk.raft_tick_on_loop is None
+    assert on_disk.ticks_on_loop
     with pytest.raises(ConfigError, match=r"raft_tick_on_loop: needs data_dir"):
         load_config(MasterConfig, env=env, overrides={"in_memory": True, "raft_tick_on_loop": True})
-    on = {"data_dir": str(tmp_path), "raft_tick_on_loop": True}
-    assert load_config(MasterConfig, env=env, overrides=on).raft_tick_on_loop
+    disk = {"data_dir": str(tmp_path)}
+    off = {**env, "KVPOOL_RAFT_TICK_ON_LOOP": "false"}
+    assert not load_config(MasterConfig, env=off, overrides=disk).ticks_on_loop
+    auto = {**env, "KVPOOL_RAFT_TICK_ON_LOOP": "auto"}
+    assert load_config(MasterConfig, env=auto, overrides=disk).ticks_on_loop
+    with pytest.raises(ConfigError, match=r"raft_tick_on_loop"):
+        load_config(MasterConfig, env={**env, "KVPOOL_RAFT_TICK_ON_LOOP": "sometimes"})
 
 
 def test_the_read_port_setting_takes_auto_off_or_an_address() -> None:

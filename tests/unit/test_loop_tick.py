@@ -105,6 +105,37 @@ def test_ticks_run_periodically_and_when_asked_once_per_turn() -> None:
     asyncio.run(run())
 
 
+def test_now_ticks_at_once_on_the_loop_and_defers_within_a_tick_or_from_another_thread() -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        ticks: list[str] = []
+        ticker: LoopTicker
+
+        def tick() -> None:
+            ticks.append("tick")
+            if len(ticks) == 2:
+                ticker.now()  # within a tick: not run inside this one, but on the next turn
+                ticks.append("asked")
+
+        ticker = LoopTicker(loop, tick, 60.0, Log())  # no periodic tick during the test
+        ticker.start()
+        await asyncio.sleep(0)
+        assert ticks == ["tick"]  # the first periodic one
+        ticker.now()
+        assert ticks == ["tick", "tick", "asked"]  # ran before now() returned, once
+        await asyncio.sleep(0)
+        assert ticks == ["tick", "tick", "asked", "tick"]
+        other = threading.Thread(target=ticker.now)
+        other.start()
+        other.join()
+        assert len(ticks) == 4  # another thread's now() does not tick there…
+        await asyncio.sleep(0.01)
+        assert len(ticks) == 5  # …but hands the tick to the loop
+        ticker.stop()
+
+    asyncio.run(run())
+
+
 def test_a_tick_that_raises_is_logged_and_ticking_goes_on() -> None:
     async def run() -> None:
         calls: list[int] = []
