@@ -77,6 +77,9 @@ PRE_AUTH_MAX_BYTES = 64 << 10
 MAX_UNAUTHENTICATED = 64
 """Most connections in their handshake at once."""
 LENGTH = struct.Struct("i")  # PySyncObj's length prefix: a native signed int
+MAX_HELD = 1024
+"""Messages a dialled connection holds until the acceptor's key has come back (see
+:meth:`GuardedConnection.send`); one more, and the connection is dropped and redialled."""
 READS_PER_EVENT = 64
 """Most ``recv_into`` calls per readable event, so one busy peer cannot starve the tick."""
 
@@ -197,6 +200,8 @@ class GuardedConnection:
         self.authenticated = False
         self.peer = "?"
         self._dialled = False  # this end connected (PySyncObj's outgoing connection)
+        self._key_sent = False  # a dialler's first message, its random key, has gone
+        self._held: list[Any] = []  # PySyncObj's messages given before the handshake is done
         self._reset_session()
         self._limits = limits
         self._refuse = refuse
@@ -292,6 +297,27 @@ class GuardedConnection:
         return True
 
     def send(self, message: Any) -> None:
+        """Send ``message``. A dialled connection holds what PySyncObj gives it between its
+        random key and the acceptor's answer: PySyncObj sends Raft messages on a connection as
+        soon as TCP connects, and one sent then, not yet wrapped in the acceptor's key, is
+        refused by the acceptor, which drops the connection (a ``raft_peer_refused`` at nearly
+        every start of a group). Held ones go, in order, after the dialler's address — the
+        first message the acceptor reads once it has answered."""
+        if self._dialled and self.encryptor is not None and not self.sendRandKey:
+            if self._key_sent:
+                if len(self._held) >= MAX_HELD:
+                    self.disconnect()  # no answer while PySyncObj went on: dialled again
+                    return
+                self._held.append(message)
+                return
+            self._key_sent = True
+        self._send(message)
+        if self._held and self.sendRandKey:
+            held, self._held = self._held, []
+            for waiting in held:
+                self._send(waiting)
+
+    def _send(self, message: Any) -> None:
         if self.sendRandKey:
             message = (self.sendRandKey, message)
         if self._limits.send_sessions and self._session_ready():
@@ -334,6 +360,8 @@ class GuardedConnection:
     # refused (no falling back within a connection).
 
     def _reset_session(self) -> None:
+        self._key_sent = False
+        self._held = []
         self._peer_wrapped = False  # read a message wrapped in the key we chose
         self._tx: AESGCM | None = None
         self._tx_seq = 0

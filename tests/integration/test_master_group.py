@@ -538,10 +538,10 @@ def test_a_group_rolled_from_fernet_to_session_messages_commits_throughout(
                 await client.close()
 
         asyncio.run(run())
-        # No message refused on a connection past its handshake (a connection's first
-        # messages may cross a reconnect and be refused before it, with any cipher).
+        # No message refused on any connection: not past a handshake (the ciphers agree), nor
+        # in one (what PySyncObj sends before the acceptor's key is back waits for it).
         refused = [line for line in g.logs().splitlines() if "raft_peer_refused" in line]
-        assert not [line for line in refused if '"authenticated": true' in line], refused
+        assert not refused, refused
 
 
 def test_a_fully_restarted_group_keeps_every_committed_entry(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from pysyncobj.tcp_connection import TcpConnection
 from kvpool.config import MasterConfig, load_config
 from kvpool.errors import ConfigError
 from kvpool.raft_master.raft_guard import (
+    MAX_HELD,
     SESSION_MARK,
     GuardedConnection,
     GuardLimits,
@@ -184,6 +185,49 @@ def test_after_the_handshake_both_ends_send_session_messages_each_read_in_order(
         # The two random keys go in Fernet (neither end has both yet); then sessions.
         assert link.kinds == ["fernet", "fernet"] + ["session"] * 7
         assert link.refused == []
+    finally:
+        link.close()
+
+
+def test_what_pysyncobj_sends_before_the_acceptors_key_comes_back_waits_for_it() -> None:
+    """PySyncObj hands a dialled connection Raft messages as soon as TCP connects. Sent before
+    the acceptor's key came back they would not be wrapped in it, and the acceptor would refuse
+    them and drop the connection; held, they follow the dialler's address, in order."""
+    link = Link(SESSIONS, SESSIONS)
+    try:
+        d, a = link.ends["d"], link.ends["a"]
+        d.recvRandKey = b"D" * 32
+        d.send(d.recvRandKey)
+        d.send(APPEND)  # an append and a vote request, before the acceptor has answered
+        d.send(("request_vote", 4))
+        assert link.deliver("a") == b"D" * 32
+        a.sendRandKey, a.recvRandKey = b"D" * 32, b"A" * 32
+        a.send(a.recvRandKey)
+        assert link.deliver("d") == b"A" * 32
+        d.sendRandKey = b"A" * 32
+        d.send("127.0.0.1:7310")
+        link.deliver("a")
+        assert link.got["a"] == [b"D" * 32, "127.0.0.1:7310", APPEND, ("request_vote", 4)]
+        assert link.refused == []
+        assert link.kinds == ["fernet", "fernet", "session"]  # the first frame of each read
+    finally:
+        link.close()
+
+
+def test_a_dialled_connection_never_answered_drops_itself_past_max_held() -> None:
+    link = Link(SESSIONS, SESSIONS)
+    try:
+        d = link.ends["d"]
+        d._state = 1  # CONNECTED, as after connect()
+        d.recvRandKey = b"D" * 32
+        d.send(d.recvRandKey)
+        for i in range(MAX_HELD):
+            d.send(("heartbeat", i))
+        assert d.state == 1
+        assert len(d._held) == MAX_HELD
+        d.send("one more")
+        assert d.state == 0  # DISCONNECTED: PySyncObj dials again
+        assert d._held == []
     finally:
         link.close()
 
