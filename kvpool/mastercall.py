@@ -53,6 +53,11 @@ FAILED_HOLD_S = 1.0
 """How long a master whose call failed (down, paused, unreachable) is not asked again while
 another master can be."""
 
+READ_PORT_HOLD_S = 30.0
+"""How long a read port that refused or dropped a call is left for the RPC port (which serves
+the same reads) before it is tried again: a read port full for a moment (``read_threads``) is
+used again once it has room."""
+
 LEADER_READS = frozenset({"Lookup", "PrefixMatch"})
 """Reads the masters answer on the leader only: a success there names the leader."""
 
@@ -90,6 +95,7 @@ class MasterRouting:
         self._lock = threading.Lock()
         self._rpc: dict[str, str] = {}  # gRPC address -> its frame RPC port ("" = none)
         self._read: dict[str, str] = {}  # gRPC address -> its read port (none: not offered)
+        self._read_held: dict[str, float] = {}  # gRPC address -> when its read port failed
         self._failed_at: dict[str, float] = {}  # address -> when a call to it last failed
         self._clock = clock
 
@@ -104,11 +110,18 @@ class MasterRouting:
 
     def read_of(self, address: str) -> str:
         """The read port of the master at ``address`` (its index reads, served by threads:
-        ``read_address`` in GetMembers), or "" when none is known."""
+        ``read_address`` in GetMembers), or "" when none is known or it failed a call in
+        the last ``READ_PORT_HOLD_S``."""
+        held = self._read_held.get(address)
+        if held is not None:
+            if self._clock() - held < READ_PORT_HOLD_S:
+                return ""
+            del self._read_held[address]
         return self._read.get(address, "")
 
     def learn_rpc(self, address: str, rpc_address: str, read_address: str = "") -> None:
         self._rpc[address] = rpc_address
+        self._read_held.pop(address, None)
         if read_address:
             self._read[address] = read_address
         else:
@@ -116,10 +129,11 @@ class MasterRouting:
 
     def forget_rpc(self, address: str, rpc_address: str) -> None:
         """The RPC port (or read port) learned for ``address`` refused or dropped us: learn it
-        again next time (a restarted master listens on another one). A read port forgotten
-        leaves the RPC port, which serves the same reads."""
+        again next time (a restarted master listens on another one). A read port is left for
+        ``READ_PORT_HOLD_S`` (the RPC port serves the same reads), then tried again: it may
+        have been full for a moment (``read_threads``)."""
         if self._read.get(address) == rpc_address:
-            del self._read[address]
+            self._read_held[address] = self._clock()
         elif self._rpc.get(address) == rpc_address:
             del self._rpc[address]
             self._read.pop(address, None)

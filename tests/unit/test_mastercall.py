@@ -26,6 +26,7 @@ from kvpool.errors import (
     UnavailableError,
 )
 from kvpool.mastercall import (
+    READ_PORT_HOLD_S,
     Ask,
     Backoff,
     CallGrpc,
@@ -536,7 +537,7 @@ def test_reads_go_to_the_read_port_the_master_offers_and_writes_to_its_rpc_port(
     assert (routing.rpc_of(A), routing.read_of(A)) == (RPC_A, READ_A)
 
 
-def test_a_read_port_that_drops_the_call_is_forgotten_and_the_rpc_port_serves_the_reads(
+def test_a_read_port_that_drops_the_call_is_left_for_a_while_and_the_rpc_port_serves_the_reads(
     clock: Clock,
 ) -> None:
     masters = Masters(clock)
@@ -549,6 +550,17 @@ def test_a_read_port_that_drops_the_call_is_forgotten_and_the_rpc_port_serves_th
     assert where(masters.ios)[0] == READ_A
     assert where(masters.ios)[-1] == RPC_A
     assert (routing.rpc_of(A), routing.read_of(A)) == (RPC_A, "")  # the RPC port stays
+    masters.ios.clear()
+    clock.now += READ_PORT_HOLD_S - 1
+    assert masters.call(routing) == FOUND
+    assert where(masters.ios) == [RPC_A]  # still left
+    # Then tried again (it may have been full for a moment: read_threads), and used.
+    clock.now += 1
+    assert routing.read_of(A) == READ_A
+    masters.rpc[READ_A, "Lookup"] = FOUND
+    masters.ios.clear()
+    assert masters.call(routing) == FOUND
+    assert where(masters.ios) == [READ_A]
     # A master that offers no read port (an older one): the reads stay on its RPC port.
     routing.learn_rpc(A, RPC_A)
     assert routing.read_of(A) == ""
