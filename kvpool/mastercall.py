@@ -113,10 +113,8 @@ class MasterRouting:
         ``read_address`` in GetMembers), or "" when none is known or it failed a call in
         the last ``READ_PORT_HOLD_S``."""
         held = self._read_held.get(address)
-        if held is not None:
-            if self._clock() - held < READ_PORT_HOLD_S:
-                return ""
-            del self._read_held[address]
+        if held is not None and self._clock() - held < READ_PORT_HOLD_S:
+            return ""
         return self._read.get(address, "")
 
     def learn_rpc(self, address: str, rpc_address: str, read_address: str = "") -> None:
@@ -135,7 +133,7 @@ class MasterRouting:
         if self._read.get(address) == rpc_address:
             self._read_held[address] = self._clock()
         elif self._rpc.get(address) == rpc_address:
-            del self._rpc[address]
+            self._rpc.pop(address, None)  # threads may forget it at once
             self._read.pop(address, None)
 
     def _failed_lately(self, address: str, now: float) -> bool:
