@@ -141,9 +141,15 @@ def read_events(directory: Path) -> dict[int, list[tuple[int, str]]]:
     return events
 
 
+def _stamp(row: tuple[int, str]) -> int:
+    return row[0]
+
+
 def window(rows: list[tuple[int, str]], start: int, end: int) -> list[tuple[int, str]]:
-    stamps = [t for t, _ in rows]
-    return rows[bisect.bisect_left(stamps, start) : bisect.bisect_right(stamps, end)]
+    """The rows (sorted by stamp) stamped from ``start`` to ``end``."""
+    return rows[
+        bisect.bisect_left(rows, start, key=_stamp) : bisect.bisect_right(rows, end, key=_stamp)
+    ]
 
 
 def timeline(events: dict[int, list[tuple[int, str]]], client: int, show: int) -> None:
