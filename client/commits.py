@@ -118,7 +118,7 @@ def judge_commit(
                 member_ids=member_ids,
             )
             refs.extend(
-                BlockRef(it.key_bytes, it.write_id, result.version, m)
+                BlockRef(it.key_bytes, it.write_id, result.version, m, result.receipt)
                 for m in it.targets
                 if m.member_id in kept
             )

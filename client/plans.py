@@ -208,6 +208,9 @@ class BlockRef:
     write_id: int
     version: int
     member: MemberInfo
+    receipt: int = 0
+    """The index's signature of (key, write id, version), sent in the PUBLISH frame's checksum
+    field (:mod:`kvpool.receipts`): the node publishes without asking the index. 0: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -805,7 +808,10 @@ def refs_by_node(refs: Iterable[BlockRef]) -> dict[str, list[BlockRef]]:
 
 def ref_calls(op: Op, refs: list[BlockRef]) -> list[Call]:
     """PUBLISH or DELETE frames for committed or removed blocks."""
-    return [Call(op, r.key_bytes, write_id=r.write_id, version=r.version) for r in refs]
+    return [
+        Call(op, r.key_bytes, write_id=r.write_id, version=r.version, checksum=r.receipt)
+        for r in refs
+    ]
 
 
 def ref_rounds(op: Op, refs: list[BlockRef], wait: bool) -> tuple[list[Call], list[Call]]:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import grpc.aio
 from google.protobuf.message import Message
 
+from kvpool import receipts
 from kvpool.config import MasterConfig
 from kvpool.errors import (
     InternalError,
@@ -41,6 +42,7 @@ from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.v1 import common_pb2, master_pb2, master_pb2_grpc
 from kvpool.proto.wire import MAX_KEY_BYTES
 from kvpool.raft_master.commands import (
+    PUT_COMMITTED,
     Batch,
     ClaimedBlock,
     ClaimReplicas,
@@ -184,6 +186,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self.grpc_address = grpc_address
         self._clock = clock
         self._log = logger or get_logger("kvpool.raft_master.service")
+        self.receipt_key = receipts.derive_key(cfg.raft_secret)  # signs commits for the nodes
         self.committer = GroupCommitter(
             self._propose_raw,
             max_entries=cfg.commit_batch_max_entries,
@@ -306,13 +309,19 @@ class MasterService(master_pb2_grpc.MasterServicer):
             stale_ring=result.stale_ring,
             ring_version=result.ring_version,
         )
-        for o in result.outcomes:
+        key, sign, committed = self.receipt_key, receipts.sign, PUT_COMMITTED
+        for item, o in zip(items, result.outcomes, strict=False):
             response.results.add(
                 status=o.status,
                 version=o.version,
                 replicas=o.replicas,
                 superseded_write_id=o.superseded_write_id,
                 superseded_replicas=o.superseded_replicas,
+                receipt=(
+                    sign(key, item.key.encode("utf-8"), item.write_id, o.version)
+                    if key and o.status == committed
+                    else 0
+                ),
             )
         return response
 
@@ -376,6 +385,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             ring_version=result.ring_version,
             heartbeat_interval_s=self.cfg.heartbeat_interval_s,
             node_timeout_s=self.cfg.node_timeout_s,
+            receipt_key=self.receipt_key,
         )
 
     async def Heartbeat(  # noqa: N802 - gRPC method name
@@ -406,7 +416,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
             )
         else:
             self._node_stats.pop(member_id, None)
-        return master_pb2.HeartbeatResponse(known=known, ring_version=ring_version)
+        return master_pb2.HeartbeatResponse(
+            known=known, ring_version=ring_version, receipt_key=self.receipt_key
+        )
 
     async def ReportEvictions(  # noqa: N802 - gRPC method name
         self, request: master_pb2.ReportEvictionsRequest, context: grpc.aio.ServicerContext

@@ -291,6 +291,17 @@ class BlockStore:
             self.counters.superseded += 1
         return bool(older)
 
+    def claimed_newer(self, key: str, write_id: int, version: int) -> bool:
+        """Whether another staged write of ``key`` here has a PUBLISH claiming a version
+        above ``version`` (unconfirmed: a receipt for ``version`` does not settle which of the
+        two is current, the index does)."""
+        return any(
+            other_id != write_id
+            and (other := self._blocks[(key, other_id)]).state is BlockState.STAGED
+            and other.claimed_version > version
+            for other_id in self._by_key.get(key, ())
+        )
+
     def _readable(self, block: Block) -> bool:
         """Committed; or staged within the read window and not behind another write of the key
         that is published here (committed, or its PUBLISH arrived claiming a version), unless

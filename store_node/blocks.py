@@ -154,6 +154,7 @@ class Counters:
     too_large: int = 0
     checksum_mismatches: int = 0
     publishes: int = 0
+    receipt_publishes: int = 0  # of those, settled by the commit's receipt with no Lookup
     superseded: int = 0
     deletes: int = 0
     reaped: int = 0

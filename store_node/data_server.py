@@ -378,6 +378,17 @@ class DataConnection:
             self._answer(header, Status.OK, version=block.version)  # an idempotent re-publish
             return
         store.retire_older(name, header.write_id, header.version)
+        if (
+            header.checksum  # a PUBLISH's checksum field carries the commit's receipt
+            and not store.claimed_newer(name, header.write_id, header.version)
+            and versions.proves(
+                name.encode("utf-8"), header.write_id, header.version, header.checksum
+            )
+        ):  # the index signed this version of this write: published with it, nothing asked
+            result = store.publish(name, header.write_id, header.version)
+            store.counters.receipt_publishes += result.status == Status.OK
+            self._answer(header, result.status, flags=result.reason, version=header.version)
+            return
         task = asyncio.get_running_loop().create_task(self._publish_checked(header, name))
         self._server.publishing.add(task)
         task.add_done_callback(self._server.publishing.discard)

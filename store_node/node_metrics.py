@@ -62,6 +62,17 @@ def node_families(store: BlockStore, registered: bool = True) -> Iterator[Metric
         c.directory_reads,
     )
     yield _one(counter("kvpool_node_puts", "blocks staged by PUT"), c.puts)
+    yield _one(
+        counter("kvpool_node_publishes", "staged blocks made readable by PUBLISH"), c.publishes
+    )
+    yield _one(
+        counter(
+            "kvpool_node_receipt_publishes",
+            "PUBLISHes settled by the commit's receipt, with no Lookup on the leader (counted "
+            "in kvpool_node_publishes too)",
+        ),
+        c.receipt_publishes,
+    )
     yield _one(counter("kvpool_node_put_bytes", "bytes of blocks staged by PUT"), c.put_bytes)
     yield _one(
         counter("kvpool_node_evictions", "blocks lost to pressure (their last copy went)"),

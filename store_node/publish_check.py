@@ -1,5 +1,10 @@
 """Versions come from the index, never from a PUBLISH frame (a peer's claim is not trusted).
 
+A PUBLISH that carries the commit's receipt — the leader's signature of (key, write id, version),
+:mod:`kvpool.receipts` — is settled by the data server at once with that version, when the
+receipt checks and no other staged write of the key here claims a newer one. This module is the
+rest: what the index is asked when there is no such proof.
+
 A node keeps at most one committed block per key and decides between two writes of a key by
 their versions. The version a PUBLISH frame names is only the sender's word: one raw PUBLISH of
 a staged block with version 2^64-1 made the node refuse every later write of that key (each
@@ -34,6 +39,7 @@ import asyncio
 import contextlib
 from typing import Any, NamedTuple, Protocol
 
+from kvpool import receipts
 from kvpool.errors import InternalError, KVPoolError, UnavailableError
 from kvpool.logs import OncePer, get_logger
 from kvpool.proto.v1 import master_pb2
@@ -64,13 +70,27 @@ class IndexVersions:
     def __init__(self, masters: LookupCaller, *, timeout_s: float, log: Any = None) -> None:
         self._masters = masters
         self._timeout_s = timeout_s
-        self._log = OncePer(log if log is not None else get_logger("kvpool.node.publish"))
+        self._events = log if log is not None else get_logger("kvpool.node.publish")
+        self._log = OncePer(self._events)
         self._pending: dict[str, list[tuple[int, asyncio.Future[Verdict]]]] = {}
         self._wake: asyncio.Event | None = None
         self._runner: asyncio.Task[None] | None = None
         self.lookups = 0
         self.confirmed = 0
         self.refused = 0
+        self.receipt_key = b""
+        """Checks commit receipts (:mod:`kvpool.receipts`), once a master has answered it."""
+
+    def learn_key(self, raw: bytes) -> None:
+        """The receipt key a master answered (ignored unless it has a key's length)."""
+        key = receipts.usable_key(raw)
+        if key and key != self.receipt_key:
+            self._events.info("receipt_key_learned", replaced=bool(self.receipt_key))
+            self.receipt_key = key
+
+    def proves(self, key_bytes: bytes, write_id: int, version: int, receipt: int) -> bool:
+        """Whether ``receipt`` is the index's signature of this write at ``version``."""
+        return receipts.check(self.receipt_key, key_bytes, write_id, version, receipt)
 
     async def version_of(self, key: str, write_id: int) -> Verdict:
         """What the index says of ``(key, write_id)``. Raises a KVPoolError when it could not

@@ -125,6 +125,7 @@ class NodeRegistration:
         admin_address: str,
         on_registered: Callable[[int, bool], Awaitable[None]] | None = None,
         on_drained: Callable[[], Awaitable[None]] | None = None,
+        on_receipt_key: Callable[[bytes], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         log: Any = None,
     ) -> None:
@@ -133,6 +134,8 @@ class NodeRegistration:
         self._masters = masters
         self.on_registered = on_registered
         self.on_drained = on_drained
+        self.on_receipt_key = on_receipt_key
+        """Hears the key that checks commit receipts, as the masters answer it (kvpool.receipts)."""
         self._clock = clock
         self._log = log if log is not None else get_logger("kvpool.node.registration")
         self.node_id = cfg.resolved_node_id
@@ -188,6 +191,7 @@ class NodeRegistration:
                 await _wait(stop, backoff.next_delay())
                 continue
             self.member_id = int(response.member_id)
+            self._receipt_key(response.receipt_key)
             if response.heartbeat_interval_s > 0:
                 self.heartbeat_interval_s = float(response.heartbeat_interval_s)
             self.node_timeout_s = float(response.node_timeout_s)
@@ -317,7 +321,14 @@ class NodeRegistration:
         if self._heartbeat_failing:
             self._log.info("heartbeat_restored", member_id=self.member_id)
             self._heartbeat_failing = False
+        self._receipt_key(response.receipt_key)
         return bool(response.known)
+
+    def _receipt_key(self, raw: bytes) -> None:
+        """Pass on a receipt key a master answered (none from a master of an older release:
+        the one held stays)."""
+        if raw and self.on_receipt_key is not None:
+            self.on_receipt_key(raw)
 
     async def _report_loop(self, stop: asyncio.Event) -> None:
         while not await _wait(stop, self._cfg.eviction_report_interval_s):

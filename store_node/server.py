@@ -183,7 +183,13 @@ async def serve(cfg: NodeConfig, stop: asyncio.Event | None = None) -> int:
             stack.push_async_callback(versions.close)
             data.versions = versions  # PUBLISH versions from the index, never from frames
             registration = NodeRegistration(
-                cfg, store, masters, data_address=data_address, admin_address="", log=log
+                cfg,
+                store,
+                masters,
+                data_address=data_address,
+                admin_address="",
+                on_receipt_key=versions.learn_key,
+                log=log,
             )
             registration.restore_after_start(recovered)
             admin = NodeAdmin(store, registration, logger=log, token=security.token)

@@ -144,12 +144,18 @@ class PutResult(_message.Message):
     REPLICAS_FIELD_NUMBER: _builtins.int
     SUPERSEDED_WRITE_ID_FIELD_NUMBER: _builtins.int
     SUPERSEDED_REPLICAS_FIELD_NUMBER: _builtins.int
+    RECEIPT_FIELD_NUMBER: _builtins.int
     status: Global___PutStatus.ValueType
     version: _builtins.int
     superseded_write_id: _builtins.int
     """The write this commit replaced (0: the key had none): its replicas no longer belong to the
     index, so the writer deletes them before acknowledging (a stale cached lookup would still
     read them).
+    """
+    receipt: _builtins.int
+    """The leader's signature of (key, write_id, version) with the group's receipt key
+    (kvpool/receipts.py): the writer puts it in its PUBLISH frames, and a store node that
+    holds the key publishes with that version without asking the index. 0: none.
     """
     @_builtins.property
     def replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -165,10 +171,11 @@ class PutResult(_message.Message):
         replicas: _abc.Iterable[_builtins.int] | None = ...,
         superseded_write_id: _builtins.int = ...,
         superseded_replicas: _abc.Iterable[_builtins.int] | None = ...,
+        receipt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["replicas", b"replicas", "status", b"status", "superseded_replicas", b"superseded_replicas", "superseded_write_id", b"superseded_write_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["receipt", b"receipt", "replicas", b"replicas", "status", b"status", "superseded_replicas", b"superseded_replicas", "superseded_write_id", b"superseded_write_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -540,10 +547,15 @@ class RegisterNodeResponse(_message.Message):
     RING_VERSION_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     NODE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    RECEIPT_KEY_FIELD_NUMBER: _builtins.int
     member_id: _builtins.int
     ring_version: _builtins.int
     heartbeat_interval_s: _builtins.float
     node_timeout_s: _builtins.float
+    receipt_key: _builtins.bytes
+    """The key that checks commit receipts (PutResult.receipt); empty from a master of an
+    older release.
+    """
     def __init__(
         self,
         *,
@@ -551,10 +563,11 @@ class RegisterNodeResponse(_message.Message):
         ring_version: _builtins.int = ...,
         heartbeat_interval_s: _builtins.float = ...,
         node_timeout_s: _builtins.float = ...,
+        receipt_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "member_id", b"member_id", "node_timeout_s", b"node_timeout_s", "ring_version", b"ring_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "member_id", b"member_id", "node_timeout_s", b"node_timeout_s", "receipt_key", b"receipt_key", "ring_version", b"ring_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -634,21 +647,25 @@ class HeartbeatResponse(_message.Message):
 
     KNOWN_FIELD_NUMBER: _builtins.int
     RING_VERSION_FIELD_NUMBER: _builtins.int
+    RECEIPT_KEY_FIELD_NUMBER: _builtins.int
     known: _builtins.bool
     """False when the index no longer knows this member as live (declared down):
     the node must drop its blocks and register again (the same incarnation, a new
     member id; a drained node's incarnation is refused: NODE_DRAINED).
     """
     ring_version: _builtins.int
+    receipt_key: _builtins.bytes
+    """as RegisterNodeResponse.receipt_key (a changed raft_secret)"""
     def __init__(
         self,
         *,
         known: _builtins.bool = ...,
         ring_version: _builtins.int = ...,
+        receipt_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "ring_version", b"ring_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "receipt_key", b"receipt_key", "ring_version", b"ring_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

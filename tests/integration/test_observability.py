@@ -224,6 +224,10 @@ def test_every_process_serves_metrics(traced_cluster: tuple[LocalCluster, Path])
     addresses = _metrics_addresses(cluster)
     master = _scrape(addresses[cluster.master_names[0]])
     node = _scrape(addresses[cluster.node_names[0]])
+    until = time.monotonic() + 5.0  # the client's PUBLISHes are posted, not waited for
+    while _value(node, "kvpool_node_publishes_total") < 1 and time.monotonic() < until:
+        time.sleep(0.05)
+        node = _scrape(addresses[cluster.node_names[0]])
     assert _value(master, "kvpool_raft_role", 'role="leader"') == 1
     assert _value(master, "kvpool_raft_term") >= 1
     assert _value(master, "kvpool_raft_commit_index") >= 1
@@ -243,6 +247,11 @@ def test_every_process_serves_metrics(traced_cluster: tuple[LocalCluster, Path])
     )
     assert 'le="0.0001"' in master
     assert _value(node, "kvpool_node_hits_total") >= 1
+    # The client's puts were published by their commit receipts: no Lookup asked of the leader.
+    assert _value(node, "kvpool_node_publishes_total") >= 1
+    assert _value(node, "kvpool_node_receipt_publishes_total") == _value(
+        node, "kvpool_node_publishes_total"
+    )
     assert _value(node, "kvpool_node_tier_capacity_bytes", 'tier="cpu"') == 64 * 2**20
     assert _value(node, "kvpool_node_tier_used_bytes", 'tier="cpu"') >= 4096
     assert _value(node, "kvpool_node_watermark_ratio", 'mark="high"') == 0.85

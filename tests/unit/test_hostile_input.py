@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kvpool import receipts
 from kvpool.checksum import block_checksum
 from kvpool.errors import (
     InternalError,
@@ -315,6 +316,72 @@ def test_a_publish_with_a_forged_version_poisons_nothing() -> None:
             block = server.store.block("k", 2)
             assert block is not None
             assert block.version == 0  # no version from a frame
+            conn.close()
+        await versions.close()
+
+    run(scenario())
+
+
+def test_a_publish_with_the_leaders_receipt_is_settled_without_asking_and_no_other_is() -> None:
+    """A PUBLISH carrying the commit's receipt (kvpool.receipts) is published with its version
+    and asks the index nothing; a receipt that does not check for the frame's (key, write id,
+    version) — forged, or for another version — is no proof: the index is asked as before."""
+    index = FakeIndex()
+    key = receipts.derive_key("the-group's-raft-secret")
+
+    async def scenario() -> None:
+        versions = IndexVersions(index, timeout_s=2.0)
+        versions.learn_key(key)
+        async with node(versions=versions) as (server, port):
+            conn = await TcpConnection.open("127.0.0.1", port, timeout_s=5)
+
+            async def put(name: bytes, write_id: int, data: bytes) -> None:
+                r = await conn.request(
+                    Op.PUT, name, write_id=write_id, checksum=block_checksum(data),
+                    payload=data, timeout_s=5,
+                )  # fmt: skip
+                assert r.status == Status.OK
+
+            async def publish(name: bytes, write_id: int, version: int, receipt: int) -> Any:
+                return await conn.request(
+                    Op.PUBLISH, name, write_id=write_id, version=version, checksum=receipt,
+                    timeout_s=5,
+                )  # fmt: skip
+
+            await put(b"k", 1, b"good")
+            ok = await publish(b"k", 1, 12, receipts.sign(key, b"k", 1, 12))
+            assert (ok.status, ok.header.version) == (Status.OK, 12)
+            block = server.store.block("k", 1)
+            assert block is not None
+            assert block.state is BlockState.COMMITTED
+            assert block.version == 12
+            assert index.calls == 0
+            assert server.store.counters.receipt_publishes == 1
+            # A forged tag on a forged version: asked, refused (the index names write 1).
+            index.entries["k"] = (1, 12)
+            await put(b"k", 666, b"evil")
+            forged = await publish(b"k", 666, 2**64 - 1, 0x1234_5678_9ABC_DEF0)
+            assert (forged.status, forged.header.flags) == (Status.MISS, MissReason.WRONG_VERSION)
+            assert index.calls == 1
+            # A genuine receipt for version 13 on a frame claiming 50: no proof of 50, asked.
+            await put(b"j", 4, b"four")
+            index.entries["j"] = (4, 13)
+            claimed = await publish(b"j", 4, 50, receipts.sign(key, b"j", 4, 13))
+            assert (claimed.status, claimed.header.version) == (Status.OK, 13)
+            assert index.calls == 2
+            # Another staged write of the key claims a newer version: the receipt does not say
+            # which is current, the index does (it names write 9 at 21: write 8 is dropped).
+            await put(b"m", 8, b"older")
+            await put(b"m", 9, b"newer")
+            index.down = True  # write 9's check fails: it stays staged with its claim
+            newer = await publish(b"m", 9, 21, 0)
+            assert (newer.status, newer.header.flags) == (Status.MISS, MissReason.STAGED)
+            index.down = False
+            index.entries["m"] = (9, 21)
+            older = await publish(b"m", 8, 20, receipts.sign(key, b"m", 8, 20))
+            assert (older.status, older.header.flags) == (Status.MISS, MissReason.WRONG_VERSION)
+            assert server.store.state_of("m", 8) is None
+            assert server.store.counters.receipt_publishes == 1
             conn.close()
         await versions.close()
 
