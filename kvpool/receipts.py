@@ -12,9 +12,12 @@ receipt, a tag that does not match) and it asks the index as before.
 
 The key is derived from the masters' ``raft_secret`` (one-way: the key does not reveal it), so
 every master signs alike and a new leader's receipts check with the same key; masters hand it
-to store nodes when they register and with every heartbeat. A client never gets it, so a buggy
-or hostile writer cannot claim a version the index did not give: guessing a tag takes 2^63
-PUBLISH frames on average, and a wrong one only costs the Lookup that was asked before.
+to store nodes when they register and with every heartbeat. A client is never sent it, so a
+buggy writer cannot claim a version the index did not give: guessing a tag takes 2^63 PUBLISH
+frames on average, and a wrong one only costs the Lookup that was asked before. (The cluster
+token proves a node as it proves a client: whoever holds the token and registers as a node gets
+the key — and, as such a node, the blocks placed on it. The key is no secret from the cluster's
+members; it keeps a client's frames from speaking for the index.)
 """
 
 from __future__ import annotations
