@@ -328,7 +328,7 @@ class DataConnection:
             if header.write_id == 0:
                 self._answer(header, Status.BAD_REQUEST, "write id 0 names no block")
                 return
-            self._publish(header, name)
+            self._publish(header, name, key)
             return
         # A GET of write id 0 reads the key's committed block (BlockStore.resolve).
         if header.flags not in _TIER_LIMITS:
@@ -355,7 +355,7 @@ class DataConnection:
         self._server.reads.add(task)
         task.add_done_callback(self._server.reads.discard)
 
-    def _publish(self, header: Header, name: str) -> None:
+    def _publish(self, header: Header, name: str, key: bytes) -> None:
         """Staged → committed, with the version the index gives this write (see
         :mod:`kvpool.store_node.publish_check`); the frame's version only where the server
         has no index to ask (a standalone data server: benchmarks, data-plane tests)."""
@@ -381,9 +381,7 @@ class DataConnection:
         if (
             header.checksum  # a PUBLISH's checksum field carries the commit's receipt
             and not store.claimed_newer(name, header.write_id, header.version)
-            and versions.proves(
-                name.encode("utf-8"), header.write_id, header.version, header.checksum
-            )
+            and versions.proves(key, header.write_id, header.version, header.checksum)
         ):  # the index signed this version of this write: published with it, nothing asked
             result = store.publish(name, header.write_id, header.version)
             store.counters.receipt_publishes += result.status == Status.OK

@@ -325,9 +325,9 @@ class NodeRegistration:
         return bool(response.known)
 
     def _receipt_key(self, raw: bytes) -> None:
-        """Pass on a receipt key a master answered (none from a master of an older release:
-        the one held stays)."""
-        if raw and self.on_receipt_key is not None:
+        """Pass on the receipt key a master answered (the listener keeps the one it holds when
+        the answer has none: a master of an older release)."""
+        if self.on_receipt_key is not None:
             self.on_receipt_key(raw)
 
     async def _report_loop(self, stop: asyncio.Event) -> None:
