@@ -118,11 +118,15 @@ class LoopTicker:
             self._pending = True
             self._loop.call_soon(self._requested)
 
+    def on_loop_thread(self) -> bool:
+        """Whether the caller runs on the loop's thread (where the ticks run), once started."""
+        return threading.get_ident() == self.thread_id
+
     def now(self) -> None:
         """Tick at once, on the loop's thread (a proposal's entry goes out without waiting for
         the loop's next turn, ~80 µs of a put on a 2-vCPU VM); from within a tick as
         :meth:`request`; from another thread, handed to the loop."""
-        if threading.get_ident() != self.thread_id:
+        if not self.on_loop_thread():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self.request)
         elif self._ticking:

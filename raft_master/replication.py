@@ -492,7 +492,7 @@ class Replicator:
 
         def on_done(result: Any, error: int) -> None:  # the Raft thread, or the loop's tick
             self._done += 1
-            if ticker is not None and threading.get_ident() == ticker.thread_id:
+            if ticker is not None and ticker.on_loop_thread():
                 # Ticked on this loop: resolved now, so the caller's answer goes on this turn
                 # of the loop rather than the next (no wake-up through the loop's self-pipe).
                 resolve(result, error)
