@@ -297,7 +297,8 @@ class ClientCore(ClientState):
     async def prefix_match(
         self, keys: Sequence[str], *, strict: bool | None = None, fetch_entries: bool = True
     ) -> int:
-        """How many leading keys of ``keys`` the index holds (0 on failure)."""
+        """How many leading keys of ``keys`` the index holds (0 on failure); ``fetch_entries``
+        as :meth:`kvpool.Client.prefix_match`'s."""
         return int(await self._ask(self.prefix_match_query(keys, strict, fetch_entries)))
 
     async def get_or_compute(

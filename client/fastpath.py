@@ -258,7 +258,9 @@ class SyncPath(ClientState):
         master, from the calling thread. ``fetch_entries`` (up to 1024 keys): the call brings
         the keys' index entries into the lookup cache, so that a get of the hits right after
         asks the index nothing; False asks for the count only, which is cheaper for this call
-        and the master (a probe that reads may not follow, or a latency-bound hit query)."""
+        and the master (a probe that reads may not follow, or a latency-bound hit query).
+        Keys of kvpool's scheme (``kvpool.keys``) are read by content, asking the index nothing
+        anyway: for them the count only is asked either way (``direct_reads="off"`` fetches)."""
         return int(self._ask(self.prefix_match_query(keys, strict, fetch_entries)))
 
     def pin(self, keys: Sequence[str], replicas: int = 1) -> list[bool]:

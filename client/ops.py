@@ -45,9 +45,9 @@ from kvpool.buffers import Parts
 from kvpool.client.cache import LookupCache
 from kvpool.client.commits import AfterCommit, CommitAnswer, PutReceipt
 from kvpool.client.placement import MemberInfo, Placement
-from kvpool.client.plans import BlockRef, PutItem, ReadItem, new_write_ids
+from kvpool.client.plans import BlockRef, DirectEntry, Entry, PutItem, ReadItem, new_write_ids
 from kvpool.errors import BlockMissError, KVPoolError, NoNodesError
-from kvpool.proto.v1 import common_pb2, master_pb2
+from kvpool.proto.v1 import master_pb2
 from kvpool.proto.wire import TierLevel
 
 __all__ = [
@@ -161,30 +161,25 @@ def read_flow(
     others (see the module doc). ``direct``: which keys name their content (None: none);
     ``on_direct`` hears how many keys read by content hit and missed, after the first read;
     ``direct_replicas``: the ring's members tried for each (the writers' replica count)."""
-    entries: list[common_pb2.BlockEntry | None] = [cache.get(k) for k, _ in pairs]
+    entries: list[Entry | None] = [cache.get(k) for k, _ in pairs]
     from_cache = [e is not None for e in entries]
     live: dict[int, MemberInfo] = {}
     todo = [i for i, e in enumerate(entries) if e is None]
     by_content: list[int] = []
-    if todo and direct is not None and any(direct(pairs[i][0]) for i in todo):
+    named = [i for i in todo if direct(pairs[i][0])] if todo and direct is not None else []
+    if named:
         if placement.refresh_due(clock()):
             yield EnsureMembers(patient=False)
         if placement.has_ring and not placement.ring_is_empty():
-            rest = []
-            for i in todo:
+            for i in named:
                 key, key_bytes = pairs[i]
-                entry = (
-                    direct_entry(placement, key, key_bytes, direct_replicas)
-                    if direct(key)
-                    else None
-                )
-                if entry is not None:
-                    entries[i] = entry
+                stand_in = direct_entry(placement, key, key_bytes, direct_replicas)
+                if stand_in is not None:
+                    entries[i] = stand_in
                     from_cache[i] = True  # a guess, as a cached entry is: a miss looks it up
                     by_content.append(i)
-                else:
-                    rest.append(i)
-            todo = rest
+            if by_content:
+                todo = [i for i in todo if entries[i] is None]
     if todo:
         response = yield Lookup([pairs[i][0] for i in todo])
         assert response is not None
@@ -234,7 +229,7 @@ buffer, or fresh bytes of the size the node answers."""
 
 def direct_entry(
     placement: Placement, key: str, key_bytes: bytes, replicas: int = 1
-) -> common_pb2.BlockEntry | None:
+) -> DirectEntry | None:
     """A stand-in index entry for a key that names its content: write id 0 (the node answers
     with the key's committed block, whichever write it is), on the ring's first ``replicas``
     members for the key (where a writer with that replica count put it), size and checksum
@@ -243,11 +238,9 @@ def direct_entry(
     same bytes, so any committed block of it is the right value (``docs/operations.md``,
     "Direct reads")."""
     try:
-        members = placement.place(key_bytes, replicas)
+        return DirectEntry(key, placement.place_ids(key_bytes, replicas))
     except NoNodesError:  # the ring emptied since it was checked
         return None
-    held = [m.member_id for m in members]
-    return common_pb2.BlockEntry(key=key, found=True, replicas=held)
 
 
 def members_of(response: master_pb2.LookupResponse) -> dict[int, MemberInfo]:
@@ -258,7 +251,7 @@ def members_of(response: master_pb2.LookupResponse) -> dict[int, MemberInfo]:
 def read_items(
     placement: Placement,
     pairs: list[tuple[str, bytes]],
-    entries: Sequence[common_pb2.BlockEntry | None],
+    entries: Sequence[Entry | None],
     from_cache: Sequence[bool],
     sink_for: SinkFactory,
     *,

@@ -153,6 +153,13 @@ class Placement:
             )
         return [members[mid] for mid in ring.place(key, replicas)]
 
+    def place_ids(self, key: bytes, replicas: int) -> list[int]:
+        """:meth:`place`'s member ids (a read by content needs no more)."""
+        ring = self._ring
+        if ring is not None and len(ring):
+            return ring.place(key, replicas)
+        return [m.member_id for m in self.place(key, replicas)]  # raises NoNodesError
+
     def targets(self, key: bytes, replicas: int, now_s: float) -> list[MemberInfo]:
         """Where a put of ``key`` goes: :meth:`place`'s members, each one held back
         (:meth:`sendable`) replaced by the next member on the ring that is not — as many as

@@ -697,7 +697,7 @@ class ClientState:
         if not names:
             return 0
         strict_ = self._strict(strict)
-        if fetch_entries and len(names) <= PREFIX_LOOKUP_MAX_KEYS:
+        if fetch_entries and len(names) <= PREFIX_LOOKUP_MAX_KEYS and not self._by_content(names):
             return self.lookup_query("prefix_match", names, leading_hits, 0, strict_)
 
         def matched(response: master_pb2.PrefixMatchResponse) -> int:
@@ -706,6 +706,12 @@ class ClientState:
 
         request = master_pb2.PrefixMatchRequest(keys=names, min_revision=self.floor.value)
         return Query("prefix_match", "PrefixMatch", request, matched, 0, strict_)
+
+    def _by_content(self, names: list[str]) -> bool:
+        """Every key is one this client reads by content (``direct_reads``): a get of them asks
+        the index nothing, so their entries are not worth fetching."""
+        direct = self._direct
+        return direct is not None and all(map(direct, names))
 
     def pin_query(self, keys: Sequence[str], replicas: int) -> Query[list[bool]] | list[bool]:
         """Pin keys at ``replicas`` copies (0: unpin); always strict (pinning is an explicit

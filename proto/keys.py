@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -200,17 +201,14 @@ def chain_hashes(
 
 KEY_LENGTH = len(KEY_PREFIX) + 2 + 4 * HASH_BYTES
 """Characters in every key of this scheme: ``kv1/`` + 32 hex + ``/`` + 32 hex (69)."""
-_HEX = frozenset("0123456789abcdef")
+_SCHEME_KEY = re.compile(f"{KEY_PREFIX}/[0-9a-f]{{{2 * HASH_BYTES}}}/[0-9a-f]{{{2 * HASH_BYTES}}}")
 
 
 def is_scheme_key(key: str) -> bool:
     """Whether ``key`` has the form of this scheme's keys (:func:`key_for`): such a key names
     its content — one key, one value, in every process that builds it — which is what lets a
     client read it from the node the ring places it on without asking the index."""
-    if len(key) != KEY_LENGTH or not key.startswith(KEY_PREFIX + "/"):
-        return False
-    mid = len(KEY_PREFIX) + 1 + 2 * HASH_BYTES
-    return key[mid] == "/" and _HEX.issuperset(key[len(KEY_PREFIX) + 1 : mid] + key[mid + 1 :])
+    return _SCHEME_KEY.fullmatch(key) is not None
 
 
 def key_for(namespace: KeyNamespace, hash_: bytes) -> str:

@@ -70,6 +70,8 @@ class HashRing:
             return []
         want = min(n, len(self.members))
         start = bisect.bisect_left(self._hashes, key_hash(key))
+        if want == 1:  # the first owner in ring order: no zone is used yet
+            return [self._owners[start % len(self._owners)]]
         chosen: list[int] = []
         zones_used: set[str] = set()
         deferred: list[int] = []  # members whose zone is already used, kept in ring order

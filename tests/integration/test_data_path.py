@@ -441,6 +441,28 @@ def test_a_same_host_client_reads_committed_blocks_with_no_message_to_their_node
         assert other.get(list(opaque)[1]) == list(opaque.values())[1]
 
 
+def test_a_prefix_match_of_keys_read_by_content_brings_no_entries(cluster: LocalCluster) -> None:
+    """A get of kvpool's scheme keys asks the index nothing, so prefix_match asks only for the
+    count of them (no Lookup) and the read of the hits right after asks nothing either; a
+    client that reads nothing by content still brings the entries its read goes through."""
+    blocks = scheme_blocks("prefix")
+    with Client(cluster.master_addresses, timeout_s=5.0) as writer:
+        assert writer.batch_put(blocks) == [True] * len(blocks)
+    keys = [*blocks, *scheme_blocks("prefix-absent")]
+    values = list(blocks.values())
+    with Client(cluster.master_addresses, timeout_s=5.0) as kv:
+        asked = count_lookups(kv)
+        assert kv.prefix_match(keys) == len(blocks)
+        assert kv.batch_get(keys[: len(blocks)]) == values
+        assert asked == []
+        assert kv.stats["direct_hits"] == len(blocks)
+    with Client(cluster.master_addresses, timeout_s=5.0, direct_reads="off") as kv:
+        asked = count_lookups(kv)
+        assert kv.prefix_match(keys) == len(blocks)
+        assert kv.batch_get(keys[: len(blocks)]) == values
+        assert asked == [keys]  # the prefix_match's: the read goes through its entries
+
+
 def test_the_async_client_reads_by_content_too(cluster: LocalCluster) -> None:
     blocks = scheme_blocks("async")
     with Client(cluster.master_addresses, timeout_s=5.0) as writer:

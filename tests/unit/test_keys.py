@@ -251,3 +251,27 @@ def test_keys_fit_the_wire_limit() -> None:
     assert len(key) == 69
     assert key.startswith(NS.prefix + "/")
     assert key.isascii()
+
+
+def test_only_keys_of_the_scheme_are_taken_to_name_their_content() -> None:
+    """A key read by content (no Lookup) must be exactly one of the scheme's keys: anything
+    near it — another case, a trailing newline, digits of another script, another version —
+    is read through the index."""
+    key = key_for(
+        namespace("m", dtype="float16", kv_layout="mha", block_size=16),
+        hashlib.blake2b(b"x", digest_size=16).digest(),
+    )
+    head, _, tail = key.rpartition("/")
+    assert proto_keys.is_scheme_key(key)
+    near = [
+        "",
+        key[:-1],
+        key + "0",
+        key + "\n",
+        key.upper(),
+        key.replace("kv1/", "kv2/", 1),
+        head + "/" + tail[:-1] + "\u0663",  # ARABIC-INDIC DIGIT THREE: a digit, not hex
+        head + ":" + tail,
+        "kv1/" + "g" * 32 + "/" + tail,
+    ]
+    assert [k for k in near if proto_keys.is_scheme_key(k)] == []

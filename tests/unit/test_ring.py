@@ -61,9 +61,31 @@ def test_placement_is_pinned_across_processes() -> None:
     )
     placed = [ring.place(f"block/{i}", 2) for i in range(6)]
     assert placed == [[2, 1], [2, 3], [2, 1], [1, 3], [2, 1], [3, 1]]
+    assert [ring.place(f"block/{i}") for i in range(6)] == [[p[0]] for p in placed]
     # Every member owns some of a thousand keys (vnodes spread them).
     owners = {ring.place(f"k{i}")[0] for i in range(1000)}
     assert owners == {1, 2, 3}
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    members=member_sets(),
+    keys=keys,
+    n=st.integers(2, 6),
+    zones=st.lists(st.sampled_from(["", "a", "b", "c"]), min_size=8, max_size=8),
+)
+def test_one_replica_is_the_primary_of_any_placement(
+    members: list[RingMember], keys: list[str], n: int, zones: list[str]
+) -> None:
+    """A key's one replica (a read by content goes there) is the first of its placement at any
+    replica count, zones or none: readers and writers of different counts agree on it."""
+    zoned = [
+        RingMember(m.member_id, m.node_id, m.capacity_bytes, zone)
+        for m, zone in zip(members, zones, strict=False)
+    ]
+    for ring in (HashRing(members), HashRing(zoned)):
+        for key in keys:
+            assert ring.place(key, 1) == ring.place(key, n)[:1]
 
 
 @settings(max_examples=100, deadline=None)
