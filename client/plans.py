@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvpool.buffers import Parts, copy_bytes
-from kvpool.checksum import block_checksum
+from kvpool.checksum import block_checksum, copy_checksum
 from kvpool.client.placement import MemberInfo
 from kvpool.client.stats import strongest_reason
 from kvpool.errors import (
@@ -452,11 +452,12 @@ def read_listed(items: list[ReadItem], arena: Arena) -> list[ReadItem]:
             rest.append(it)
             continue
         if it.sink is not None:
-            copy_bytes(it.sink, extent)
             data = it.sink
+            digest = copy_checksum(data, extent)
         else:
             data = memoryview(bytes(extent))
-        if block_checksum(data) != found.checksum:
+            digest = block_checksum(data)
+        if digest != found.checksum:
             rest.append(it)
             continue
         if it.sink is None:
@@ -609,8 +610,8 @@ class NodeRead:
             # Copy first, hash the copy: the caller gets exactly the bytes that were checked
             # (without a buffer: that copy is the new bytes object, taken as the value).
             if it.sink is not None:
-                copy_bytes(it.sink, extent)
-                judge(it, self.address, record, it.sink)
+                digest = copy_checksum(it.sink, extent)
+                judge(it, self.address, record, it.sink, digest=digest)
             else:
                 judge(it, self.address, record, memoryview(bytes(extent)))
 

@@ -138,7 +138,8 @@ NEEDS_SHM = pytest.mark.skipif(not shm_supported(), reason="shared memory needs 
 
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=NEEDS_SHM)])
 def test_the_client_over_tcp_and_shared_memory(cluster: LocalCluster, transport: str) -> None:
-    blocks = {f"{transport}/{n}": os.urandom(n) for n in (1, 4096, 70_000, 2 * MIB)}
+    sizes = (1, 4096, 70_000, 2 * MIB, 5 * MIB + 3)  # the last copied in two halves over shm
+    blocks = {f"{transport}/{n}": os.urandom(n) for n in sizes}
     with Client(cluster.master_addresses, timeout_s=5.0, transport=transport) as kv:
         assert kv.batch_put(blocks) == [True] * len(blocks)
         assert kv.batch_get(list(blocks)) == list(blocks.values())
@@ -309,8 +310,9 @@ def scheme_blocks(tag: str) -> dict[str, bytes]:
     ns = KeyNamespace(
         model=f"direct-{tag}-{os.getpid()}", dtype="bf16", kv_layout="t", block_size=2
     )
-    keys = block_keys(ns, list(range(8)))
-    return dict(zip(keys, (os.urandom(n) for n in (1, 4096, 70_000, 2 * MIB)), strict=True))
+    keys = block_keys(ns, list(range(10)))
+    sizes = (1, 4096, 70_000, 2 * MIB, 5 * MIB + 3)
+    return dict(zip(keys, (os.urandom(n) for n in sizes), strict=True))
 
 
 def count_lookups(kv: Client | AsyncClient) -> list[list[str]]:

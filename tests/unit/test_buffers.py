@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 
 import numpy as np
 import pytest
 
 from kvpool.buffers import Parts, copy_bytes
-from kvpool.checksum import block_checksum
+from kvpool.checksum import SPLIT_COPY_BYTES, block_checksum, copy_checksum
 from kvpool.client.values import as_into, as_value
 from kvpool.errors import InvalidValueError, ValueTooLargeError
 
@@ -77,3 +78,64 @@ def test_a_value_or_buffer_in_pieces_is_checked_piece_by_piece() -> None:
     assert sink.nbytes == 10
     with pytest.raises(InvalidValueError, match="read-only"):
         as_into([bytearray(4), b"read-only"])
+
+
+@pytest.mark.parametrize("size", [0, 4096, 3 << 20, 4 << 20, (8 << 20) + 4097])
+def test_copy_checksum_hashes_the_copy_split_or_not(size: int) -> None:
+    data = os.urandom(size)
+    dest = memoryview(bytearray(size))
+    assert copy_checksum(dest, memoryview(data)) == block_checksum(data)
+    assert bytes(dest) == data
+    into = pieces(bytes(size), [size // 3]) if size else Parts([])
+    assert copy_checksum(into, memoryview(data)) == block_checksum(data)  # pieces: not split
+    assert bytes(into) == data
+
+
+def test_split_copies_from_many_threads_each_get_their_own_bytes() -> None:
+    """One helper serves one split copy at a time; the others copy alone, none waits for it."""
+    size = SPLIT_COPY_BYTES + 4096
+    blocks = [os.urandom(size) for _ in range(4)]
+    out: dict[int, tuple[int, bytes]] = {}
+
+    def read(i: int) -> None:
+        dest = memoryview(bytearray(size))
+        for _ in range(5):
+            digest = copy_checksum(dest, memoryview(blocks[i]))
+        out[i] = (digest, bytes(dest))
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {i: (d, b == blocks[i]) for i, (d, b) in out.items()} == {
+        i: (block_checksum(blocks[i]), True) for i in range(4)
+    }
+    assert any(t.name == "kvpool-copy" for t in threading.enumerate())
+
+
+def test_a_failed_split_copy_raises_and_the_next_one_works() -> None:
+    size = SPLIT_COPY_BYTES
+    data = os.urandom(size)
+    with pytest.raises(ValueError, match="read-only"):
+        copy_checksum(memoryview(bytes(size)), memoryview(data))  # a read-only destination
+    dest = memoryview(bytearray(size))
+    assert copy_checksum(dest, memoryview(data)) == block_checksum(data)
+    assert bytes(dest) == data
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_splits_copies_with_a_helper_of_its_own() -> None:
+    data = os.urandom(SPLIT_COPY_BYTES)
+    copy_checksum(memoryview(bytearray(len(data))), memoryview(data))  # the parent's helper runs
+    pid = os.fork()
+    if pid == 0:  # the child: exits 0 only if its split copy hashes and copies right
+        ok = False
+        try:
+            dest = memoryview(bytearray(len(data)))
+            ok = copy_checksum(dest, memoryview(data)) == block_checksum(data)
+            ok = ok and bytes(dest) == data
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
