@@ -3,11 +3,12 @@
 the caller's buffers — as SGLang's HiCache (``batch_exists`` then ``batch_get``) and LMCache
 (``contains`` then ``get``) do.
 
-* kvpool, ``prefix_match``: ``Client.prefix_match(keys)`` (one Lookup, whose entries the
-  client caches, so that the read that follows asks the index nothing), then
-  ``batch_get_into`` of the leading hits;
+* kvpool, ``prefix_match``: ``Client.prefix_match(keys)`` — for the bench's keys, which are of
+  kvpool's scheme and read by content, one PrefixMatch (a count; for other keys one Lookup,
+  whose entries the client caches so that the read that follows asks the index nothing) —
+  then ``batch_get_into`` of the leading hits, by content;
 * kvpool, ``batch_exists``: ``Client.batch_exists(keys)`` (per-key presence, no entries sent),
-  then ``batch_get_into`` of every hit (which looks the hits up itself);
+  then ``batch_get_into`` of every hit (by content: no Lookup);
 * Mooncake Store: ``batch_is_exist(keys)``, then ``batch_get_into(hits, ptrs, sizes)``;
 * Redis: pipelined ``EXISTS`` (one round trip), then pipelined ``GET`` of the hits.
 
