@@ -16,7 +16,8 @@ SPLIT_COPY_BYTES = 4 * 1024 * 1024
 the second half while the caller's thread copies the first half and hashes it, then hashes the
 second (xxhash holds the GIL; numpy's copy does not). A first read of a 4 MiB block out of a
 node's shared memory took 0.87x the time on a 2-vCPU VM; at 1 and 2 MiB the helper's wake-up
-cost more than it saved (``docs/performance.md``, "A large read out of shared memory")."""
+cost more than it saved (``docs/performance.md``, "A large read out of shared memory in two
+halves")."""
 
 
 def block_checksum(data: Any) -> int:
