@@ -12,26 +12,30 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, TypeVar
 
 from kvpool.client import state as state_module
-from kvpool.client.blocks import DataPlane, PutItem, ReadItem
+from kvpool.client.blocks import DataPlane, PutItem
 from kvpool.client.commits import AsyncCommitter, CommitAnswer, PutReceipt, put_entries
 from kvpool.client.ops import (
-    DELETE_WAIT_S,
+    Ask,
     Commit,
+    Delete,
     EnsureMembers,
     Lookup,
+    Pause,
     Publish,
-    PutStep,
-    ReadStep,
+    Read,
     Stage,
+    Step,
     drive_async,
 )
+from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import BlockLocation
-from kvpool.client.state import WARM_UP_LOOKUP, ClientState, Query, ReadCall, Removed, WarmUp
+from kvpool.client.state import Attempt, ClientState, Query, ReadCall, WarmUp
 from kvpool.client.values import BytesLike, Into, PutItems, Value
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, UnavailableError
@@ -120,41 +124,9 @@ class ClientCore(ClientState):
         <kvpool.client.fastpath.SyncPath.warm_up>` (the masters' channel and RPC connection,
         the ring, and with ``nodes`` the pool's connections to every node); never raises for
         the cluster's state."""
-        if self._closed:
-            raise UnavailableError("this kvpool client is closed")
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        deadline = start + (self.config.timeout_s if timeout_s is None else timeout_s)
-        opened: dict[str, str] = {}
-        try:
-            await self._masters.call("Lookup", WARM_UP_LOOKUP, deadline=deadline)  # the leader
-            answer: master_pb2.GetMembersResponse = await self._masters.call(
-                "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
-            )
-        except KVPoolError as e:
-            return WarmUp(WarmUp.why(e), opened, loop.time() - start)
-        self.members_answered(answer, loop.time())
-        members = self._placement.members if nodes else []
-        results = await asyncio.gather(
-            *(
-                self._data.connect(m.data_address, max(0.001, deadline - loop.time()))
-                for m in members
-            ),
-            return_exceptions=True,
-        )
-        arenas = []
-        for member, result in zip(members, results, strict=True):
-            if isinstance(result, BaseException):
-                if not isinstance(result, KVPoolError):
-                    raise result
-                opened[member.node_id] = WarmUp.why(result)
-            else:
-                opened[member.node_id] = ""
-                arenas.append(result)
-        for arena in arenas:  # a shared memory's page tables, filled before the first calls
-            if arena is not None:
-                await loop.run_in_executor(None, arena.wait_prefaulted, deadline - loop.time())
-        return WarmUp("", opened, loop.time() - start)
+        flow = partial(self.warm_up_flow, nodes)
+        warm: WarmUp = await self._carry(flow, self.warming_up(), timeout_s)
+        return warm
 
     async def put(self, key: str, value: Value, *, strict: bool | None = None) -> bool:
         """Store one block. True once committed to the index (and published)."""
@@ -324,109 +296,104 @@ class ClientCore(ClientState):
 
     # --- carrying out ---------------------------------------------------------------------
 
-    async def _within_deadline(self, op: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run ``fn(*args, deadline)`` under the call's deadline; every failure comes out
-        typed."""
-        if self._closed:
-            raise UnavailableError("this kvpool client is closed")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.timeout_s
-        try:
+    async def _carry(
+        self,
+        flow_of: Callable[[float, Callable[[], float]], Generator[Step, Any, Any]],
+        attempt: Attempt,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Drive the flow ``flow_of(deadline, clock)`` under the call's deadline (``timeout_s``,
+        else the client's) and failure policy (``attempt``: every failure typed): its answer, or
+        the neutral one."""
+        with attempt:
+            if self._closed:
+                raise UnavailableError("this kvpool client is closed")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + (self.config.timeout_s if timeout_s is None else timeout_s)
             async with asyncio.timeout_at(deadline + DEADLINE_SLACK_S):
-                return await fn(*args, deadline)
-        except KVPoolError:
-            raise
-        except Exception as e:
-            raise self.call_error(op, e) from e
+                flow = flow_of(deadline, loop.time)
+                attempt.value = await drive_async(flow, partial(self._perform, deadline=deadline))
+        return attempt.value
+
+    async def _perform(self, step: Step, deadline: float) -> Any:
+        """Carry out one step of a flow (:mod:`~kvpool.client.ops`) on the event loop (a
+        commit's chunks at once)."""
+        if isinstance(step, Read):
+            live = partial(self.member, live=step.live)
+            await self._data.read(step.items, live, deadline, on_retry=self._stats.replica_retries)
+        elif isinstance(step, Lookup):
+            with self.looking_up(step.keys):
+                request = self.lookup_request(step.keys)
+                answer = await self._masters.call("Lookup", request, deadline=deadline)
+            self.lookup_answered(step.keys, answer)
+            return answer
+        elif isinstance(step, Stage):
+            await self._data.stage(step.items, step.deadline)
+        elif isinstance(step, Commit):
+            return await self._commit_chunks(step.chunks, step.ring_version, deadline)
+        elif isinstance(step, Publish):
+            await self._data.publish(step.refs, deadline, wait=step.wait)
+        elif isinstance(step, Delete):
+            await self._data.delete(step.refs, step.deadline)
+        elif isinstance(step, Ask):
+            leader_only = step.leader_only
+            return await self._masters.call(
+                step.method, step.request, deadline=deadline, leader_only=leader_only
+            )
+        elif isinstance(step, EnsureMembers):
+            if self._placement.needs_refresh():
+                flow = self.members_flow(step.patient, deadline, asyncio.get_running_loop().time)
+                async with self._members_lock if step.patient else nullcontext():
+                    await drive_async(flow, partial(self._perform, deadline=deadline))
+        elif isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+        else:
+            return await self._connect(step.members, deadline)
+        return None
+
+    async def _connect(self, members: list[MemberInfo], deadline: float) -> dict[str, str]:
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(
+            *(
+                self._data.connect(m.data_address, max(0.001, deadline - loop.time()))
+                for m in members
+            ),
+            return_exceptions=True,
+        )
+        opened: dict[str, str] = {}
+        for member, result in zip(members, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, KVPoolError):
+                    raise result
+                opened[member.node_id] = WarmUp.why(result)
+                continue
+            opened[member.node_id] = ""
+            if result is not None:  # a shared memory's page tables, filled before the first calls
+                await loop.run_in_executor(None, result.wait_prefaulted, deadline - loop.time())
+        return opened
 
     async def _ask(self, query: Query[Any] | Any) -> Any:
         """Carry out a :class:`Query` (and the ones its answers ask for) under one deadline;
         anything else is already the answer."""
         if not isinstance(query, Query):
             return query
-
-        async def call(deadline: float) -> Any:
-            step: Any = query
-            while isinstance(step, Query):
-                answer = await self._masters.call(
-                    step.method, step.request, deadline=deadline, leader_only=step.leader_only
-                )
-                step = step.answered(answer)
-            if isinstance(step, Removed):
-                if step.refs:
-                    now = asyncio.get_running_loop().time()
-                    await self._data.delete(step.refs, min(deadline, now + DELETE_WAIT_S))
-                return step.value
-            return step
-
-        with self.asking(query) as asked:
-            asked.value = await self._within_deadline(query.op, call)
-        return asked.value
+        return await self._carry(partial(self.ask_flow, query), self.asking(query))
 
     async def _run(self, call: ReadCall) -> Any:
         """Carry out a :class:`ReadCall`: its answer from the items read (None: all failed)."""
         if not call.pairs:
             return self.answer(call, None)
-        with self.reading(call) as read:
-            read.value = await self._within_deadline("get", self._read, call)
-        return self.answer(call, read.value)
-
-    async def _read(self, call: ReadCall, deadline: float) -> list[ReadItem | None]:
-        """The event-loop driver of :func:`~kvpool.client.ops.read_flow`."""
-        member, on_retry = self.member, self._stats.replica_retries
-
-        async def perform(step: ReadStep) -> master_pb2.LookupResponse | None:
-            if isinstance(step, Lookup):
-                request = self.lookup_request(step.keys)
-                answer: master_pb2.LookupResponse = await self._masters.call(
-                    "Lookup", request, deadline=deadline
-                )
-                self.lookup_answered(step.keys, answer)
-                return answer
-            if isinstance(step, EnsureMembers):
-                await self._ensure_members(deadline, patient=False)
-                return None
-            live = partial(member, live=step.live)
-            await self._data.read(step.items, live, deadline, on_retry=on_retry)
-            return None
-
-        clock = asyncio.get_running_loop().time
-        flow = self.read_flow(call, deadline, clock)
-        return await drive_async(flow, perform)
+        items = await self._carry(partial(self.read_flow, call), self.reading(call))
+        return self.answer(call, items)
 
     async def _put_prepared(
         self, items: list[PutItem], strict: bool, *, single: bool
     ) -> list[PutReceipt | None]:
         """The one put path: each item's receipt once committed, None where it failed."""
         receipts: dict[PutItem, PutReceipt] = {}
-        with self.putting(items, strict) as put:
-            await self._within_deadline("put", lambda d: self._put(items, d, receipts))
-            put.value = True
-        if not put.value:
-            return [None] * len(items)
-        return self.put_results(items, receipts, strict, single=single)
-
-    async def _put(
-        self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
-    ) -> None:
-        """The event-loop driver of :func:`~kvpool.client.ops.put_flow` (a commit's chunks go
-        at once)."""
-
-        async def perform(step: PutStep) -> list[CommitAnswer | KVPoolError] | None:
-            if isinstance(step, EnsureMembers):
-                await self._ensure_members(deadline)
-            elif isinstance(step, Stage):
-                await self._data.stage(step.items, step.deadline)
-            elif isinstance(step, Commit):
-                return await self._commit_chunks(step.chunks, step.ring_version, deadline)
-            elif isinstance(step, Publish):
-                await self._data.publish(step.refs, deadline, wait=step.wait)
-            else:
-                await self._data.delete(step.refs, step.deadline)
-            return None
-
-        flow = self.put_flow(items, receipts, deadline, asyncio.get_running_loop().time)
-        await drive_async(flow, perform)
+        flow = partial(self.put_flow, items, receipts)
+        done = await self._carry(flow, self.putting(items, strict))
+        return self.put_results(items, receipts, strict, done, single=single)
 
     async def _commit_chunks(
         self, chunks: list[list[PutItem]], ring_version: int, deadline: float
@@ -453,43 +420,6 @@ class ClientCore(ClientState):
             "CommitPuts", request, deadline=deadline, leader_only=True
         )
         return response
-
-    async def _ensure_members(self, deadline: float, *, patient: bool = True) -> None:
-        """Refresh the membership when the placement asks for it (one refresh at a time);
-        not ``patient`` (a read's): one ask, and a failure is no error."""
-        if not self._placement.needs_refresh():
-            return
-        loop = asyncio.get_running_loop()
-        if not patient:
-            self._placement.refresh_tried(loop.time())
-            try:
-                answer: master_pb2.GetMembersResponse = await self._masters.call(
-                    "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
-                )
-            except KVPoolError:
-                return
-            self.members_answered(answer, loop.time())
-            return
-        async with self._members_lock:
-            for attempt in range(state_module.EMPTY_RING_ASKS):
-                if not self._placement.needs_refresh():
-                    return
-                if attempt:  # an empty ring: ask again (the next master in turn)
-                    delay = state_module.empty_ring_delay(attempt)
-                    await asyncio.sleep(min(delay, deadline - loop.time()))
-                    if loop.time() >= deadline:
-                        return
-                try:
-                    response: master_pb2.GetMembersResponse = await self._masters.call(
-                        "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
-                    )
-                except KVPoolError:
-                    if self._placement.has_ring:
-                        return  # place on the ring we have; the index refuses it if stale
-                    raise
-                self.members_answered(response, loop.time())
-                if not self._placement.ring_is_empty():
-                    return
 
     def _node_failed(self, member_id: int) -> None:
         self._placement.node_failed(member_id, asyncio.get_running_loop().time())

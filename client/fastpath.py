@@ -19,31 +19,32 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, TypeVar
 
-from opentelemetry.trace import SpanKind
-
-from kvpool import tracing
 from kvpool.client import state as state_module
 from kvpool.client.blocking_plane import BlockingDataPlane
 from kvpool.client.commits import CommitAnswer, PutReceipt, SyncCommitter, put_entries
 from kvpool.client.links import conn_arena
 from kvpool.client.ops import (
-    DELETE_WAIT_S,
+    Ask,
     Commit,
+    Delete,
     EnsureMembers,
     Lookup,
+    Pause,
     Publish,
-    PutStep,
-    ReadStep,
+    Read,
     Stage,
+    Step,
     drive,
 )
-from kvpool.client.plans import BlockLocation, PutItem, ReadItem
-from kvpool.client.state import WARM_UP_LOOKUP, ClientState, Query, ReadCall, Removed, WarmUp
+from kvpool.client.placement import MemberInfo
+from kvpool.client.plans import BlockLocation, PutItem
+from kvpool.client.state import Attempt, ClientState, Query, ReadCall, WarmUp
 from kvpool.client.values import BytesLike, Into, PutItems, Value
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError, UnavailableError
@@ -96,33 +97,11 @@ class SyncPath(ClientState):
         Another thread's first call takes these connections over. Never raises for the
         cluster's state (the answer says what could not be opened, within ``timeout_s``,
         default the client's); UnavailableError once the client is closed."""
-        if self._closed:
-            raise UnavailableError("this kvpool client is closed")
-        start = time.monotonic()
-        deadline = start + (self.config.timeout_s if timeout_s is None else timeout_s)
-        opened: dict[str, str] = {}
-        try:
-            # The leader answers lookups and commits: find it (and its RPC port), then the ring.
-            self._masters.call("Lookup", WARM_UP_LOOKUP, deadline=deadline)
-            answer: master_pb2.GetMembersResponse = self._masters.call(
-                "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
-            )
-        except KVPoolError as e:
-            return WarmUp(WarmUp.why(e), opened, time.monotonic() - start)
-        self.members_answered(answer, time.monotonic())
-        arenas = []
-        for member in self._placement.members if nodes else ():
-            try:
-                arenas.append(conn_arena(self._data.connection(member.data_address, deadline)))
-                opened[member.node_id] = ""
-            except KVPoolError as e:
-                opened[member.node_id] = WarmUp.why(e)
-        for arena in arenas:  # a shared memory's page tables, filled before the first calls
-            if arena is not None:
-                arena.wait_prefaulted(deadline - time.monotonic())
+        flow = partial(self.warm_up_flow, nodes)
+        warm: WarmUp = self._carry(flow, self.warming_up(), timeout_s)
         self._data.lend_this_threads()
         self._masters.lend_this_threads()
-        return WarmUp("", opened, time.monotonic() - start)
+        return warm
 
     def put(self, key: str, value: Value, *, strict: bool | None = None) -> bool:
         """Store ``value`` under ``key``: True once committed; False on failure (strict raises).
@@ -296,113 +275,93 @@ class SyncPath(ClientState):
 
     # --- carrying out ---------------------------------------------------------------------
 
-    def _within_deadline(self, op: str, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args, deadline)`` with the call's deadline; every failure comes out typed."""
-        if self._closed:
-            raise UnavailableError("this kvpool client is closed")
-        deadline = time.monotonic() + self.config.timeout_s
-        try:
-            return fn(*args, deadline)
-        except KVPoolError:
-            raise
-        except Exception as e:
-            raise self.call_error(op, e) from e
+    def _carry(
+        self,
+        flow_of: Callable[[float, Callable[[], float]], Generator[Step, Any, Any]],
+        attempt: Attempt,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Drive the flow ``flow_of(deadline, clock)`` under the call's deadline (``timeout_s``,
+        else the client's) and failure policy (``attempt``: every failure typed): its answer, or
+        the neutral one."""
+        with attempt:
+            if self._closed:
+                raise UnavailableError("this kvpool client is closed")
+            timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+            deadline = time.monotonic() + timeout_s
+            flow = flow_of(deadline, time.monotonic)
+            attempt.value = drive(flow, partial(self._perform, deadline=deadline))
+        return attempt.value
+
+    def _perform(self, step: Step, deadline: float) -> Any:
+        """Carry out one step of a flow (:mod:`~kvpool.client.ops`) in this thread."""
+        if isinstance(step, Read):
+            live = partial(self.member, live=step.live)
+            self._data.read(step.items, live, deadline, on_retry=self._stats.replica_retries)
+        elif isinstance(step, Lookup):
+            with self.looking_up(step.keys):
+                request = self.lookup_request(step.keys)
+                answer = self._masters.call("Lookup", request, deadline=deadline)
+            self.lookup_answered(step.keys, answer)
+            return answer
+        elif isinstance(step, Stage):
+            self._data.stage(step.items, step.deadline)
+        elif isinstance(step, Commit):
+            return self._commit_chunks(step.chunks, step.ring_version, deadline)
+        elif isinstance(step, Publish):
+            self._data.send_refs(Op.PUBLISH, step.refs, deadline, wait=step.wait)
+        elif isinstance(step, Delete):
+            self._data.send_refs(Op.DELETE, step.refs, step.deadline)
+        elif isinstance(step, Ask):
+            leader_only = step.leader_only
+            return self._masters.call(
+                step.method, step.request, deadline=deadline, leader_only=leader_only
+            )
+        elif isinstance(step, EnsureMembers):
+            if self._placement.needs_refresh():
+                flow = self.members_flow(step.patient, deadline, time.monotonic)
+                with self._members_lock if step.patient else nullcontext():
+                    drive(flow, partial(self._perform, deadline=deadline))
+        elif isinstance(step, Pause):
+            time.sleep(step.seconds)
+        else:
+            return self._connect(step.members, deadline)
+        return None
+
+    def _connect(self, members: list[MemberInfo], deadline: float) -> dict[str, str]:
+        opened: dict[str, str] = {}
+        arenas = []
+        for member in members:
+            try:
+                arenas.append(conn_arena(self._data.connection(member.data_address, deadline)))
+                opened[member.node_id] = ""
+            except KVPoolError as e:
+                opened[member.node_id] = WarmUp.why(e)
+        for arena in arenas:  # a shared memory's page tables, filled before the first calls
+            if arena is not None:
+                arena.wait_prefaulted(deadline - time.monotonic())
+        return opened
 
     def _ask(self, query: Query[Any] | Any) -> Any:
         """Carry out a :class:`Query` (and the ones its answers ask for) under one deadline;
         anything else is already the answer."""
         if not isinstance(query, Query):
             return query
-
-        def call(deadline: float) -> Any:
-            step: Any = query
-            while isinstance(step, Query):
-                answer = self._call_master(step.method, step.request, deadline, step.leader_only)
-                step = step.answered(answer)
-            if isinstance(step, Removed):
-                if step.refs:
-                    wait = min(deadline, time.monotonic() + DELETE_WAIT_S)
-                    self._data.send_refs(Op.DELETE, step.refs, wait)
-                return step.value
-            return step
-
-        with self.asking(query) as asked:
-            asked.value = self._within_deadline(query.op, call)
-        return asked.value
-
-    def _call_master(
-        self, method: str, request: Any, deadline: float, leader_only: bool = False
-    ) -> Any:
-        if method == "Lookup" and tracing.STATE.enabled and tracing.recording():
-            span, token = tracing.enter_span(
-                "kvpool.client.lookup",
-                kind=SpanKind.CLIENT,
-                attributes={"kvpool.keys": len(request.keys)},
-            )
-            try:
-                return self._masters.call(method, request, deadline=deadline)
-            finally:
-                tracing.exit_span(span, token)
-        return self._masters.call(method, request, deadline=deadline, leader_only=leader_only)
+        return self._carry(partial(self.ask_flow, query), self.asking(query))
 
     def _run(self, call: ReadCall) -> Any:
         """Carry out a :class:`ReadCall`: its answer from the items read (None: all failed)."""
         if not call.pairs:
             return self.answer(call, None)
-        with self.reading(call) as read:
-            read.value = self._within_deadline("get", self._read, call)
-        return self.answer(call, read.value)
-
-    def _read(self, call: ReadCall, deadline: float) -> list[ReadItem | None]:
-        """The blocking driver of :func:`~kvpool.client.ops.read_flow`."""
-        member, on_retry = self.member, self._stats.replica_retries
-
-        def perform(step: ReadStep) -> master_pb2.LookupResponse | None:
-            if isinstance(step, Lookup):
-                request = self.lookup_request(step.keys)
-                answer: master_pb2.LookupResponse = self._call_master("Lookup", request, deadline)
-                self.lookup_answered(step.keys, answer)
-                return answer
-            if isinstance(step, EnsureMembers):
-                self._ensure_members(deadline, patient=False)
-                return None
-            live = partial(member, live=step.live)
-            self._data.read(step.items, live, deadline, on_retry=on_retry)
-            return None
-
-        flow = self.read_flow(call, deadline, time.monotonic)
-        return drive(flow, perform)
+        return self.answer(call, self._carry(partial(self.read_flow, call), self.reading(call)))
 
     def _put_prepared(
         self, items: list[PutItem], strict: bool, *, single: bool
     ) -> list[PutReceipt | None]:
         receipts: dict[PutItem, PutReceipt] = {}
-        with self.putting(items, strict) as put:
-            self._within_deadline("put", lambda d: self._put(items, d, receipts))
-            put.value = True
-        if not put.value:
-            return [None] * len(items)
-        return self.put_results(items, receipts, strict, single=single)
-
-    def _put(
-        self, items: list[PutItem], deadline: float, receipts: dict[PutItem, PutReceipt]
-    ) -> None:
-        """The blocking driver of :func:`~kvpool.client.ops.put_flow`."""
-
-        def perform(step: PutStep) -> list[CommitAnswer | KVPoolError] | None:
-            if isinstance(step, EnsureMembers):
-                self._ensure_members(deadline)
-            elif isinstance(step, Stage):
-                self._data.stage(step.items, step.deadline)
-            elif isinstance(step, Commit):
-                return self._commit_chunks(step.chunks, step.ring_version, deadline)
-            elif isinstance(step, Publish):
-                self._data.send_refs(Op.PUBLISH, step.refs, deadline, wait=step.wait)
-            else:
-                self._data.send_refs(Op.DELETE, step.refs, step.deadline)
-            return None
-
-        drive(self.put_flow(items, receipts, deadline, time.monotonic), perform)
+        flow = partial(self.put_flow, items, receipts)
+        done = self._carry(flow, self.putting(items, strict))
+        return self.put_results(items, receipts, strict, done, single=single)
 
     def _commit_chunks(
         self, chunks: list[list[PutItem]], ring_version: int, deadline: float
@@ -427,40 +386,3 @@ class SyncPath(ClientState):
             "CommitPuts", request, deadline=deadline, leader_only=True
         )
         return response
-
-    def _ensure_members(self, deadline: float, *, patient: bool = True) -> None:
-        """Refresh the membership when the placement asks for it (one refresh at a time);
-        not ``patient`` (a read's): one ask, and a failure is no error."""
-        placement = self._placement
-        if not placement.needs_refresh():
-            return
-        if not patient:
-            placement.refresh_tried(time.monotonic())
-            try:
-                answer: master_pb2.GetMembersResponse = self._masters.call(
-                    "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
-                )
-            except KVPoolError:
-                return
-            self.members_answered(answer, time.monotonic())
-            return
-        with self._members_lock:
-            for attempt in range(state_module.EMPTY_RING_ASKS):
-                if not placement.needs_refresh():
-                    return
-                if attempt:  # an empty ring: ask again (the next master in turn)
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return
-                    time.sleep(min(state_module.empty_ring_delay(attempt), left))
-                try:
-                    response: master_pb2.GetMembersResponse = self._masters.call(
-                        "GetMembers", master_pb2.GetMembersRequest(), deadline=deadline
-                    )
-                except KVPoolError:
-                    if placement.has_ring:
-                        return  # place on the ring we have; the index refuses it if stale
-                    raise
-                self.members_answered(response, time.monotonic())
-                if not placement.ring_is_empty():
-                    return

@@ -28,10 +28,15 @@ stages the bytes on the replicas (:class:`Stage`), commits what was staged in ch
 placed on a stale ring is placed again on the refreshed ring, up to :data:`MAX_PUT_ATTEMPTS`
 attempts; when every chunk's commit failed the put fails with the first chunk's error.
 
+The client's other operations are flows of :class:`~kvpool.client.state.ClientState` made of
+the same steps and three more — :class:`Ask` (call a master), :class:`Pause` and
+:class:`Connect` —: a chain of index questions (``ask_flow``), a membership refresh
+(``members_flow``, what :class:`EnsureMembers` runs) and a warm-up (``warm_up_flow``).
+
 The clock is passed in (the driver's: ``time.monotonic`` or the event loop's ``time``), so a
-test drives a read or a put step by step with no socket, no thread and no event loop. A driver
-hands a flow to :func:`drive` (blocking) or :func:`drive_async` (awaited) with the function that
-performs one step.
+test drives any flow step by step with no socket, no thread and no event loop. A driver hands a
+flow to :func:`drive` (blocking) or :func:`drive_async` (awaited) with its one function that
+performs any step (``_perform``); what a step raised is thrown into the flow at that step.
 """
 
 from __future__ import annotations
@@ -55,10 +60,13 @@ __all__ = [
     "DELETE_WAIT_S",
     "DIRECT_SIZE",
     "MAX_PUT_ATTEMPTS",
+    "Ask",
     "Commit",
+    "Connect",
     "Delete",
     "EnsureMembers",
     "Lookup",
+    "Pause",
     "Publish",
     "PutFlow",
     "PutStep",
@@ -66,6 +74,7 @@ __all__ = [
     "ReadFlow",
     "SinkFactory",
     "Stage",
+    "Step",
     "direct_entry",
     "drive",
     "drive_async",
@@ -80,25 +89,32 @@ R = TypeVar("R")
 
 def drive(flow: Generator[S, Any, R], perform: Callable[[S], Any]) -> R:
     """Carry a flow out in this thread: each step it yields is ``perform``-ed and what that
-    answers is sent back; the flow's return value is the answer."""
-    answer = None
+    answers is sent back — or what it raised is thrown in, at the step (a flow that does not
+    catch it ends with it); the flow's return value is the answer."""
+    answer = failure = None
     while True:
         try:
-            step = flow.send(answer)
+            step = flow.send(answer) if failure is None else flow.throw(failure)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
-        answer = perform(step)
+        try:
+            answer, failure = perform(step), None
+        except Exception as e:
+            failure = e
 
 
 async def drive_async(flow: Generator[S, Any, R], perform: Callable[[S], Awaitable[Any]]) -> R:
     """:func:`drive` on an event loop: each step's ``perform`` is awaited."""
-    answer = None
+    answer = failure = None
     while True:
         try:
-            step = flow.send(answer)
+            step = flow.send(answer) if failure is None else flow.throw(failure)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
-        answer = await perform(step)
+        try:
+            answer, failure = await perform(step), None
+        except Exception as e:
+            failure = e
 
 
 MAX_PUT_ATTEMPTS = 3
@@ -348,6 +364,38 @@ class Delete:
 
 
 PutStep = EnsureMembers | Stage | Commit | Publish | Delete
+
+
+# --- the other steps: a master's answer, a pause, connections ---------------------------------
+
+
+@dataclass(slots=True)
+class Ask:
+    """Call a master's ``method`` with ``request`` (the leader only, when ``leader_only``);
+    answer with its response. A failure is thrown into the flow, typed."""
+
+    method: str
+    request: Any
+    leader_only: bool = False
+
+
+@dataclass(slots=True)
+class Pause:
+    """Wait ``seconds``; answer with nothing."""
+
+    seconds: float
+
+
+@dataclass(slots=True)
+class Connect:
+    """Open a data connection to each of ``members`` (a same-host node's shared memory mapped
+    and its page tables filled); answer with ``{node id: "" when open, else why not}``."""
+
+    members: list[MemberInfo]
+
+
+Step = ReadStep | PutStep | Ask | Pause | Connect
+"""Every step a flow may ask a driver for."""
 CommitOutcomes = list[CommitAnswer | KVPoolError]
 PutFlow = Generator[PutStep, CommitOutcomes | None, None]
 CommitAnswered = Callable[

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -46,7 +46,21 @@ from kvpool.client.commits import (
 )
 from kvpool.client.hedge import HedgePolicy
 from kvpool.client.links import Links
-from kvpool.client.ops import DIRECT_SIZE, PutFlow, ReadFlow, SinkFactory, put_flow, read_flow
+from kvpool.client.ops import (
+    DELETE_WAIT_S,
+    DIRECT_SIZE,
+    Ask,
+    CommitOutcomes,
+    Connect,
+    Delete,
+    Pause,
+    PutStep,
+    ReadFlow,
+    SinkFactory,
+    Step,
+    put_flow,
+    read_flow,
+)
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.plans import BlockLocation
 from kvpool.client.spans import read_attributes
@@ -253,31 +267,45 @@ class Attempt:
             read.value = <carry the call out>       # blocking or awaited
         return state.answer(call, read.value)
 
-    A failure of the cache (a KVPoolError) leaves ``value`` at the call's neutral answer —
-    counted (``on_failure``) and recorded on the call's span — unless the call is strict; caller
-    errors (InvalidArgumentError) and strict failures propagate. The span, when tracing is on,
-    is entered and ended here."""
+    A failure of the cache (a KVPoolError; any other error is made one by ``typed``, when
+    given) leaves ``value`` at the call's neutral answer — counted (``on_failure``) and recorded
+    on the call's span — unless the call is strict; caller errors (InvalidArgumentError) and
+    strict failures propagate. The span (``kvpool.<op>``, when tracing and ``span_keys`` is
+    given) is entered and ended here."""
 
-    __slots__ = ("_on_failure", "_on_success", "_span", "_strict", "_token", "value")
+    __slots__ = (
+        "_on_failure",
+        "_on_success",
+        "_op",
+        "_span",
+        "_strict",
+        "_token",
+        "_typed",
+        "value",
+    )
 
     def __init__(
         self,
+        op: str,
         neutral: Any,
         strict: bool,
+        *,
+        typed: Callable[[str, Exception], KVPoolError] | None = None,
         on_failure: Callable[[KVPoolError, Any], None] | None = None,
-        span: tuple[str, int] | None = None,  # (op, keys): a span kvpool.<op>, when tracing
+        span_keys: int | None = None,
         on_success: Callable[[Any, Any], None] | None = None,
     ) -> None:
         self.value = neutral
+        self._op = op
         self._strict = strict
+        self._typed = typed
         self._on_failure = on_failure
         self._on_success = on_success
         self._span: Any = None
         self._token: object = None
-        if span is not None and tracing.STATE.enabled:
-            op, keys = span
+        if span_keys is not None and tracing.STATE.enabled:
             self._span, self._token = tracing.enter_span(
-                f"kvpool.{op}", kind=SpanKind.CLIENT, attributes={"kvpool.keys": keys}
+                f"kvpool.{op}", kind=SpanKind.CLIENT, attributes={"kvpool.keys": span_keys}
             )
 
     def __enter__(self) -> Attempt:
@@ -290,10 +318,18 @@ class Attempt:
                 if span is not None and self._on_success is not None and span.is_recording():
                     self._on_success(self.value, span)
                 return False
-            if not isinstance(error, KVPoolError) or isinstance(error, InvalidArgumentError):
+            if isinstance(error, KVPoolError):
+                if isinstance(error, InvalidArgumentError):
+                    return False
+                failure = error
+            elif self._typed is not None and isinstance(error, Exception):
+                failure = self._typed(self._op, error)
+            else:
                 return False
             if self._on_failure is not None:
-                self._on_failure(error, span)
+                self._on_failure(failure, span)
+            if self._strict and failure is not error:
+                raise failure from error
             return not self._strict
         finally:
             if span is not None:
@@ -405,12 +441,6 @@ class ClientState:
         return self._stats.snapshot()
 
     @property
-    def read_floor(self) -> int:
-        """The highest index revision this client committed or removed at; lookups ask the
-        master to have applied at least this much (read-your-writes)."""
-        return self.floor.value
-
-    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -443,7 +473,7 @@ class ClientState:
 
     def asking(self, query: Query[Any]) -> Attempt:
         """The failure policy of a :class:`Query`: its neutral answer unless strict."""
-        return Attempt(query.neutral, query.strict)
+        return Attempt(query.op, query.neutral, query.strict, typed=self.call_error)
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -539,7 +569,15 @@ class ClientState:
             if span is not None and span.is_recording():
                 span.set_attributes(read_attributes(None, miss_reason(error)))
 
-        return Attempt(None, call.strict, failed, (call.op, n), _read_done)
+        return Attempt(
+            call.op,
+            None,
+            call.strict,
+            typed=self.call_error,
+            on_failure=failed,
+            span_keys=n,
+            on_success=_read_done,
+        )
 
     def settle(self, item: ReadItem | None, key: str, strict: bool) -> bool:
         """Count a read's outcome; True for a hit. Strict misses raise the typed error."""
@@ -833,16 +871,24 @@ class ClientState:
     def putting(self, items: list[PutItem], strict: bool) -> Attempt:
         """The failure policy of a put: one that failed as a whole counts every item failed
         and leaves ``value`` False (strict: the error)."""
-        return Attempt(False, strict, lambda _e, _span: self._stats.puts(0, len(items)))
+
+        def failed(_error: KVPoolError, _span: Any) -> None:
+            self._stats.puts(0, len(items))
+
+        return Attempt("put", False, strict, typed=self.call_error, on_failure=failed)
 
     def put_results(
         self,
         items: list[PutItem],
         receipts: dict[PutItem, PutReceipt],
         strict: bool,
+        done: bool,
         *,
         single: bool,
     ) -> list[PutReceipt | None]:
+        """Each item's receipt, None where it failed (all None: the put was not ``done``)."""
+        if not done:
+            return [None] * len(items)
         results = [receipts.get(it) if it.committed else None for it in items]
         ok = sum(r is not None for r in results)
         self._stats.puts(ok, len(results) - ok)
@@ -856,10 +902,10 @@ class ClientState:
         receipts: dict[PutItem, PutReceipt],
         deadline: float,
         clock: Callable[[], float],
-    ) -> PutFlow:
+    ) -> Generator[PutStep, CommitOutcomes | None, bool]:
         """:func:`~kvpool.client.ops.put_flow` over this client's placement and commit
-        bookkeeping, for either driver (``clock``: the driver's)."""
-        return put_flow(
+        bookkeeping, for either driver (``clock``: the driver's); True once done."""
+        yield from put_flow(
             self._placement,
             items,
             receipts,
@@ -870,6 +916,7 @@ class ClientState:
             max_commit_entries=MAX_COMMIT_ENTRIES,
             clock=clock,
         )
+        return True
 
     def commit_answered(
         self, staged: list[PutItem], answer: CommitAnswer, receipts: dict[PutItem, PutReceipt]
@@ -894,6 +941,84 @@ class ClientState:
                     self.cache.committed(it.key, committed_entry(it, result), answer.revision)
         deletes, wait = superseded(staged, answer.results, self._placement.member)
         return AfterCommit(refs, deletes, wait)
+
+    # --- the other flows: a master's questions, the membership, a warm-up -----------------
+
+    def ask_flow(
+        self, query: Query[Any], deadline: float, clock: Callable[[], float]
+    ) -> Generator[Step, Any, Any]:
+        """A :class:`Query` asked, and the ones its answers ask for; a :class:`Removed`'s
+        replicas told to drop the bytes (best effort, DELETE_WAIT_S at most)."""
+        step: Any = query
+        while isinstance(step, Query):
+            answer = yield Ask(step.method, step.request, step.leader_only)
+            step = step.answered(answer)
+        if isinstance(step, Removed):
+            if step.refs:
+                yield Delete(step.refs, min(deadline, clock() + DELETE_WAIT_S))
+            return step.value
+        return step
+
+    def members_flow(
+        self, patient: bool, deadline: float, clock: Callable[[], float]
+    ) -> Generator[Step, Any, None]:
+        """A refresh of the membership (the driver's :class:`~kvpool.client.ops.EnsureMembers`,
+        when the placement asks for one; one patient refresh at a time). Not ``patient`` (a
+        read's): one ask, and a failure is no error. ``patient`` (a put's): asked again, of the
+        next master in turn, while the answer names no node; a failure raises only when there
+        is no ring at all."""
+        placement = self._placement
+        if not patient:
+            placement.refresh_tried(clock())
+            try:
+                answer = yield Ask("GetMembers", master_pb2.GetMembersRequest())
+            except KVPoolError:
+                return
+            self.members_answered(answer, clock())
+            return
+        for attempt in range(EMPTY_RING_ASKS):
+            if not placement.needs_refresh():
+                return
+            if attempt:  # an empty ring: ask again
+                left = deadline - clock()
+                if left <= 0:
+                    return
+                yield Pause(min(empty_ring_delay(attempt), left))
+            try:
+                answer = yield Ask("GetMembers", master_pb2.GetMembersRequest())
+            except KVPoolError:
+                if placement.has_ring:
+                    return  # place on the ring we have; the index refuses it if stale
+                raise
+            self.members_answered(answer, clock())
+            if not placement.ring_is_empty():
+                return
+
+    def warm_up_flow(
+        self, nodes: bool, _deadline: float, clock: Callable[[], float]
+    ) -> Generator[Step, Any, WarmUp]:
+        """A warm-up (``warm_up``): the leader asked (lookups and commits go there; its RPC
+        port is found too), then the ring, then (``nodes``) a connection opened to every node.
+        Never fails for the cluster's state: the answer says what could not be opened."""
+        start = clock()
+        try:
+            yield Ask("Lookup", WARM_UP_LOOKUP)
+            answer = yield Ask("GetMembers", master_pb2.GetMembersRequest())
+        except KVPoolError as e:
+            return WarmUp(WarmUp.why(e), {}, clock() - start)
+        self.members_answered(answer, clock())
+        opened: dict[str, str] = (yield Connect(self._placement.members)) if nodes else {}
+        return WarmUp("", opened, clock() - start)
+
+    def warming_up(self) -> Attempt:
+        """The failure policy of a warm-up: every failure raises, typed (its flow answers
+        the cluster's)."""
+        return Attempt("warm_up", None, True, typed=self.call_error)
+
+    def looking_up(self, keys: list[str]) -> Attempt:
+        """Around a Lookup: its span (``kvpool.client.lookup``, when tracing); failures
+        propagate."""
+        return Attempt("client.lookup", None, True, span_keys=len(keys))
 
     def members_answered(self, response: master_pb2.GetMembersResponse, now_s: float) -> None:
         self._placement.update(

@@ -213,7 +213,11 @@ def test_the_async_client_traces_its_gets_too(traced_cluster: tuple[LocalCluster
     root = gets[-1]
     lookup = next(s for s in in_trace if s["name"] == "kvpool.v1.Master/Lookup")
     node_get = next(s for s in in_trace if s["name"] == "kvpool.node.get")
-    assert lookup["parent_id"] == root["span_id"]  # over gRPC: traceparent metadata
+    # The same spans as the synchronous client's: the Lookup under a kvpool.client.lookup
+    # (over gRPC: traceparent metadata), that under the get.
+    asked = next(s for s in in_trace if s["span_id"] == lookup["parent_id"])
+    assert asked["name"] == "kvpool.client.lookup"
+    assert asked["parent_id"] == root["span_id"]
     assert node_get["parent_id"] == root["span_id"]  # over the data plane: the frame header
     assert node_get["attributes"]["kvpool.bytes"] == 2048
 

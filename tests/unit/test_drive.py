@@ -68,3 +68,31 @@ def test_a_flow_with_no_step_answers_at_once() -> None:
         return 7
 
     assert drive(empty([]), lambda step: pytest.fail(f"performed {step}")) == 7
+
+
+def test_a_flow_may_catch_its_steps_failure_and_go_on() -> None:
+    """What a step raised is thrown into the flow at that step, for both drivers."""
+
+    def careful(log: list[object]) -> Generator[str, int, str]:
+        try:
+            yield "a"
+        except TimeoutError as e:
+            log.append(f"caught {e}")
+        answer = yield "b"
+        return f"then {answer}"
+
+    def perform(step: str) -> int:
+        if step == "a":
+            raise TimeoutError("slow")
+        return 2
+
+    log: list[object] = []
+    assert drive(careful(log), perform) == "then 2"
+    assert log == ["caught slow"]
+
+    async def perform_async(step: str) -> int:
+        return perform(step)
+
+    log.clear()
+    assert asyncio.run(drive_async(careful(log), perform_async)) == "then 2"
+    assert log == ["caught slow"]
