@@ -94,11 +94,14 @@ def drive(flow: Generator[S, Any, R], perform: Callable[[S], Any]) -> R:
     answer = failure = None
     while True:
         try:
-            step = flow.send(answer) if failure is None else flow.throw(failure)
+            if failure is None:
+                step = flow.send(answer)
+            else:
+                step, failure = flow.throw(failure), None
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
         try:
-            answer, failure = perform(step), None
+            answer = perform(step)
         except Exception as e:
             failure = e
 
@@ -108,11 +111,14 @@ async def drive_async(flow: Generator[S, Any, R], perform: Callable[[S], Awaitab
     answer = failure = None
     while True:
         try:
-            step = flow.send(answer) if failure is None else flow.throw(failure)
+            if failure is None:
+                step = flow.send(answer)
+            else:
+                step, failure = flow.throw(failure), None
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
         try:
-            answer, failure = await perform(step), None
+            answer = await perform(step)
         except Exception as e:
             failure = e
 

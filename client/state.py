@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -284,12 +285,11 @@ class Attempt:
         "value",
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 - positional: one is built for every call
         self,
         op: str,
         neutral: Any,
         strict: bool,
-        *,
         typed: Callable[[str, Exception], KVPoolError] | None = None,
         on_failure: Callable[[KVPoolError, Any], None] | None = None,
         span_keys: int | None = None,
@@ -334,6 +334,10 @@ class Attempt:
         finally:
             if span is not None:
                 tracing.exit_span(span, self._token)
+
+
+NO_SPAN = nullcontext()
+"""What :meth:`ClientState.looking_up` is when tracing is off (shared: it holds nothing)."""
 
 
 def fresh_bytes(_index: int, _key: str, _size: int) -> tuple[memoryview | Parts | None, bool]:
@@ -473,7 +477,7 @@ class ClientState:
 
     def asking(self, query: Query[Any]) -> Attempt:
         """The failure policy of a :class:`Query`: its neutral answer unless strict."""
-        return Attempt(query.op, query.neutral, query.strict, typed=self.call_error)
+        return Attempt(query.op, query.neutral, query.strict, self.call_error)
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -569,15 +573,7 @@ class ClientState:
             if span is not None and span.is_recording():
                 span.set_attributes(read_attributes(None, miss_reason(error)))
 
-        return Attempt(
-            call.op,
-            None,
-            call.strict,
-            typed=self.call_error,
-            on_failure=failed,
-            span_keys=n,
-            on_success=_read_done,
-        )
+        return Attempt(call.op, None, call.strict, self.call_error, failed, n, _read_done)
 
     def settle(self, item: ReadItem | None, key: str, strict: bool) -> bool:
         """Count a read's outcome; True for a hit. Strict misses raise the typed error."""
@@ -875,7 +871,7 @@ class ClientState:
         def failed(_error: KVPoolError, _span: Any) -> None:
             self._stats.puts(0, len(items))
 
-        return Attempt("put", False, strict, typed=self.call_error, on_failure=failed)
+        return Attempt("put", False, strict, self.call_error, failed)
 
     def put_results(
         self,
@@ -1013,12 +1009,14 @@ class ClientState:
     def warming_up(self) -> Attempt:
         """The failure policy of a warm-up: every failure raises, typed (its flow answers
         the cluster's)."""
-        return Attempt("warm_up", None, True, typed=self.call_error)
+        return Attempt("warm_up", None, True, self.call_error)
 
-    def looking_up(self, keys: list[str]) -> Attempt:
+    def looking_up(self, keys: list[str]) -> AbstractContextManager[Any]:
         """Around a Lookup: its span (``kvpool.client.lookup``, when tracing); failures
         propagate."""
-        return Attempt("client.lookup", None, True, span_keys=len(keys))
+        if tracing.STATE.enabled:
+            return Attempt("client.lookup", None, True, None, None, len(keys))
+        return NO_SPAN
 
     def members_answered(self, response: master_pb2.GetMembersResponse, now_s: float) -> None:
         self._placement.update(

@@ -23,9 +23,7 @@ def typed(op: str, error: Exception) -> KVPoolError:
 
 
 def attempt(strict: bool, failures: list[KVPoolError]) -> Attempt:
-    return Attempt(
-        "get", "neutral", strict, typed=typed, on_failure=lambda e, _span: failures.append(e)
-    )
+    return Attempt("get", "neutral", strict, typed, lambda e, _span: failures.append(e))
 
 
 def test_a_cache_failure_leaves_the_neutral_answer_and_is_counted() -> None:
