@@ -27,6 +27,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
+from kvpool.client import rounds
 from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
 from kvpool.client.links import (
     Dial,
@@ -47,21 +48,6 @@ from kvpool.client.plans import (
     ReadItem,
     ref_rounds,
     refs_by_node,
-)
-from kvpool.client.rounds import (
-    PROBE_WAIT_S,
-    deliverable,
-    next_round,
-    out_of_time,
-    probe_deadline,
-    put_groups,
-    read_failed_node,
-    read_queue,
-    rounds_left,
-    silent_node,
-    still_unread,
-    unreached_puts,
-    unreached_reads,
 )
 from kvpool.client.spans import read_attributes
 from kvpool.client.state import ClientState
@@ -149,15 +135,15 @@ class BlockingDataPlane:
         on_retry: Callable[[int], None] | None = None,
     ) -> None:
         """Read every item from its replicas, in rounds (as the event-loop data plane)."""
-        queue = read_queue(items)
+        queue = rounds.read_queue(items)
         while queue:
             now = time.monotonic()
             if now >= deadline:
-                out_of_time(queue)
+                rounds.out_of_time(queue)
                 return
-            round_deadline = now + (deadline - now) / rounds_left(queue)
+            round_deadline = now + (deadline - now) / rounds.rounds_left(queue)
             sent: list[_Sent] = []
-            by_node = next_round(queue, members, self._sendable)
+            by_node = rounds.next_round(queue, members, self._sendable)
             hedging = self._hedge.worth_it(queue)
             # Opening a connection is not hedged (it blocks this thread): with another replica
             # to go to, it may take only the hedge delay.
@@ -192,7 +178,7 @@ class BlockingDataPlane:
             else:
                 for entry in sent:
                     self._finish_entry(entry, round_deadline)
-            queue = still_unread(queue, on_retry)
+            queue = rounds.still_unread(queue, on_retry)
 
     def _finish_entry(self, entry: _Sent, deadline: float) -> None:
         conn, plan, node, span = entry
@@ -243,7 +229,7 @@ class BlockingDataPlane:
         slow = [entry for entry, _ in waiting.values()]
         hedge = Hedge(it for e in slow for it in e[1].items)
         busy = {e[1].address for e in slow}  # asked already: a hedge there would wait too
-        groups = next_round(hedge.clones, members, self._sendable)
+        groups = rounds.next_round(hedge.clones, members, self._sendable)
         for address in busy & groups.keys():
             clones, _member = groups.pop(address)
             hedge.forget(clones)
@@ -252,7 +238,7 @@ class BlockingDataPlane:
             for e in slow:
                 self._on_node_slow(e[2].member_id)
             now = time.monotonic()
-            hedge_deadline = now + (deadline - now) / (rounds_left(hedge.clones) + 1)
+            hedge_deadline = now + (deadline - now) / (rounds.rounds_left(hedge.clones) + 1)
             for address, (clones, member) in groups.items():
                 started = self._send_reads(address, clones, member, hedge_deadline)
                 if started is None:
@@ -298,15 +284,15 @@ class BlockingDataPlane:
         *,
         connect_by: float | None = None,
     ) -> tuple[BlockingConnection, NodeRead, MemberInfo] | None:
-        held = self._probing(member.member_id)  # a probe: PROBE_WAIT_S at most
+        held = self._probing(member.member_id)  # a probe: rounds.PROBE_WAIT_S at most
         if held:
-            deadline = min(deadline, time.monotonic() + PROBE_WAIT_S)
+            deadline = min(deadline, time.monotonic() + rounds.PROBE_WAIT_S)
             if connect_by is not None:
                 connect_by = min(connect_by, deadline)
         try:
             conn = self.connection(address, deadline if connect_by is None else connect_by)
         except KVPoolError as e:
-            unreached_reads(group, e)
+            rounds.unreached_reads(group, e)
             if isinstance(e, DeadlineExceededError) and connect_by is not None:
                 self._on_node_slow(member.member_id)
             else:
@@ -328,7 +314,7 @@ class BlockingDataPlane:
     ) -> None:
         held = self._probing(member.member_id)
         if held:
-            deadline = min(deadline, plan.sent_at + PROBE_WAIT_S)
+            deadline = min(deadline, plan.sent_at + rounds.PROBE_WAIT_S)
         try:
             conn.receive(plan.calls, deadline, poll_s=self._poll_s)
         except KVPoolError as e:
@@ -361,7 +347,7 @@ class BlockingDataPlane:
         self.discard(address, conn)
         plan.fail_all(error)
         waited_s = time.monotonic() - plan.sent_at
-        if read_failed_node(error, plan.calls, waited_s):
+        if rounds.read_failed_node(error, plan.calls, waited_s):
             self._on_node_failed(member.member_id)
 
     # --- writes ---------------------------------------------------------------------------
@@ -369,14 +355,14 @@ class BlockingDataPlane:
     def stage(self, items: list[PutItem], deadline: float) -> None:
         """PUT every item to each of its targets (all nodes at once)."""
         sent: list[tuple[BlockingConnection, NodeStage, float, float]] = []
-        for address, group in put_groups(items, deadline - time.monotonic()).items():
+        for address, group in rounds.put_groups(items, deadline - time.monotonic()).items():
             member_id = group[0][1].member_id
             started = time.monotonic()
-            by = probe_deadline(deadline, started, member_id, self._probing)
+            by = rounds.probe_deadline(deadline, started, member_id, self._probing)
             try:
                 conn = self.connection(address, by)
             except KVPoolError as e:
-                unreached_puts(group, e)
+                rounds.unreached_puts(group, e)
                 self._on_node_failed(member_id)
                 continue
             plan = NodeStage(address, group, conn_arena(conn))
@@ -394,7 +380,7 @@ class BlockingDataPlane:
             except KVPoolError as e:
                 self.discard(plan.address, conn)
                 plan.fail_all(e, self._on_node_failed)
-                if silent_node(e, plan.calls, time.monotonic() - started):
+                if rounds.silent_node(e, plan.calls, time.monotonic() - started):
                     self._on_node_failed(plan.group[0][1].member_id)
                 continue
             if self._probing(plan.group[0][1].member_id):
@@ -417,7 +403,7 @@ class BlockingDataPlane:
         until the node's check with the index answers it. A DELETE skips the nodes held back
         (:func:`~kvpool.client.rounds.deliverable`): it is best effort, and a stopped node
         would make the caller wait for it."""
-        groups = refs_by_node(deliverable(op, refs, self._probing))
+        groups = refs_by_node(rounds.deliverable(op, refs, self._probing))
         sent = []
         for address, group in groups.items():
             posted, awaited = ref_rounds(op, group, wait)

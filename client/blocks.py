@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 from kvpool import tracing
+from kvpool.client import rounds
 from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
 from kvpool.client.links import (
     Dial,
@@ -49,20 +50,6 @@ from kvpool.client.plans import (
     ref_calls,
     ref_rounds,
     refs_by_node,
-)
-from kvpool.client.rounds import (
-    deliverable,
-    next_round,
-    out_of_time,
-    probe_deadline,
-    put_groups,
-    read_failed_node,
-    read_queue,
-    rounds_left,
-    silent_node,
-    still_unread,
-    unreached_puts,
-    unreached_reads,
 )
 from kvpool.errors import (
     KVPoolError,
@@ -172,21 +159,21 @@ class DataPlane:
         """Read every item from its replicas, in rounds, until read, out of replicas, or out of
         time. Sets ``item.ok`` or records why each replica failed."""
         loop = asyncio.get_running_loop()
-        queue = read_queue(items)
+        queue = rounds.read_queue(items)
         while queue:
             remaining = deadline - loop.time()
             if remaining <= 0:
-                out_of_time(queue)
+                rounds.out_of_time(queue)
                 return
-            timeout_s = remaining / rounds_left(queue)
-            groups = next_round(queue, members, self._sendable)
+            timeout_s = remaining / rounds.rounds_left(queue)
+            groups = rounds.next_round(queue, members, self._sendable)
             if len(groups) and self._hedge.worth_it(queue):
                 await self._hedged_round(groups, members, deadline, timeout_s)
             else:
                 await asyncio.gather(
                     *(self._read_group(a, g, m, timeout_s) for a, (g, m) in groups.items())
                 )
-            queue = still_unread(queue, on_retry)
+            queue = rounds.still_unread(queue, on_retry)
 
     async def _hedged_round(
         self,
@@ -211,9 +198,9 @@ class DataPlane:
             return
         first_of = {id(it): task for task in slow for it in first[task][0]}
         clones = hedge.clones
-        hedge_timeout_s = max(0.0, deadline - loop.time()) / rounds_left(clones)
+        hedge_timeout_s = max(0.0, deadline - loop.time()) / rounds.rounds_left(clones)
         second: dict[int, asyncio.Task[None]] = {}
-        for a, (g, m) in next_round(clones, members, self._sendable).items():
+        for a, (g, m) in rounds.next_round(clones, members, self._sendable).items():
             task = asyncio.ensure_future(self._read_group(a, g, m, hedge_timeout_s))
             for clone in g:
                 second[id(clone)] = task
@@ -259,10 +246,10 @@ class DataPlane:
     ) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        deadline = probe_deadline(now + timeout_s, now, member.member_id, self._probing)
+        deadline = rounds.probe_deadline(now + timeout_s, now, member.member_id, self._probing)
         conn = await self._connect(address, member, deadline - now)
         if isinstance(conn, KVPoolError):
-            unreached_reads(items, conn)
+            rounds.unreached_reads(items, conn)
             return
         plan = node_read(address, items, conn)
         if not plan.calls:  # all read through the node's shared directory
@@ -273,7 +260,7 @@ class DataPlane:
         except KVPoolError as e:
             plan.fail_all(e)
             waited_s = loop.time() - plan.sent_at
-            if read_failed_node(e, plan.calls, waited_s):
+            if rounds.read_failed_node(e, plan.calls, waited_s):
                 self._on_node_failed(member.member_id)
             return
         self._on_node_answered(member.member_id)
@@ -294,7 +281,7 @@ class DataPlane:
     async def stage(self, items: list[PutItem], deadline: float) -> None:
         """PUT every item to each of its targets at once; ``item.acked`` lists the members
         that staged it, ``item.error`` the last failure."""
-        groups = put_groups(items, deadline - asyncio.get_running_loop().time())
+        groups = rounds.put_groups(items, deadline - asyncio.get_running_loop().time())
         await asyncio.gather(
             *(self._stage_group(address, g, deadline) for address, g in groups.items())
         )
@@ -304,17 +291,17 @@ class DataPlane:
     ) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        deadline = probe_deadline(deadline, now, group[0][1].member_id, self._probing)
+        deadline = rounds.probe_deadline(deadline, now, group[0][1].member_id, self._probing)
         conn = await self._connect(address, group[0][1], deadline - now)
         if isinstance(conn, KVPoolError):
-            unreached_puts(group, conn)
+            rounds.unreached_puts(group, conn)
             return
         plan = NodeStage(address, group, conn_arena(conn))
         try:
             await conn.exchange(plan.all_calls(), deadline - loop.time())
         except KVPoolError as e:
             plan.fail_all(e, self._on_node_failed)
-            if silent_node(e, plan.calls, loop.time() - now):
+            if rounds.silent_node(e, plan.calls, loop.time() - now):
                 self._on_node_failed(group[0][1].member_id)
             return
         self._on_node_answered(group[0][1].member_id)
@@ -358,7 +345,7 @@ class DataPlane:
         timeout_s = deadline - loop.time()
         if timeout_s <= 0:
             return
-        groups = refs_by_node(deliverable(op, refs, self._probing))
+        groups = refs_by_node(rounds.deliverable(op, refs, self._probing))
 
         async def group(address: str, group_refs: list[BlockRef]) -> None:
             posted, awaited = ref_rounds(op, group_refs, wait=True)

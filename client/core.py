@@ -312,10 +312,10 @@ class ClientCore(ClientState):
             deadline = loop.time() + (self.config.timeout_s if timeout_s is None else timeout_s)
             async with asyncio.timeout_at(deadline + DEADLINE_SLACK_S):
                 flow = flow_of(deadline, loop.time)
-                attempt.value = await drive_async(flow, partial(self._perform, deadline=deadline))
+                attempt.value = await drive_async(flow, partial(self._perform, deadline))
         return attempt.value
 
-    async def _perform(self, step: Step, deadline: float) -> Any:
+    async def _perform(self, deadline: float, step: Step) -> Any:
         """Carry out one step of a flow (:mod:`~kvpool.client.ops`) on the event loop (a
         commit's chunks at once)."""
         if isinstance(step, Read):
@@ -344,7 +344,7 @@ class ClientCore(ClientState):
             if self._placement.needs_refresh():
                 flow = self.members_flow(step.patient, deadline, asyncio.get_running_loop().time)
                 async with self._members_lock if step.patient else nullcontext():
-                    await drive_async(flow, partial(self._perform, deadline=deadline))
+                    await drive_async(flow, partial(self._perform, deadline))
         elif isinstance(step, Pause):
             await asyncio.sleep(step.seconds)
         else:

@@ -290,10 +290,10 @@ class SyncPath(ClientState):
             timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
             deadline = time.monotonic() + timeout_s
             flow = flow_of(deadline, time.monotonic)
-            attempt.value = drive(flow, partial(self._perform, deadline=deadline))
+            attempt.value = drive(flow, partial(self._perform, deadline))
         return attempt.value
 
-    def _perform(self, step: Step, deadline: float) -> Any:
+    def _perform(self, deadline: float, step: Step) -> Any:
         """Carry out one step of a flow (:mod:`~kvpool.client.ops`) in this thread."""
         if isinstance(step, Read):
             live = partial(self.member, live=step.live)
@@ -321,7 +321,7 @@ class SyncPath(ClientState):
             if self._placement.needs_refresh():
                 flow = self.members_flow(step.patient, deadline, time.monotonic)
                 with self._members_lock if step.patient else nullcontext():
-                    drive(flow, partial(self._perform, deadline=deadline))
+                    drive(flow, partial(self._perform, deadline))
         elif isinstance(step, Pause):
             time.sleep(step.seconds)
         else:
