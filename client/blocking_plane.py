@@ -27,17 +27,8 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
-from kvpool.client import rounds
+from kvpool.client import links, rounds
 from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
-from kvpool.client.links import (
-    Dial,
-    NodeOffer,
-    conn_arena,
-    hello_call,
-    node_read,
-    open_flow,
-    read_hello,
-)
 from kvpool.client.ops import drive
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
@@ -113,12 +104,12 @@ class BlockingDataPlane:
         """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says, in
         ``timeout_s`` for all its steps."""
         dial = partial(self._dial, deadline=time.monotonic() + timeout_s)
-        conn: BlockingConnection = drive(open_flow(self._links, address), dial)
+        conn: BlockingConnection = drive(links.open_flow(self._links, address), dial)
         return conn
 
     def _dial(
-        self, dial: Dial, deadline: float
-    ) -> BlockingConnection | tuple[BlockingConnection, NodeOffer] | KVPoolError:
+        self, dial: links.Dial, deadline: float
+    ) -> BlockingConnection | tuple[BlockingConnection, links.NodeOffer] | KVPoolError:
         try:
             conn = open_blocking(dial.address, time_left(deadline), self._token)
             return (conn, _hello(conn, time_left(deadline))) if dial.hello else conn
@@ -298,7 +289,7 @@ class BlockingDataPlane:
             else:
                 self._on_node_failed(member.member_id)
             return None
-        plan = node_read(address, group, conn)
+        plan = links.node_read(address, group, conn)
         if not plan.calls:  # all read through the node's shared directory
             return None
         plan.sent_at = time.monotonic()
@@ -365,7 +356,7 @@ class BlockingDataPlane:
                 rounds.unreached_puts(group, e)
                 self._on_node_failed(member_id)
                 continue
-            plan = NodeStage(address, group, conn_arena(conn))
+            plan = NodeStage(address, group, links.conn_arena(conn))
             try:
                 for calls in plan.chunks():
                     conn.send(calls, by)
@@ -444,11 +435,11 @@ def _serve(
             finish(fd)
 
 
-def _hello(conn: BlockingConnection, timeout_s: float) -> NodeOffer:
-    call = hello_call()
+def _hello(conn: BlockingConnection, timeout_s: float) -> links.NodeOffer:
+    call = links.hello_call()
     try:
         conn.exchange([call], time.monotonic() + timeout_s)
     except KVPoolError:
         conn.close()
         raise
-    return read_hello(call, conn.sockname, conn.peername)
+    return links.read_hello(call, conn.sockname, conn.peername)

@@ -26,18 +26,9 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 from kvpool import tracing
-from kvpool.client import rounds
+from kvpool.client import links, rounds
 from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
-from kvpool.client.links import (
-    Dial,
-    Links,
-    NodeOffer,
-    conn_arena,
-    hello_call,
-    node_read,
-    open_flow,
-    read_hello,
-)
+from kvpool.client.links import Links
 from kvpool.client.ops import drive_async
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
@@ -121,12 +112,12 @@ class DataPlane:
         """A connection to ``address``, made as :func:`~kvpool.client.links.open_flow` says, in
         ``timeout_s`` for all its steps."""
         dial = partial(self._dial, deadline=time.monotonic() + timeout_s)
-        conn: FrameConnection = await drive_async(open_flow(self._links, address), dial)
+        conn: FrameConnection = await drive_async(links.open_flow(self._links, address), dial)
         return conn
 
     async def _dial(
-        self, dial: Dial, deadline: float
-    ) -> FrameConnection | tuple[FrameConnection, NodeOffer] | KVPoolError:
+        self, dial: links.Dial, deadline: float
+    ) -> FrameConnection | tuple[FrameConnection, links.NodeOffer] | KVPoolError:
         try:
             conn = await open_connection(dial.address, time_left(deadline), self._token)
             return (conn, await _hello(conn, time_left(deadline))) if dial.hello else conn
@@ -136,7 +127,7 @@ class DataPlane:
     async def connect(self, address: str, timeout_s: float) -> Arena | None:
         """Open the pool's connections to ``address`` now (a warm-up's); the node's shared
         memory when they use it."""
-        return conn_arena(await self._pool.fill(address, timeout_s=timeout_s))
+        return links.conn_arena(await self._pool.fill(address, timeout_s=timeout_s))
 
     async def _connect(
         self, address: str, member: MemberInfo, timeout_s: float
@@ -251,7 +242,7 @@ class DataPlane:
         if isinstance(conn, KVPoolError):
             rounds.unreached_reads(items, conn)
             return
-        plan = node_read(address, items, conn)
+        plan = links.node_read(address, items, conn)
         if not plan.calls:  # all read through the node's shared directory
             return
         plan.sent_at = loop.time()
@@ -296,7 +287,7 @@ class DataPlane:
         if isinstance(conn, KVPoolError):
             rounds.unreached_puts(group, conn)
             return
-        plan = NodeStage(address, group, conn_arena(conn))
+        plan = NodeStage(address, group, links.conn_arena(conn))
         try:
             await conn.exchange(plan.all_calls(), deadline - loop.time())
         except KVPoolError as e:
@@ -359,8 +350,8 @@ class DataPlane:
         await asyncio.gather(*(group(a, g) for a, g in groups.items()))
 
 
-async def _hello(conn: FrameConnection, timeout_s: float) -> NodeOffer:
-    call = hello_call()
+async def _hello(conn: FrameConnection, timeout_s: float) -> links.NodeOffer:
+    call = links.hello_call()
     try:
         await conn.exchange([call], timeout_s)
     except KVPoolError:
@@ -369,4 +360,4 @@ async def _hello(conn: FrameConnection, timeout_s: float) -> NodeOffer:
     stream = conn.stream
     if stream is None:
         raise UnavailableError(f"{conn.address}: connection closed")
-    return read_hello(call, stream.sockname, stream.peername)
+    return links.read_hello(call, stream.sockname, stream.peername)

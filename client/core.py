@@ -17,28 +17,16 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Any, TypeVar
 
+from kvpool.client import ops
 from kvpool.client import state as state_module
 from kvpool.client.blocks import DataPlane, PutItem
 from kvpool.client.commits import AsyncCommitter, CommitAnswer, PutReceipt, put_entries
-from kvpool.client.ops import (
-    Ask,
-    Commit,
-    Delete,
-    EnsureMembers,
-    Lookup,
-    Pause,
-    Publish,
-    Read,
-    Stage,
-    Step,
-    drive_async,
-)
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import BlockLocation
 from kvpool.client.state import Attempt, ClientState, Query, ReadCall, WarmUp
 from kvpool.client.values import BytesLike, Into, PutItems, Value
 from kvpool.config import ClientConfig
-from kvpool.errors import KVPoolError, UnavailableError
+from kvpool.errors import KVPoolError
 from kvpool.mastercall import MasterClient
 from kvpool.proto.v1 import master_pb2
 from kvpool.transports.tcp import ConnectionPool
@@ -298,54 +286,51 @@ class ClientCore(ClientState):
 
     async def _carry(
         self,
-        flow_of: Callable[[float, Callable[[], float]], Generator[Step, Any, Any]],
+        flow_of: Callable[[float, Callable[[], float]], Generator[ops.Step, Any, Any]],
         attempt: Attempt,
         timeout_s: float | None = None,
     ) -> Any:
-        """Drive the flow ``flow_of(deadline, clock)`` under the call's deadline (``timeout_s``,
-        else the client's) and failure policy (``attempt``: every failure typed): its answer, or
-        the neutral one."""
+        """:meth:`SyncPath._carry <kvpool.client.fastpath.SyncPath._carry>` on the event loop,
+        where a guard also cancels what still runs DEADLINE_SLACK_S after the deadline."""
+        loop = asyncio.get_running_loop()
         with attempt:
-            if self._closed:
-                raise UnavailableError("this kvpool client is closed")
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + (self.config.timeout_s if timeout_s is None else timeout_s)
+            deadline = self.call_deadline(loop.time(), timeout_s)
             async with asyncio.timeout_at(deadline + DEADLINE_SLACK_S):
-                flow = flow_of(deadline, loop.time)
-                attempt.value = await drive_async(flow, partial(self._perform, deadline))
+                perform = partial(self._perform, deadline)
+                attempt.value = await ops.drive_async(flow_of(deadline, loop.time), perform)
         return attempt.value
 
-    async def _perform(self, deadline: float, step: Step) -> Any:
+    async def _perform(self, deadline: float, step: ops.Step) -> Any:
         """Carry out one step of a flow (:mod:`~kvpool.client.ops`) on the event loop (a
         commit's chunks at once)."""
-        if isinstance(step, Read):
+        if isinstance(step, ops.Read):
             live = partial(self.member, live=step.live)
             await self._data.read(step.items, live, deadline, on_retry=self._stats.replica_retries)
-        elif isinstance(step, Lookup):
+        elif isinstance(step, ops.Lookup):
             with self.looking_up(step.keys):
                 request = self.lookup_request(step.keys)
                 answer = await self._masters.call("Lookup", request, deadline=deadline)
             self.lookup_answered(step.keys, answer)
             return answer
-        elif isinstance(step, Stage):
+        elif isinstance(step, ops.Stage):
             await self._data.stage(step.items, step.deadline)
-        elif isinstance(step, Commit):
+        elif isinstance(step, ops.Commit):
             return await self._commit_chunks(step.chunks, step.ring_version, deadline)
-        elif isinstance(step, Publish):
+        elif isinstance(step, ops.Publish):
             await self._data.publish(step.refs, deadline, wait=step.wait)
-        elif isinstance(step, Delete):
+        elif isinstance(step, ops.Delete):
             await self._data.delete(step.refs, step.deadline)
-        elif isinstance(step, Ask):
+        elif isinstance(step, ops.Ask):
             leader_only = step.leader_only
             return await self._masters.call(
                 step.method, step.request, deadline=deadline, leader_only=leader_only
             )
-        elif isinstance(step, EnsureMembers):
+        elif isinstance(step, ops.EnsureMembers):
             if self._placement.needs_refresh():
                 flow = self.members_flow(step.patient, deadline, asyncio.get_running_loop().time)
                 async with self._members_lock if step.patient else nullcontext():
-                    await drive_async(flow, partial(self._perform, deadline))
-        elif isinstance(step, Pause):
+                    await ops.drive_async(flow, partial(self._perform, deadline))
+        elif isinstance(step, ops.Pause):
             await asyncio.sleep(step.seconds)
         else:
             return await self._connect(step.members, deadline)

@@ -25,29 +25,17 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Any, TypeVar
 
+from kvpool.client import ops
 from kvpool.client import state as state_module
 from kvpool.client.blocking_plane import BlockingDataPlane
 from kvpool.client.commits import CommitAnswer, PutReceipt, SyncCommitter, put_entries
 from kvpool.client.links import conn_arena
-from kvpool.client.ops import (
-    Ask,
-    Commit,
-    Delete,
-    EnsureMembers,
-    Lookup,
-    Pause,
-    Publish,
-    Read,
-    Stage,
-    Step,
-    drive,
-)
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import BlockLocation, PutItem
 from kvpool.client.state import Attempt, ClientState, Query, ReadCall, WarmUp
 from kvpool.client.values import BytesLike, Into, PutItems, Value
 from kvpool.config import ClientConfig
-from kvpool.errors import KVPoolError, UnavailableError
+from kvpool.errors import KVPoolError
 from kvpool.mastercall import SyncMasterClient
 from kvpool.proto.v1 import master_pb2
 from kvpool.proto.wire import Op
@@ -277,52 +265,49 @@ class SyncPath(ClientState):
 
     def _carry(
         self,
-        flow_of: Callable[[float, Callable[[], float]], Generator[Step, Any, Any]],
+        flow_of: Callable[[float, Callable[[], float]], Generator[ops.Step, Any, Any]],
         attempt: Attempt,
         timeout_s: float | None = None,
     ) -> Any:
-        """Drive the flow ``flow_of(deadline, clock)`` under the call's deadline (``timeout_s``,
-        else the client's) and failure policy (``attempt``: every failure typed): its answer, or
-        the neutral one."""
+        """Drive the flow ``flow_of(deadline, clock)`` in this thread under the call's deadline
+        (``timeout_s``, else the client's) and failure policy (``attempt``, which types every
+        failure): its answer, or the neutral one."""
         with attempt:
-            if self._closed:
-                raise UnavailableError("this kvpool client is closed")
-            timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
-            deadline = time.monotonic() + timeout_s
+            deadline = self.call_deadline(time.monotonic(), timeout_s)
             flow = flow_of(deadline, time.monotonic)
-            attempt.value = drive(flow, partial(self._perform, deadline))
+            attempt.value = ops.drive(flow, partial(self._perform, deadline))
         return attempt.value
 
-    def _perform(self, deadline: float, step: Step) -> Any:
+    def _perform(self, deadline: float, step: ops.Step) -> Any:
         """Carry out one step of a flow (:mod:`~kvpool.client.ops`) in this thread."""
-        if isinstance(step, Read):
+        if isinstance(step, ops.Read):
             live = partial(self.member, live=step.live)
             self._data.read(step.items, live, deadline, on_retry=self._stats.replica_retries)
-        elif isinstance(step, Lookup):
+        elif isinstance(step, ops.Lookup):
             with self.looking_up(step.keys):
                 request = self.lookup_request(step.keys)
                 answer = self._masters.call("Lookup", request, deadline=deadline)
             self.lookup_answered(step.keys, answer)
             return answer
-        elif isinstance(step, Stage):
+        elif isinstance(step, ops.Stage):
             self._data.stage(step.items, step.deadline)
-        elif isinstance(step, Commit):
+        elif isinstance(step, ops.Commit):
             return self._commit_chunks(step.chunks, step.ring_version, deadline)
-        elif isinstance(step, Publish):
+        elif isinstance(step, ops.Publish):
             self._data.send_refs(Op.PUBLISH, step.refs, deadline, wait=step.wait)
-        elif isinstance(step, Delete):
+        elif isinstance(step, ops.Delete):
             self._data.send_refs(Op.DELETE, step.refs, step.deadline)
-        elif isinstance(step, Ask):
+        elif isinstance(step, ops.Ask):
             leader_only = step.leader_only
             return self._masters.call(
                 step.method, step.request, deadline=deadline, leader_only=leader_only
             )
-        elif isinstance(step, EnsureMembers):
+        elif isinstance(step, ops.EnsureMembers):
             if self._placement.needs_refresh():
                 flow = self.members_flow(step.patient, deadline, time.monotonic)
                 with self._members_lock if step.patient else nullcontext():
-                    drive(flow, partial(self._perform, deadline))
-        elif isinstance(step, Pause):
+                    ops.drive(flow, partial(self._perform, deadline))
+        elif isinstance(step, ops.Pause):
             time.sleep(step.seconds)
         else:
             return self._connect(step.members, deadline)

@@ -464,6 +464,13 @@ class ClientState:
             raise UnavailableError("this kvpool client is closed")
         return self.strict if strict is None else bool(strict)
 
+    def call_deadline(self, now: float, timeout_s: float | None = None) -> float:
+        """When a call starting ``now`` must be done (``timeout_s``, else the client's);
+        UnavailableError on a closed client."""
+        if self._closed:
+            raise UnavailableError("this kvpool client is closed")
+        return now + (self.config.timeout_s if timeout_s is None else timeout_s)
+
     def call_error(self, op: str, error: Exception) -> KVPoolError:
         """The typed error for what a call under its deadline raised."""
         if isinstance(error, KVPoolError):
