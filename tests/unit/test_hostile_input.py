@@ -749,7 +749,10 @@ def test_a_grpc_server_holds_at_most_max_connections() -> None:
                 s.close()
             async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
                 health = health_pb2_grpc.HealthStub(channel)
-                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                # The server may see the closes after the channel's first connection (then shut
+                # at once, as over the limit): the channel tries again, and the call waits.
+                request = health_pb2.HealthCheckRequest()
+                reply = await health.Check(request, timeout=10, wait_for_ready=True)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
         finally:
             await handle.stop(0)
