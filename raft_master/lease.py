@@ -19,6 +19,13 @@ The protocol, as extra message types on PySyncObj's own authenticated transport:
     without changing any term. A master grants it only if it is not the leader, holds no
     promise (it has not heard from a leader for ``promise_s``) and the asker's log is at least
     as up to date as its own. Only with a majority of grants does the real election start.
+``kvpool_prevote_refused`` (a master already at or past the asked term → the asker)
+    Carries the refuser's term; an asker behind it takes that term as a follower (Raft's rule
+    for any higher term seen; etcd does the same on a refused pre-vote), so its next round asks
+    for a term the refuser can grant. Without it a master stuck at a higher term — a candidate
+    that cannot win, its log behind — refused every pre-vote of the master that could win,
+    whose term never moved: no leader until the group changed (a cut-off leader's majority
+    stayed leaderless in ``tests/chaos/test_harness.py``).
 
 The lease: the leader holds it while a majority of the group (the leader included) acknowledged
 leases sent at or after ``now - lease_s``. Why that is enough: a new leader needs votes from a
@@ -57,6 +64,7 @@ LEASE = "kvpool_lease"
 LEASE_ACK = "kvpool_lease_ack"
 PREVOTE = "kvpool_prevote"
 PREVOTE_ACK = "kvpool_prevote_ack"
+PREVOTE_REFUSED = "kvpool_prevote_refused"
 _KEEP_SENT = 64  # lease sends remembered per term: acknowledgements of older ones are ignored
 
 # PySyncObj's raft states (pysyncobj.syncobj._RAFT_STATE)
@@ -178,6 +186,19 @@ def grant_pre_vote(
     return log_at_least_as_new(their_last_term, their_last_index, my_last_term, my_last_index)
 
 
+def refusal_term(my_term: int, their_term: int) -> int | None:
+    """What a master that refused a pre-vote tells the asker: its own term when it is at or
+    past the asked one (the asker is behind: it takes the term, see the module doc), else
+    nothing."""
+    return my_term if my_term >= their_term else None
+
+
+def takes_term(state: int, my_term: int, refused_at: int) -> bool:
+    """Whether a would-be candidate takes the term a refusal named: any higher term, unless it
+    leads (a leader hears of higher terms from its followers' answers, as PySyncObj does)."""
+    return state != LEADER and refused_at > my_term
+
+
 class PreVoteRound:
     """One would-be candidate's round of pre-votes for ``term``."""
 
@@ -244,6 +265,7 @@ class LeasedSyncObj(CommitQuietSyncObj):
         self._lease_state = (-1, -1)  # (role, term) the lease was reset for
         self.prevotes_started = 0
         self.votes_refused = 0
+        self.terms_taken = 0  # from refused pre-votes
         super().__init__(self_node, others, **kwargs)
 
     # read by other threads
@@ -333,6 +355,8 @@ class LeasedSyncObj(CommitQuietSyncObj):
             self._on_prevote(node, message)
         elif kind == PREVOTE_ACK:
             self._on_prevote_ack(node, message)
+        elif kind == PREVOTE_REFUSED:
+            self._on_prevote_refused(message)
         elif kind == "request_vote" and self.promise.binding(self._lease_clock()):
             self.votes_refused += 1  # promised: no term change, no vote
         else:
@@ -368,6 +392,21 @@ class LeasedSyncObj(CommitQuietSyncObj):
         )
         if granted:
             self._SyncObj__transport.send(node, {"type": PREVOTE_ACK, "term": message["term"]})
+        else:
+            term = refusal_term(self._SyncObj__raftCurrentTerm, int(message["term"]))
+            if term is not None:
+                self._SyncObj__transport.send(node, {"type": PREVOTE_REFUSED, "term": term})
+
+    def _on_prevote_refused(self, message: dict[str, Any]) -> None:
+        """A master at a higher term refused our pre-vote: take its term, as a follower."""
+        term = int(message["term"])
+        if not takes_term(self._SyncObj__raftState, self._SyncObj__raftCurrentTerm, term):
+            return
+        self._prevote = None
+        self.terms_taken += 1
+        self._SyncObj__setCurrentTerm(term, None)
+        self._SyncObj__setState(FOLLOWER)
+        self._SyncObj__raftLeader = None
 
     def _on_prevote_ack(self, node: Any, message: dict[str, Any]) -> None:
         round_ = self._prevote
@@ -402,6 +441,8 @@ _METHODS = (
     "_SyncObj__generateRaftTimeout",
     "_SyncObj__getCurrentLogIndex",
     "_SyncObj__getCurrentLogTerm",
+    "_SyncObj__setCurrentTerm",
+    "_SyncObj__setState",
 )
 
 

@@ -20,6 +20,8 @@ from kvpool.raft_master.lease import (
     log_at_least_as_new,
     missing_internals,
     quorum,
+    refusal_term,
+    takes_term,
 )
 
 
@@ -136,6 +138,63 @@ def test_pre_votes_are_granted_only_without_a_leader_and_to_a_log_as_new() -> No
     assert not pre_vote(their_term=4)  # not ahead of this master's term
     assert not pre_vote(their_last_index=9)
     assert not pre_vote(their_last_term=3, their_last_index=50)
+
+
+def test_a_master_stuck_at_a_higher_term_no_longer_blocks_the_one_that_can_win() -> None:
+    """Three masters, the leader cut off. The other two: A, a candidate at term 2 whose log is
+    behind (it never caught up), and B, a follower still at term 1 with the whole log. A cannot
+    win (B refuses a log older than its own); B asks for term 2, which A, already there,
+    refuses. Told A's term, B takes it, asks for term 3 and is granted: a leader again."""
+    a_term, a_log = 2, (1, 1)  # term, (last log term, last log index)
+    b_term, b_log = 1, (1, 6)
+    # B's pre-vote for term 2: refused by A (not ahead of A's term), with A's term.
+    asked = b_term + 1
+    assert not pre_vote(
+        state=CANDIDATE,
+        my_term=a_term,
+        their_term=asked,
+        their_last_term=b_log[0],
+        their_last_index=b_log[1],
+        my_last_term=a_log[0],
+        my_last_index=a_log[1],
+    )
+    told = refusal_term(a_term, asked)
+    assert told == 2
+    assert takes_term(FOLLOWER, b_term, told)
+    b_term = told
+    # B's next round, for term 3: granted by A; with B's own, a majority of three.
+    asked = b_term + 1
+    assert pre_vote(
+        state=CANDIDATE,
+        my_term=a_term,
+        their_term=asked,
+        their_last_term=b_log[0],
+        their_last_index=b_log[1],
+        my_last_term=a_log[0],
+        my_last_index=a_log[1],
+    )
+    assert PreVoteRound(term=asked, group_size=3).grant("A", term=asked)
+    # And A's own pre-votes stay refused by B (its log is behind), with nothing to tell it.
+    assert not pre_vote(
+        state=FOLLOWER,
+        my_term=b_term,
+        their_term=a_term + 1,
+        their_last_term=a_log[0],
+        their_last_index=a_log[1],
+        my_last_term=b_log[0],
+        my_last_index=b_log[1],
+    )
+    assert refusal_term(b_term, a_term + 1) is None
+
+
+def test_only_a_term_ahead_is_told_and_taken() -> None:
+    assert refusal_term(my_term=5, their_term=5) == 5  # already there: the asker is behind
+    assert refusal_term(my_term=7, their_term=5) == 7
+    assert refusal_term(my_term=4, their_term=5) is None  # refused for another reason
+    assert takes_term(FOLLOWER, my_term=4, refused_at=5)
+    assert takes_term(CANDIDATE, my_term=4, refused_at=5)
+    assert not takes_term(FOLLOWER, my_term=5, refused_at=5)
+    assert not takes_term(LEADER, my_term=4, refused_at=5)
 
 
 def test_a_pre_vote_round_needs_a_majority_with_the_asker() -> None:
