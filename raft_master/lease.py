@@ -265,7 +265,6 @@ class LeasedSyncObj(CommitQuietSyncObj):
         self._lease_state = (-1, -1)  # (role, term) the lease was reset for
         self.prevotes_started = 0
         self.votes_refused = 0
-        self.terms_taken = 0  # from refused pre-votes
         super().__init__(self_node, others, **kwargs)
 
     # read by other threads
@@ -403,7 +402,6 @@ class LeasedSyncObj(CommitQuietSyncObj):
         if not takes_term(self._SyncObj__raftState, self._SyncObj__raftCurrentTerm, term):
             return
         self._prevote = None
-        self.terms_taken += 1
         self._SyncObj__setCurrentTerm(term, None)
         self._SyncObj__setState(FOLLOWER)
         self._SyncObj__raftLeader = None

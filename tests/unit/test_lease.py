@@ -147,32 +147,29 @@ def test_a_master_stuck_at_a_higher_term_no_longer_blocks_the_one_that_can_win()
     refuses. Told A's term, B takes it, asks for term 3 and is granted: a leader again."""
     a_term, a_log = 2, (1, 1)  # term, (last log term, last log index)
     b_term, b_log = 1, (1, 6)
+
+    def a_grants(asked: int) -> bool:
+        """A's answer to B's pre-vote for term ``asked``."""
+        return pre_vote(
+            state=CANDIDATE,
+            my_term=a_term,
+            their_term=asked,
+            their_last_term=b_log[0],
+            their_last_index=b_log[1],
+            my_last_term=a_log[0],
+            my_last_index=a_log[1],
+        )
+
     # B's pre-vote for term 2: refused by A (not ahead of A's term), with A's term.
     asked = b_term + 1
-    assert not pre_vote(
-        state=CANDIDATE,
-        my_term=a_term,
-        their_term=asked,
-        their_last_term=b_log[0],
-        their_last_index=b_log[1],
-        my_last_term=a_log[0],
-        my_last_index=a_log[1],
-    )
+    assert not a_grants(asked)
     told = refusal_term(a_term, asked)
     assert told == 2
     assert takes_term(FOLLOWER, b_term, told)
     b_term = told
     # B's next round, for term 3: granted by A; with B's own, a majority of three.
     asked = b_term + 1
-    assert pre_vote(
-        state=CANDIDATE,
-        my_term=a_term,
-        their_term=asked,
-        their_last_term=b_log[0],
-        their_last_index=b_log[1],
-        my_last_term=a_log[0],
-        my_last_index=a_log[1],
-    )
+    assert a_grants(asked)
     assert PreVoteRound(term=asked, group_size=3).grant("A", term=asked)
     # And A's own pre-votes stay refused by B (its log is behind), with nothing to tell it.
     assert not pre_vote(
