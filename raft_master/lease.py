@@ -26,6 +26,16 @@ The protocol, as extra message types on PySyncObj's own authenticated transport:
     that cannot win, its log behind — refused every pre-vote of the master that could win,
     whose term never moved: no leader until the group changed (a cut-off leader's majority
     stayed leaderless in ``tests/chaos/test_harness.py``).
+``kvpool_stale_append`` (a master at a higher term → a leader whose append it ignored)
+    PySyncObj drops an append of an older term without a word, so a master stuck at a higher
+    term while a leader leads (a candidate that lost its real vote: its pre-vote was granted,
+    then the voters promised the leader) stayed out of the group for as long as that leader
+    lasted, and the group ran one fault from an outage. It now answers such an append with its
+    term, and the leader, hearing of a higher term, steps down as Raft's rule says (etcd answers
+    the same way when pre-vote is on). The next election, at a term past the stuck master's,
+    brings it back: the stuck master grants the former leader's pre-vote and real vote (its own
+    log is behind), and the followers, still promised to the former leader, are told the new
+    term by its first append. One election.
 
 The lease: the leader holds it while a majority of the group (the leader included) acknowledged
 leases sent at or after ``now - lease_s``. Why that is enough: a new leader needs votes from a
@@ -65,6 +75,7 @@ LEASE_ACK = "kvpool_lease_ack"
 PREVOTE = "kvpool_prevote"
 PREVOTE_ACK = "kvpool_prevote_ack"
 PREVOTE_REFUSED = "kvpool_prevote_refused"
+STALE_APPEND = "kvpool_stale_append"
 _KEEP_SENT = 64  # lease sends remembered per term: acknowledgements of older ones are ignored
 
 # PySyncObj's raft states (pysyncobj.syncobj._RAFT_STATE)
@@ -199,6 +210,18 @@ def takes_term(state: int, my_term: int, refused_at: int) -> bool:
     return state != LEADER and refused_at > my_term
 
 
+def stale_append_answer(my_term: int, their_term: int) -> int | None:
+    """What a master answers an append of ``their_term``: its own term when that is higher
+    (the sender leads an older term: PySyncObj ignores the append), else nothing."""
+    return my_term if my_term > their_term else None
+
+
+def steps_down(my_term: int, told: int) -> bool:
+    """Whether a master told of ``told`` by a master that ignored its append takes that term
+    as a follower: any higher term, a leader's too (Raft's rule for a higher term seen)."""
+    return told > my_term
+
+
 class PreVoteRound:
     """One would-be candidate's round of pre-votes for ``term``."""
 
@@ -265,6 +288,8 @@ class LeasedSyncObj(CommitQuietSyncObj):
         self._lease_state = (-1, -1)  # (role, term) the lease was reset for
         self.prevotes_started = 0
         self.votes_refused = 0
+        self.stale_appends_answered = 0
+        self.stepped_down = 0  # times a stale-append answer made this leader a follower
         super().__init__(self_node, others, **kwargs)
 
     # read by other threads
@@ -356,9 +381,13 @@ class LeasedSyncObj(CommitQuietSyncObj):
             self._on_prevote_ack(node, message)
         elif kind == PREVOTE_REFUSED:
             self._on_prevote_refused(message)
+        elif kind == STALE_APPEND:
+            self._on_stale_append(message)
         elif kind == "request_vote" and self.promise.binding(self._lease_clock()):
             self.votes_refused += 1  # promised: no term change, no vote
         else:
+            if kind == "append_entries":
+                self._answer_if_stale(node, message)
             super()._SyncObj__onMessageReceived(node, message)
             if kind == "append_entries" and self._heard_from_leader(node, message):
                 self.promise.heard_from_leader(self._lease_clock())
@@ -399,8 +428,25 @@ class LeasedSyncObj(CommitQuietSyncObj):
     def _on_prevote_refused(self, message: dict[str, Any]) -> None:
         """A master at a higher term refused our pre-vote: take its term, as a follower."""
         term = int(message["term"])
-        if not takes_term(self._SyncObj__raftState, self._SyncObj__raftCurrentTerm, term):
-            return
+        if takes_term(self._SyncObj__raftState, self._SyncObj__raftCurrentTerm, term):
+            self._follow(term)
+
+    def _answer_if_stale(self, node: Any, message: dict[str, Any]) -> None:
+        term = stale_append_answer(self._SyncObj__raftCurrentTerm, int(message["term"]))
+        if term is not None:
+            self.stale_appends_answered += 1
+            self._SyncObj__transport.send(node, {"type": STALE_APPEND, "term": term})
+
+    def _on_stale_append(self, message: dict[str, Any]) -> None:
+        """A master ignored our append, being at a higher term: step down to that term."""
+        term = int(message["term"])
+        if steps_down(self._SyncObj__raftCurrentTerm, term):
+            self.stepped_down += int(self._SyncObj__raftState == LEADER)
+            self._follow(term)
+
+    def _follow(self, term: int) -> None:
+        """Take a higher ``term`` as a follower with no leader and no vote given, as PySyncObj
+        does on a vote request of a higher term."""
         self._prevote = None
         self._SyncObj__setCurrentTerm(term, None)
         self._SyncObj__setState(FOLLOWER)

@@ -17,7 +17,7 @@ import pytest
 from pysyncobj import SyncObj, SyncObjConf
 
 from kvpool.launcher.placement import free_port
-from kvpool.raft_master.lease import LEADER, LeasedSyncObj, LeaseTimes
+from kvpool.raft_master.lease import CANDIDATE, LEADER, LeasedSyncObj, LeaseTimes
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,16 @@ def _drop_or_pass(obj: Any, node: Any, message: Any, deliver: Any) -> None:
 class CuttableLeased(LeasedSyncObj):
     def __init__(self, me: str, others: list[str], cut: Cut, **kwargs: Any) -> None:
         self.me, self.cut = me, cut
+        self.stick_at: int | None = None  # a term to jump to as a candidate, on the Raft thread
         super().__init__(me, others, **kwargs)
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N803 - PySyncObj's names
+        term, self.stick_at = self.stick_at, None
+        if term is not None:  # what a candidate that lost its real vote is left with
+            self._SyncObj__setCurrentTerm(term, None)
+            self._SyncObj__setState(CANDIDATE)
+            self._SyncObj__raftLeader = None
+        super()._onTick(timeToWait)
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:
         _drop_or_pass(self, node, message, super()._SyncObj__onMessageReceived)
@@ -185,3 +194,34 @@ def test_a_leader_cut_off_loses_its_lease_before_anyone_else_leads(
     wait_leader(members)
     assert not old._isLeader()
     print(f"\nold lease last held {new_leader_at[0] - last_held[0]:.3f}s before the new leader")
+
+
+def test_a_master_stuck_at_a_higher_term_rejoins_the_group(groups: list[list[Any]]) -> None:
+    """A candidate that lost its real vote is left at a term above the leader's. PySyncObj
+    ignores the leader's appends of the older term without a word: it stayed out of the group
+    for as long as that leader led (one more fault, an outage). It now tells the leader its
+    term; the leader steps down and the next election, at a term past the stuck one, takes all
+    three in again."""
+    members, _ = make_group(leased=True)
+    groups.append(members)
+    leader = wait_leader(members)
+    time.sleep(0.5)
+    stuck = next(m for m in members if m is not leader)
+    term = leader.raftCurrentTerm
+    stuck.stick_at = term + 3
+    started = time.monotonic()
+    deadline = started + 10
+    while time.monotonic() < deadline:
+        if stuck.raftCurrentTerm >= term + 3 and stuck._getLeader() is not None:
+            break
+        time.sleep(0.02)
+    new = wait_leader(members)
+    print(f"\nrejoined {time.monotonic() - started:.3f}s after it was stuck")
+    assert {m.raftCurrentTerm for m in members} == {new.raftCurrentTerm}
+    assert new.raftCurrentTerm > term + 3
+    assert all(m._getLeader() == new._getLeader() for m in members)
+    assert stuck.stale_appends_answered >= 1
+    assert leader.stepped_down == 1
+    time.sleep(1.0)  # and it stays settled: no further election
+    assert wait_leader(members) is new
+    assert {m.raftCurrentTerm for m in members} == {new.raftCurrentTerm}

@@ -21,6 +21,8 @@ from kvpool.raft_master.lease import (
     missing_internals,
     quorum,
     refusal_term,
+    stale_append_answer,
+    steps_down,
     takes_term,
 )
 
@@ -192,6 +194,18 @@ def test_only_a_term_ahead_is_told_and_taken() -> None:
     assert takes_term(CANDIDATE, my_term=4, refused_at=5)
     assert not takes_term(FOLLOWER, my_term=5, refused_at=5)
     assert not takes_term(LEADER, my_term=4, refused_at=5)
+
+
+def test_an_append_of_an_older_term_is_answered_and_its_leader_steps_down() -> None:
+    """A master stuck at term 5 while a leader leads term 2 answers the leader's append with
+    its term, and the leader takes it as a follower; no other append is answered, and no
+    lower or equal term is taken."""
+    assert stale_append_answer(my_term=5, their_term=2) == 5
+    assert stale_append_answer(my_term=2, their_term=2) is None  # the leader's own term
+    assert stale_append_answer(my_term=2, their_term=3) is None  # a newer leader: followed
+    assert steps_down(my_term=2, told=5)
+    assert not steps_down(my_term=5, told=5)
+    assert not steps_down(my_term=6, told=5)  # a late answer from before our own election
 
 
 def test_a_pre_vote_round_needs_a_majority_with_the_asker() -> None:
