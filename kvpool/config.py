@@ -63,6 +63,32 @@ def physical_memory_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_limit_bytes(cgroup_files: tuple[str, ...] = _CGROUP_LIMITS) -> int:
+    """The memory this process may use: the machine's, or its container's limit (cgroup v2 or
+    v1) where that is lower — in Kubernetes the pod's limit, which the kernel enforces by
+    killing the process."""
+    limit = physical_memory_bytes()
+    for path in cgroup_files:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    return limit
+
+
+INDEX_ENTRY_BYTES = 240
+"""A master's memory per index entry (``kvpool-bench index``, ``index_memory``)."""
+INDEX_MEMORY_FRACTION = 0.4
+"""Of a master's memory, what the index may fill when ``index_max_entries`` is 0: the rest is
+the snapshot's fork (copy-on-write pages while it writes), the Raft log and the buffers."""
+
+
 # --- process configs -----------------------------------------------------------------------
 
 
@@ -273,6 +299,12 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
     dedupe_max_bytes: int = opt(
         64 << 20, "memory bound of the remembered results of those request ids", "size"
     )
+    index_max_entries: int = opt(
+        0,
+        "refuse puts of keys the index does not hold once it holds this many entries, so that "
+        "no master runs out of memory (every master holds the whole index); 0: what 0.4 of "
+        "this host's or container's memory holds at 240 bytes an entry",
+    )
     advertise_address: str = opt(
         "",
         "gRPC address (host:port) other processes dial to reach this master "
@@ -333,6 +365,13 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
         if self.raft_tick_on_loop is None:
             return not self.in_memory
         return self.raft_tick_on_loop
+
+    def index_entry_limit(self) -> int:
+        """``index_max_entries``, or when that is 0 what this host's (or container's) memory
+        allows: :data:`INDEX_MEMORY_FRACTION` of it at :data:`INDEX_ENTRY_BYTES` an entry."""
+        if self.index_max_entries:
+            return self.index_max_entries
+        return max(1, int(memory_limit_bytes() * INDEX_MEMORY_FRACTION) // INDEX_ENTRY_BYTES)
 
     def validate(self) -> list[str]:
         errors = _validate_addresses(self, ("listen", "raft_listen"))
@@ -397,6 +436,8 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
         ):
             if getattr(self, name) < 1:
                 errors.append(f"{name}: must be at least 1")
+        if self.index_max_entries < 0:
+            errors.append("index_max_entries: must be 0 (from memory) or positive")
         if self.raft_compaction_min_entries == 1:
             errors.append("raft_compaction_min_entries: must be at least 2 (PySyncObj)")
         if self.raft_max_message_bytes < MIN_RAFT_MESSAGE_BYTES:

@@ -188,6 +188,16 @@ class NoSpaceError(KVPoolError):
     grpc_status_name = "RESOURCE_EXHAUSTED"
 
 
+class IndexFullError(KVPoolError):
+    """The index holds as many entries as its masters allow (``index_max_entries``): puts of
+    keys it does not hold are refused until blocks leave it (evicted, removed), so that the
+    masters, which all hold the whole index, are never killed for memory at once. Overwrites
+    of keys it holds go on. A put refused for it is a miss (False) unless strict."""
+
+    code = "INDEX_FULL"
+    grpc_status_name = "RESOURCE_EXHAUSTED"
+
+
 class UnknownMemberError(KVPoolError):
     """The index does not know this node incarnation as live; register again."""
 

@@ -45,6 +45,17 @@ def master_families(service: MasterService, replicas: Any = None) -> Iterator[Me
     yield lag
     yield _one("kvpool_index_entries", "blocks in the index", status.entries)
     yield _one("kvpool_index_revision", "index revision (every change bumps it)", status.revision)
+    yield _one(
+        "kvpool_index_max_entries",
+        "entries at which this master, leading, refuses puts of new keys (index_max_entries)",
+        service.index_limit,
+    )
+    refusals = counter(
+        "kvpool_index_full_refusals",
+        "puts refused by this master because the index was at index_max_entries",
+    )
+    refusals.add_metric([], float(service.index_full_refusals))
+    yield refusals
     members = service.replicator.read(lambda ix: len(ix.live_members()))
     yield _one("kvpool_index_live_nodes", "store nodes the index counts as live", members)
     if replicas is not None:

@@ -30,6 +30,7 @@ from google.protobuf.message import Message
 from kvpool import receipts
 from kvpool.config import MasterConfig
 from kvpool.errors import (
+    IndexFullError,
     InternalError,
     InvalidKeyError,
     MalformedRequestError,
@@ -70,6 +71,7 @@ from kvpool.raft_master.request_checks import check_key_count, check_registratio
 
 REQUEST_ID_BYTES = 16
 MAX_REVISION_WAIT_S = 1.0
+INDEX_FULL_LOG_EVERY_S = 10.0  # at most one index_full warning this often
 _TIERS = frozenset(common_pb2.Tier.values())
 
 # --- validation -------------------------------------------------------------------------------
@@ -193,6 +195,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
             timeout_s=cfg.commit_timeout_s,
         )
         self._node_stats: dict[int, NodeStats] = {}
+        self.index_limit = cfg.index_entry_limit()  # puts of new keys refused at this size
+        self.index_full_refusals = 0  # CommitPuts refused for it (IndexFullError)
+        self._index_full_logged = -INDEX_FULL_LOG_EVERY_S
         self.rpc_address = ""  # the frame RPC port, when offered (see rpc_port.py)
         self.read_address = ""  # the read port, offered with it (see read_port.py)
         self._established_term: int | None = None
@@ -302,6 +307,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 raise MalformedRequestError(f"entry {e.key!r}: no replicas")
             items.append(PutItem(e.key, e.write_id, e.size_bytes, e.checksum, tuple(e.replicas)))
         self._require_leader()
+        self._refuse_new_keys_when_full(items)
         command = CommitPuts(request_id, request.ring_version, tuple(items))
         result = await self.committer.submit(command)
         response = master_pb2.CommitPutsResponse(
@@ -324,6 +330,31 @@ class MasterService(master_pb2_grpc.MasterServicer):
                 ),
             )
         return response
+
+    def _refuse_new_keys_when_full(self, items: list[PutItem]) -> None:
+        """At ``index_max_entries`` a put adding a key is refused whole (its blocks stay
+        staged on their nodes until the reaper frees them); overwrites go on. Checked by the
+        leader before proposing, so the followers apply whatever the log holds and masters
+        configured with different limits never disagree; puts already in flight may pass the
+        limit by their own size."""
+        limit = self.index_limit
+        held = self.replicator.read(len)
+        if held < limit:
+            return
+        keys = [it.key for it in items]
+        if all(self.replicator.read(lambda ix: ix.present(keys))):
+            return
+        self.index_full_refusals += 1
+        now = self._clock()
+        if now >= self._index_full_logged + INDEX_FULL_LOG_EVERY_S:
+            self._index_full_logged = now
+            self._log.warning(
+                "index_full", entries=held, limit=limit, refused=self.index_full_refusals
+            )
+        raise IndexFullError(
+            f"the index holds {held} entries, at its limit ({limit}, index_max_entries): puts "
+            "of keys it does not hold are refused until blocks leave it"
+        )
 
     async def Remove(  # noqa: N802 - gRPC method name
         self, request: master_pb2.RemoveRequest, context: grpc.aio.ServicerContext

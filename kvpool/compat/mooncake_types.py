@@ -16,6 +16,7 @@ from kvpool.errors import (
     BufferTooSmallError,
     ChecksumMismatchError,
     DeadlineExceededError,
+    IndexFullError,
     InvalidArgumentError,
     InvalidKeyError,
     KVPoolError,
@@ -62,7 +63,7 @@ def error_code(error: KVPoolError) -> int:
         return INVALID_PARAMS
     if isinstance(error, BlockMissError):
         return OBJECT_NOT_FOUND
-    if isinstance(error, NoSpaceError | NoNodesError):
+    if isinstance(error, NoSpaceError | NoNodesError | IndexFullError):
         return NO_AVAILABLE_HANDLE
     if isinstance(error, ChecksumMismatchError):
         return CHECKSUM_MISMATCH

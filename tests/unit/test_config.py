@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.config import ClientConfig, MasterConfig, NodeConfig, load_config, redacted
+from kvpool.config import (
+    INDEX_ENTRY_BYTES,
+    INDEX_MEMORY_FRACTION,
+    ClientConfig,
+    MasterConfig,
+    NodeConfig,
+    load_config,
+    memory_limit_bytes,
+    physical_memory_bytes,
+    redacted,
+)
 from kvpool.errors import ConfigError
 from kvpool.units import format_size, parse_duration, parse_size
 
@@ -162,3 +172,28 @@ def test_a_client_busy_poll_outside_its_range_is_refused(bad: int) -> None:
         load_config(ClientConfig, env={}, overrides={"busy_poll_us": bad})
     assert "busy_poll_us: must be between 0 and 10000" in info.value.message
     assert load_config(ClientConfig, env={}, overrides={"busy_poll_us": 300}).busy_poll_us == 300
+
+
+def test_the_index_limit_is_given_or_taken_from_the_memory_a_master_may_use(
+    tmp_path: Path,
+) -> None:
+    env = {"KVPOOL_RAFT_SECRET": "s3cret"}
+    given = load_config(
+        MasterConfig, env=env, overrides={"in_memory": True, "index_max_entries": 5}
+    )
+    assert given.index_entry_limit() == 5
+    auto = load_config(MasterConfig, env=env, overrides={"in_memory": True})
+    assert auto.index_max_entries == 0
+    expected = int(memory_limit_bytes() * INDEX_MEMORY_FRACTION) // INDEX_ENTRY_BYTES
+    assert auto.index_entry_limit() == expected > 1_000_000
+    with pytest.raises(ConfigError, match=r"index_max_entries"):
+        load_config(MasterConfig, env=env, overrides={"in_memory": True, "index_max_entries": -1})
+
+
+def test_a_container_memory_limit_below_the_machine_is_the_one_taken(tmp_path: Path) -> None:
+    v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    v2.write_text("max\n")  # cgroup v2 with no limit
+    v1.write_text(f"{4 << 30}\n")
+    assert memory_limit_bytes((str(v2),)) == physical_memory_bytes()
+    assert memory_limit_bytes((str(v2), str(v1))) == min(4 << 30, physical_memory_bytes())
+    assert memory_limit_bytes((str(tmp_path / "absent"),)) == physical_memory_bytes()
