@@ -733,6 +733,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
             revision=revision,
             entries=entries,
             follower_match_index=raft.follower_match_index if is_leader else {},
+            max_entries=self.index_limit,
         )
 
     async def ClusterStatus(  # noqa: N802 - gRPC method name

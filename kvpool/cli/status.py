@@ -83,6 +83,7 @@ def status_document(probes: Sequence[MasterProbe]) -> dict[str, Any]:
                 "ready": m.ready,
                 "revision": m.revision,
                 "entries": m.entries,
+                "max_entries": m.max_entries,
                 "log_size": m.log_size,
                 "raft_address": m.raft_address,
             }
@@ -132,6 +133,14 @@ def _table(rows: list[list[str]]) -> str:
 ALARM_ON, ALARM_OFF = "\033[1;41;97m", "\033[0m"  # bold white on red, when on a terminal
 
 
+def _keys(entries: int, limit: int, color: bool) -> str:
+    """A master's index entries, and how full they make it against ``index_max_entries``
+    (at the limit the leader refuses puts of new keys); alarmed from 85 %, as a tier."""
+    if not limit:  # a master of an older release does not say
+        return str(entries)
+    return f"{entries} of {limit} ({_fill(entries / limit, color)})"
+
+
 def _fill(fill: float, color: bool) -> str:
     text = f"{fill:.0%}"
     if fill < ALARM_FILL:
@@ -160,7 +169,7 @@ def render_status(doc: dict[str, Any], *, color: bool = False) -> str:
                 str(m["last_applied"]),
                 "-" if m["lag"] is None else str(m["lag"]),
                 "yes" if m["ready"] else "no",
-                str(m["entries"]),
+                _keys(m["entries"], m.get("max_entries", 0), color),
             ]
         )
     lines.append(_table(rows))

@@ -927,6 +927,7 @@ class MasterStatus(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
     FOLLOWER_MATCH_INDEX_FIELD_NUMBER: _builtins.int
+    MAX_ENTRIES_FIELD_NUMBER: _builtins.int
     grpc_address: _builtins.str
     raft_address: _builtins.str
     role: _builtins.str
@@ -941,6 +942,10 @@ class MasterStatus(_message.Message):
     revision: _builtins.int
     entries: _builtins.int
     """keys in the index"""
+    max_entries: _builtins.int
+    """The entries at which this master, leading, refuses puts of new keys (index_max_entries,
+    or what its memory allows); 0 from a master of an older release.
+    """
     @_builtins.property
     def follower_match_index(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Leader only: each follower's match index, keyed by raft address."""
@@ -961,10 +966,11 @@ class MasterStatus(_message.Message):
         revision: _builtins.int = ...,
         entries: _builtins.int = ...,
         follower_match_index: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        max_entries: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_index", b"commit_index", "entries", b"entries", "follower_match_index", b"follower_match_index", "grpc_address", b"grpc_address", "last_applied", b"last_applied", "leader_grpc_address", b"leader_grpc_address", "leader_raft_address", b"leader_raft_address", "log_size", b"log_size", "raft_address", b"raft_address", "ready", b"ready", "revision", b"revision", "role", b"role", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_index", b"commit_index", "entries", b"entries", "follower_match_index", b"follower_match_index", "grpc_address", b"grpc_address", "last_applied", b"last_applied", "leader_grpc_address", b"leader_grpc_address", "leader_raft_address", b"leader_raft_address", "log_size", b"log_size", "max_entries", b"max_entries", "raft_address", b"raft_address", "ready", b"ready", "revision", b"revision", "role", b"role", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,7 +5,10 @@ IndexFullError in strict mode), overwrites go on, and room made by a remove is t
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -28,6 +31,14 @@ def _master_sample(cluster: LocalCluster, name: str) -> float:
     m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
     assert m is not None, f"no sample {name} in the master's scrape"
     return float(m.group(1))
+
+
+def _status(cluster: LocalCluster, *flags: str) -> str:
+    """``kvpool status`` of the cluster's master, as printed."""
+    command = [sys.executable, "-m", "kvpool", "status", "--masters", *cluster.master_addresses]
+    return subprocess.run(
+        [*command, *flags], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
 
 
 def test_at_the_limit_new_keys_miss_overwrites_go_on_and_a_remove_makes_room(
@@ -60,3 +71,6 @@ def test_at_the_limit_new_keys_miss_overwrites_go_on_and_a_remove_makes_room(
         assert not kv.put("limit/newer", b"z")
     assert _master_sample(cluster, "kvpool_index_max_entries") == LIMIT
     assert _master_sample(cluster, "kvpool_index_full_refusals_total") == 4
+    assert f"{LIMIT} of {LIMIT} (100% !ALARM)" in _status(cluster)
+    report = json.loads(_status(cluster, "--json"))
+    assert report["masters"][0]["max_entries"] == LIMIT

@@ -334,6 +334,17 @@ def test_status_highlights_a_tier_at_the_85_percent_alarm() -> None:
     assert colored.count("!ALARM") == 1
 
 
+def test_status_shows_how_full_the_index_is_against_its_limit() -> None:
+    from kvpool.cli.status import render_status
+
+    doc = _status_doc(0.1)
+    assert " 5\n" in render_status(doc) + "\n"  # an older master names no limit
+    doc["masters"][0]["max_entries"] = 100
+    assert "5 of 100 (5%)" in render_status(doc)
+    doc["masters"][0]["entries"] = 90
+    assert "90 of 100 (90% !ALARM)" in render_status(doc)
+
+
 def test_status_watch_refreshes_and_ctrl_c_exits_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpool.cli import status
 
