@@ -342,8 +342,8 @@ class MasterService(master_pb2_grpc.MasterServicer):
         if held < limit:
             return
         keys = [it.key for it in items]
-        if all(self.replicator.read(lambda ix: ix.present(keys))):
-            return
+        if self.replicator.read(lambda ix: all(ix.entry_record(k) is not None for k in keys)):
+            return  # overwrites only (of entries held, even with every replica down)
         self.index_full_refusals += 1
         now = self._clock()
         if now >= self._index_full_logged + INDEX_FULL_LOG_EVERY_S:
