@@ -82,6 +82,10 @@ def memory_limit_bytes(cgroup_files: tuple[str, ...] = _CGROUP_LIMITS) -> int:
     return limit
 
 
+NODE_OWN_MEMORY_BYTES = 512 << 20
+"""What a store node needs besides its CPU tier, at the least (the interpreter, numpy, the block
+table, buffers): a container limit below the tier plus this is refused at start."""
+
 INDEX_ENTRY_BYTES = 240
 """A master's memory per index entry (``kvpool-bench index``, ``index_memory``)."""
 INDEX_MEMORY_FRACTION = 0.4
@@ -596,6 +600,17 @@ class NodeConfig(ServerSecurityConfig, LogConfig, IngressConfig):
                 f"cpu_cache_size: {self.cpu_cache_size} bytes is above "
                 f"{self.max_memory_fraction:.0%} of this machine's memory ({limit} bytes); "
                 "lower it or raise max_memory_fraction"
+            )
+        container = memory_limit_bytes()
+        if container < physical_memory_bytes() and (
+            self.cpu_cache_size + NODE_OWN_MEMORY_BYTES > container
+        ):
+            errors.append(
+                f"cpu_cache_size: {self.cpu_cache_size} bytes plus ~"
+                f"{NODE_OWN_MEMORY_BYTES >> 20} MiB for the node itself is above this "
+                f"container's memory limit ({container} bytes): the kernel would kill the node "
+                "as it fills the tier; raise the limit to the tier plus ~1 GiB "
+                "(docs/operations.md, Sizing) or lower cpu_cache_size"
             )
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             errors.append("low_watermark/high_watermark: need 0 < low < high <= 1")

@@ -197,3 +197,23 @@ def test_a_container_memory_limit_below_the_machine_is_the_one_taken(tmp_path: P
     assert memory_limit_bytes((str(v2),)) == physical_memory_bytes()
     assert memory_limit_bytes((str(v2), str(v1))) == min(4 << 30, physical_memory_bytes())
     assert memory_limit_bytes((str(tmp_path / "absent"),)) == physical_memory_bytes()
+
+
+def test_a_node_tier_that_would_not_fit_its_container_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvpool.config as config
+
+    def node(size: str) -> list[str]:
+        return NodeConfig(cpu_cache_size=parse_size(size), masters=("127.0.0.1:7300",)).validate()
+
+    monkeypatch.setattr(config, "physical_memory_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(config, "memory_limit_bytes", lambda: 2 << 30)  # dev overlay's pod
+    assert not any("container" in e for e in node("1GiB"))
+    (error,) = [e for e in node("1800MiB") if "container" in e]
+    assert error.startswith("cpu_cache_size:")
+    assert "2147483648 bytes" in error
+    monkeypatch.setattr(config, "memory_limit_bytes", lambda: 9 << 30)  # the base's 8 GiB tier
+    assert not any("container" in e for e in node("8GiB"))
+    monkeypatch.setattr(config, "memory_limit_bytes", lambda: 64 << 30)  # no container limit
+    assert not any("container" in e for e in node("40GiB"))
