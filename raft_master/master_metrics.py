@@ -35,6 +35,32 @@ def master_families(service: MasterService, replicas: Any = None) -> Iterator[Me
         1 if status.ready else 0,
     )
     yield _one("kvpool_raft_has_quorum", "1 when the leader sees a quorum", int(raft.has_quorum))
+    counts = service.replicator.election_counts()
+    for name, key, doc in (
+        (
+            "kvpool_raft_prevotes",
+            "prevotes_started",
+            "pre-vote rounds this master started (its election timer ran out: no leader heard)",
+        ),
+        (
+            "kvpool_raft_votes_refused",
+            "votes_refused",
+            "vote requests this master ignored while promised to a leader (read leases)",
+        ),
+        (
+            "kvpool_raft_stale_appends_answered",
+            "stale_appends_answered",
+            "appends of an older term this master answered with its own (it was ahead)",
+        ),
+        (
+            "kvpool_raft_stepdowns",
+            "stepped_down",
+            "times this master, leading, stepped down for a master at a higher term",
+        ),
+    ):
+        family = counter(name, doc)
+        family.add_metric([], float(counts[key]))
+        yield family
     lag = gauge(
         "kvpool_raft_follower_lag_entries",
         "leader only: commit index minus each follower's match index",

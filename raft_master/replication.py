@@ -235,6 +235,10 @@ class RaftStatus:
     taken_at: float = 0.0  # monotonic time of the snapshot
 
 
+ELECTION_COUNTS = ("prevotes_started", "votes_refused", "stale_appends_answered", "stepped_down")
+"""The counters of :class:`~kvpool.raft_master.lease.LeasedSyncObj` a master exports."""
+
+
 def status_from_pysyncobj(raw: Mapping[str, Any], ready: bool, now: float) -> RaftStatus:
     leader = raw.get("leader")
     role = _ROLES.get(int(raw.get("state", 0)), "follower")
@@ -553,6 +557,12 @@ class Replicator:
         while this holds: a leader woken from a pause still believes it leads, and what it
         proposes is forwarded to the real leader, which would apply it."""
         return self.lease_held() if self.cfg.raft_read_lease else self.is_leader()
+
+    def election_counts(self) -> dict[str, int]:
+        """What the pre-vote and lease guards counted on this master since it started
+        (:class:`~kvpool.raft_master.lease.LeasedSyncObj`; zeros with leases off)."""
+        syncobj = self._syncobj
+        return {name: int(getattr(syncobj, name, 0)) for name in ELECTION_COUNTS}
 
     def leader_raft_address(self) -> str | None:
         syncobj = self._syncobj

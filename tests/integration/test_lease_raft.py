@@ -18,6 +18,7 @@ from pysyncobj import SyncObj, SyncObjConf
 
 from kvpool.launcher.placement import free_port
 from kvpool.raft_master.lease import CANDIDATE, LEADER, LeasedSyncObj, LeaseTimes
+from kvpool.raft_master.replication import ELECTION_COUNTS
 
 pytestmark = pytest.mark.integration
 
@@ -222,6 +223,8 @@ def test_a_master_stuck_at_a_higher_term_rejoins_the_group(groups: list[list[Any
     assert all(m._getLeader() == new._getLeader() for m in members)
     assert stuck.stale_appends_answered >= 1
     assert leader.stepped_down == 1
+    # What a master's metrics export (kvpool_raft_*_total) are these very counters.
+    assert all(isinstance(getattr(leader, name), int) for name in ELECTION_COUNTS)
     time.sleep(1.0)  # and it stays settled: no further election
     assert wait_leader(members) is new
     assert {m.raftCurrentTerm for m in members} == {new.raftCurrentTerm}
