@@ -38,7 +38,7 @@ from kvpool.errors import (
     NotLeaderError,
     UnavailableError,
 )
-from kvpool.logs import get_logger
+from kvpool.logs import OncePer, get_logger
 from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.v1 import common_pb2, master_pb2, master_pb2_grpc
 from kvpool.proto.wire import MAX_KEY_BYTES
@@ -197,7 +197,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._node_stats: dict[int, NodeStats] = {}
         self.index_limit = cfg.index_entry_limit()  # puts of new keys refused at this size
         self.index_full_refusals = 0  # CommitPuts refused for it (IndexFullError)
-        self._index_full_logged = -INDEX_FULL_LOG_EVERY_S
+        self._index_full_log = OncePer(self._log, INDEX_FULL_LOG_EVERY_S, clock=clock)
         self.rpc_address = ""  # the frame RPC port, when offered (see rpc_port.py)
         self.read_address = ""  # the read port, offered with it (see read_port.py)
         self._established_term: int | None = None
@@ -345,12 +345,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
         if self.replicator.read(lambda ix: all(ix.entry_record(k) is not None for k in keys)):
             return  # overwrites only (of entries held, even with every replica down)
         self.index_full_refusals += 1
-        now = self._clock()
-        if now >= self._index_full_logged + INDEX_FULL_LOG_EVERY_S:
-            self._index_full_logged = now
-            self._log.warning(
-                "index_full", entries=held, limit=limit, refused=self.index_full_refusals
-            )
+        self._index_full_log.warning(
+            "index_full", "index", entries=held, limit=limit, refused=self.index_full_refusals
+        )
         raise IndexFullError(
             f"the index holds {held} entries, at its limit ({limit}, index_max_entries): puts "
             "of keys it does not hold are refused until blocks leave it"
