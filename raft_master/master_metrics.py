@@ -58,9 +58,7 @@ def master_families(service: MasterService, replicas: Any = None) -> Iterator[Me
             "times this master, leading, stepped down for a master at a higher term",
         ),
     ):
-        family = counter(name, doc)
-        family.add_metric([], float(counts[key]))
-        yield family
+        yield _total(name, doc, counts[key])
     lag = gauge(
         "kvpool_raft_follower_lag_entries",
         "leader only: commit index minus each follower's match index",
@@ -76,12 +74,11 @@ def master_families(service: MasterService, replicas: Any = None) -> Iterator[Me
         "entries at which this master, leading, refuses puts of new keys (index_max_entries)",
         service.index_limit,
     )
-    refusals = counter(
+    yield _total(
         "kvpool_index_full_refusals",
         "puts refused by this master because the index was at index_max_entries",
+        service.index_full_refusals,
     )
-    refusals.add_metric([], float(service.index_full_refusals))
-    yield refusals
     members = service.replicator.read(lambda ix: len(ix.live_members()))
     yield _one("kvpool_index_live_nodes", "store nodes the index counts as live", members)
     if replicas is not None:
@@ -90,9 +87,7 @@ def master_families(service: MasterService, replicas: Any = None) -> Iterator[Me
             ("kvpool_replica_copy_failures", "copy_failures_total", "replica copies that failed"),
             ("kvpool_replica_releases", "releases_total", "extra replicas released"),
         ):
-            family = counter(name, doc)
-            family.add_metric([], float(getattr(replicas, attr, 0)))
-            yield family
+            yield _total(name, doc, getattr(replicas, attr, 0))
         yield _one(
             "kvpool_replica_under_target_blocks",
             "blocks below their replica target at the last pass (leader)",
@@ -102,5 +97,11 @@ def master_families(service: MasterService, replicas: Any = None) -> Iterator[Me
 
 def _one(name: str, doc: str, value: float) -> Metric:
     family = gauge(name, doc)
+    family.add_metric([], float(value))
+    return family
+
+
+def _total(name: str, doc: str, value: float) -> Metric:
+    family = counter(name, doc)
     family.add_metric([], float(value))
     return family
