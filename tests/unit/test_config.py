@@ -174,9 +174,7 @@ def test_a_client_busy_poll_outside_its_range_is_refused(bad: int) -> None:
     assert load_config(ClientConfig, env={}, overrides={"busy_poll_us": 300}).busy_poll_us == 300
 
 
-def test_the_index_limit_is_given_or_taken_from_the_memory_a_master_may_use(
-    tmp_path: Path,
-) -> None:
+def test_the_index_limit_is_given_or_taken_from_the_memory_a_master_may_use() -> None:
     env = {"KVPOOL_RAFT_SECRET": "s3cret"}
     given = load_config(
         MasterConfig, env=env, overrides={"in_memory": True, "index_max_entries": 5}
