@@ -2,8 +2,9 @@
 
 * :mod:`~kvpool.client.sync` — :class:`Client`, the synchronous API, in the caller's thread
 * :mod:`~kvpool.client.aio` — :class:`AsyncClient`, the same API on an event loop
-* :mod:`~kvpool.client.state` — :class:`ClientState`: every operation written once, as data
-  (a ReadCall, a Query, a put flow) with its failure policy; the two drivers below carry it out
+* :mod:`~kvpool.client.api` — the public operations, each written once: it builds a job (a
+  ReadCall, a Query or a put flow, with its failure policy) that the two drivers below carry out
+* :mod:`~kvpool.client.state` — :class:`ClientState`: what a client knows and decides, no I/O
 * :mod:`~kvpool.client.fastpath` — the blocking driver; :mod:`~kvpool.client.core` — the
   event-loop driver
 * :mod:`~kvpool.client.ops` and :mod:`~kvpool.client.plans` — the read and put flows and the

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextlib import nullcontext
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from kvpool.client import ops
+from kvpool.client import api, ops
 from kvpool.client import state as state_module
 from kvpool.client.blocks import DataPlane, PutItem
 from kvpool.client.commits import AsyncCommitter, CommitAnswer, PutReceipt, put_entries
 from kvpool.client.placement import MemberInfo
-from kvpool.client.plans import BlockLocation
-from kvpool.client.state import Attempt, ClientState, Query, ReadCall, WarmUp
-from kvpool.client.values import BytesLike, Into, PutItems, Value
+from kvpool.client.state import ClientState, Job, WarmUp
+from kvpool.client.values import BytesLike
 from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError
 from kvpool.mastercall import MasterClient
@@ -33,10 +32,24 @@ from kvpool.transports.tcp import ConnectionPool
 
 __all__ = ["ClientCore", "PutReceipt"]
 
+P = ParamSpec("P")
+R = TypeVar("R")
 T = TypeVar("T")
 
 DEADLINE_SLACK_S = 0.05
 """A call's guard fires this long after its deadline, should any step overrun it."""
+
+
+def awaiting(
+    build: Callable[Concatenate[ClientState, P], Job[R]],
+) -> Callable[Concatenate[ClientCore, P], Coroutine[Any, Any, R]]:
+    """The coroutine method that carries out ``build``'s job on the event loop (an operation
+    of :mod:`kvpool.client.api`, with its signature and document)."""
+
+    async def operation(self: ClientCore, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await self.carry(build(self, *args, **kwargs))
+
+    return api.described(operation, build)
 
 
 class ClientCore(ClientState):
@@ -105,88 +118,27 @@ class ClientCore(ClientState):
         """``host:port`` of this client's /metrics ("" when off or not started yet)."""
         return self.metrics.address
 
-    # --- the API --------------------------------------------------------------------------
+    # --- the API (client/api.py) -----------------------------------------------------------
 
-    async def warm_up(self, timeout_s: float | None = None, *, nodes: bool = True) -> WarmUp:
-        """Open now what the first calls would otherwise pay for: as :meth:`Client.warm_up
-        <kvpool.client.fastpath.SyncPath.warm_up>` (the masters' channel and RPC connection,
-        the ring, and with ``nodes`` the pool's connections to every node); never raises for
-        the cluster's state."""
-        flow = partial(self.warm_up_flow, nodes)
-        warm: WarmUp = await self._carry(flow, self.warming_up(), timeout_s)
-        return warm
-
-    async def put(self, key: str, value: Value, *, strict: bool | None = None) -> bool:
-        """Store one block. True once committed to the index (and published)."""
-        return await self.put_receipt(key, value, strict=strict) is not None
-
-    async def put_receipt(
-        self, key: str, value: Value, *, strict: bool | None = None
-    ) -> PutReceipt | None:
-        """Store one block, as :meth:`put`: its receipt once committed, None on failure
-        (strict: the typed error, as put raises it)."""
-        item = self.put_item(key, value)
-        (receipt,) = await self._put_prepared([item], self._strict(strict), single=True)
-        return receipt
-
-    async def batch_put(self, items: PutItems, *, strict: bool | None = None) -> list[bool]:
-        """Store many blocks with one CommitPuts; one bool per item, in order. With strict, a
-        failure of the whole call raises; per-item failures stay False."""
-        receipts = await self.batch_put_receipts(items, strict=strict)
-        return [r is not None for r in receipts]
-
-    async def batch_put_receipts(
-        self, items: PutItems, *, strict: bool | None = None
-    ) -> list[PutReceipt | None]:
-        """As :meth:`batch_put`, with each committed item's receipt (None where it failed)."""
-        prepared = self.put_items(items)
-        if not prepared:
-            return []
-        return await self._put_prepared(prepared, self._strict(strict), single=False)
-
-    async def get(
-        self, key: str, *, strict: bool | None = None, max_tier: str | None = None
-    ) -> bytes | None:
-        """The block's bytes, or None on a miss or any failure (strict: the typed error).
-        ``max_tier`` (gpu, cpu, ssd; default: the config's): a block held only on a slower
-        tier is a miss — for an engine that recomputes faster than it reads the SSD."""
-        result: bytes | None = await self._run(self.get_call(key, strict, max_tier))
-        return result
-
-    async def get_into(
-        self,
-        key: str,
-        buffer: Into,
-        *,
-        strict: bool | None = None,
-        max_tier: str | None = None,
-    ) -> int | None:
-        """Read the block into ``buffer``; the number of bytes, or None (then the buffer's
-        content is undefined). BufferTooSmallError when the block does not fit."""
-        result: int | None = await self._run(self.get_into_call(key, buffer, strict, max_tier))
-        return result
-
-    async def batch_get(
-        self, keys: Sequence[str], *, strict: bool | None = None, max_tier: str | None = None
-    ) -> list[bytes | None]:
-        """Each key's bytes or None, in order: one Lookup (none for cached keys), one MGET per
-        node. With strict, a failure of the whole call raises; per-key misses stay None."""
-        result: list[bytes | None] = await self._run(self.batch_get_call(keys, strict, max_tier))
-        return result
-
-    async def batch_get_into(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[Into],
-        *,
-        strict: bool | None = None,
-        max_tier: str | None = None,
-    ) -> list[int | None]:
-        """Read each key into its buffer (one per key, in order): each block's size or None.
-        BufferTooSmallError when a block does not fit its buffer."""
-        call = self.batch_get_into_call(keys, buffers, strict, max_tier)
-        result: list[int | None] = await self._run(call)
-        return result
+    warm_up = awaiting(api.warm_up)
+    put = awaiting(api.put)
+    put_receipt = awaiting(api.put_receipt)
+    batch_put = awaiting(api.batch_put)
+    batch_put_receipts = awaiting(api.batch_put_receipts)
+    get = awaiting(api.get)
+    get_into = awaiting(api.get_into)
+    batch_get = awaiting(api.batch_get)
+    batch_get_into = awaiting(api.batch_get_into)
+    exists = awaiting(api.exists)
+    batch_exists = awaiting(api.batch_exists)
+    sizes = awaiting(api.sizes)
+    locate = awaiting(api.locate)
+    prefix_match = awaiting(api.prefix_match)
+    pin = awaiting(api.pin)
+    unpin = awaiting(api.unpin)
+    remove = awaiting(api.remove)
+    batch_remove = awaiting(api.batch_remove)
+    remove_prefix = awaiting(api.remove_prefix)
 
     async def batch_get_alloc(
         self,
@@ -196,70 +148,11 @@ class ClientCore(ClientState):
         strict: bool | None = None,
         max_tier: str | None = None,
     ) -> list[T | None]:
-        """Read each key into a buffer ``alloc(size)`` makes once the block's size is known
-        (as :meth:`kvpool.Client.batch_get_alloc`; ``alloc`` runs on the event loop)."""
-        call = self.batch_get_alloc_call(keys, alloc, strict, max_tier)
-        result: list[T | None] = await self._run(call)
-        return result
-
-    async def exists(self, key: str, *, strict: bool | None = None) -> bool:
-        """Whether the index has the key (the bytes are not checked)."""
-        return bool(await self._ask(self.exists_query(key, strict)))
-
-    async def batch_exists(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
-        """Whether the index has each key, in one call to a master that sends no entries; all
-        False on failure unless strict."""
-        result: list[bool] = await self._ask(self.batch_exists_query(keys, strict))
-        return result
-
-    async def locate(
-        self, keys: Sequence[str], *, strict: bool | None = None
-    ) -> list[BlockLocation | None]:
-        """Where the index has each key's block (as :meth:`kvpool.Client.locate`)."""
-        result: list[BlockLocation | None] = await self._ask(self.locate_query(keys, strict))
-        return result
-
-    async def sizes(self, keys: Sequence[str], *, strict: bool | None = None) -> list[int | None]:
-        """Each key's block size in bytes as the index has it, or None where it has no such key
-        (or on failure, unless strict): one Lookup, no bytes read."""
-        result: list[int | None] = await self._ask(self.sizes_query(keys, strict))
-        return result
-
-    async def remove(self, key: str, *, strict: bool | None = None) -> bool:
-        """Remove the key from the index; True if it was there. Replicas are told to drop the
-        bytes, best effort."""
-        return bool(await self._ask(self.remove_one_query(key, strict)))
-
-    async def pin(self, keys: Sequence[str], replicas: int = 1) -> list[bool]:
-        """Pin keys at ``replicas`` copies (0: unpin): never evicted, kept at that count by the
-        masters, recorded in the replicated index. Per key: True when pinned (unpinned), False
-        when the index has no such key. Raises PinQuotaExceededError when the masters' pin
-        quota would be exceeded (the keys that fit are pinned), and any other failure as its
-        typed error: pinning is an explicit request, never a silent miss."""
-        result: list[bool] = await self._ask(self.pin_query(keys, replicas))
-        return result
-
-    async def unpin(self, keys: Sequence[str]) -> list[bool]:
-        """End pins (True per key the index has)."""
-        return await self.pin(keys, 0)
-
-    async def batch_remove(self, keys: Sequence[str], *, strict: bool | None = None) -> list[bool]:
-        """Remove many keys with one commit; True per key the index had."""
-        result: list[bool] = await self._ask(self.batch_remove_query(keys, strict))
-        return result
-
-    async def remove_prefix(self, prefix: str, *, limit: int = 0) -> tuple[int, bool]:
-        """One step of removing the keys under ``prefix`` (as :meth:`kvpool.Client.
-        remove_prefix`): (keys removed, whether matching keys are left). Failures raise."""
-        result: tuple[int, bool] = await self._ask(self.remove_prefix_query(prefix, limit))
-        return result
-
-    async def prefix_match(
-        self, keys: Sequence[str], *, strict: bool | None = None, fetch_entries: bool = True
-    ) -> int:
-        """How many leading keys of ``keys`` the index holds (0 on failure); ``fetch_entries``
-        as :meth:`kvpool.Client.prefix_match`'s."""
-        return int(await self._ask(self.prefix_match_query(keys, strict, fetch_entries)))
+        """:func:`kvpool.client.api.batch_get_alloc` (written out here: a generic operation
+        keeps its type only as a method of its own)."""
+        return await self.carry(
+            api.batch_get_alloc(self, keys, alloc, strict=strict, max_tier=max_tier)
+        )
 
     async def get_or_compute(
         self, key: str, compute: Callable[[], Awaitable[BytesLike] | BytesLike]
@@ -273,32 +166,24 @@ class ClientCore(ClientState):
         value = compute()
         if inspect.isawaitable(value):
             value = await value
-        return await self.store_computed(key, value)
-
-    async def store_computed(self, key: str, value: BytesLike) -> bytes:
-        """The second half of get_or_compute: count the fallback, put best effort, return the
-        value as bytes. Bad keys and values raise; store failures do not."""
-        item = self.computed_item(key, value)
-        await self._put_prepared([item], strict=False, single=True)
-        return value if type(value) is bytes else bytes(item.payload)
+        return await self.carry(self.computed_job(key, value))
 
     # --- carrying out ---------------------------------------------------------------------
 
-    async def _carry(
-        self,
-        flow_of: Callable[[float, Callable[[], float]], Generator[ops.Step, Any, Any]],
-        attempt: Attempt,
-        timeout_s: float | None = None,
-    ) -> Any:
-        """:meth:`SyncPath._carry <kvpool.client.fastpath.SyncPath._carry>` on the event loop,
-        where a guard also cancels what still runs DEADLINE_SLACK_S after the deadline."""
+    async def carry(self, job: Job[R]) -> R:
+        """Carry ``job`` out on the event loop under its deadline and failure policy (as
+        :meth:`SyncPath.carry <kvpool.client.fastpath.SyncPath.carry>`), where a guard also
+        cancels what still runs DEADLINE_SLACK_S after the deadline: its answer."""
+        flow_of = job.flow_of
+        if flow_of is None:
+            return job.finish(None)
         loop = asyncio.get_running_loop()
-        with attempt:
-            deadline = self.call_deadline(loop.time(), timeout_s)
+        with job.attempt() as attempt:
+            deadline = self.call_deadline(loop.time(), job.timeout_s)
             async with asyncio.timeout_at(deadline + DEADLINE_SLACK_S):
                 perform = partial(self._perform, deadline)
                 attempt.value = await ops.drive_async(flow_of(deadline, loop.time), perform)
-        return attempt.value
+        return job.finish(attempt.value)
 
     async def _perform(self, deadline: float, step: ops.Step) -> Any:
         """Carry out one step of a flow (:mod:`~kvpool.client.ops`) on the event loop (a
@@ -356,29 +241,6 @@ class ClientCore(ClientState):
             if result is not None:  # a shared memory's page tables, filled before the first calls
                 await loop.run_in_executor(None, result.wait_prefaulted, deadline - loop.time())
         return opened
-
-    async def _ask(self, query: Query[Any] | Any) -> Any:
-        """Carry out a :class:`Query` (and the ones its answers ask for) under one deadline;
-        anything else is already the answer."""
-        if not isinstance(query, Query):
-            return query
-        return await self._carry(partial(self.ask_flow, query), self.asking(query))
-
-    async def _run(self, call: ReadCall) -> Any:
-        """Carry out a :class:`ReadCall`: its answer from the items read (None: all failed)."""
-        if not call.pairs:
-            return self.answer(call, None)
-        items = await self._carry(partial(self.read_flow, call), self.reading(call))
-        return self.answer(call, items)
-
-    async def _put_prepared(
-        self, items: list[PutItem], strict: bool, *, single: bool
-    ) -> list[PutReceipt | None]:
-        """The one put path: each item's receipt once committed, None where it failed."""
-        receipts: dict[PutItem, PutReceipt] = {}
-        flow = partial(self.put_flow, items, receipts)
-        done = await self._carry(flow, self.putting(items, strict))
-        return self.put_results(items, receipts, strict, done, single=single)
 
     async def _commit_chunks(
         self, chunks: list[list[PutItem]], ring_version: int, deadline: float

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from opentelemetry.trace import SpanKind
@@ -96,9 +97,11 @@ from kvpool.mastercall import MasterRouting
 from kvpool.proto.keys import is_scheme_key
 from kvpool.proto.v1 import master_pb2
 
-__all__ = ["ClientState", "PutReceipt", "Query", "ReadCall", "RevisionFloor", "tier_limit"]
+__all__ = ["ClientState", "Job", "PutReceipt", "Query", "ReadCall", "RevisionFloor", "tier_limit"]
 
 T = TypeVar("T")
+R = TypeVar("R")
+U = TypeVar("U")
 
 MAX_COMMIT_ENTRIES = 8192
 """Most entries in one CommitPuts (the masters' default commit_batch_max_entries); a larger
@@ -213,6 +216,38 @@ class Query(Generic[T]):
     neutral: T
     strict: bool
     leader_only: bool = False
+
+
+FlowOf = Callable[[float, Callable[[], float]], Generator[Step, Any, Any]]
+"""A flow's maker: ``flow_of(deadline, clock)`` with the driver's clock."""
+
+
+@dataclass(slots=True)
+class Job(Generic[R]):
+    """One public call, built and not yet carried out (:mod:`kvpool.client.api` builds one per
+    call; each driver carries it out its own way): the flow ``flow_of(deadline, clock)``
+    under the failure policy ``attempt()`` and the deadline ``timeout_s`` (else the client's);
+    the caller's answer is ``finish(value)`` of what the flow answered, or of the attempt's
+    neutral answer after a failure. No flow: the answer is ``finish(None)`` at once."""
+
+    flow_of: FlowOf | None
+    attempt: Callable[[], Attempt]
+    finish: Callable[[Any], R]
+    timeout_s: float | None = None
+
+    def then(self, then: Callable[[R], U]) -> Job[U]:
+        """This job, its answer passed through ``then``."""
+        finish = self.finish
+        return Job(self.flow_of, self.attempt, lambda value: then(finish(value)), self.timeout_s)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _no_attempt() -> Attempt:
+    """A job with no flow has no attempt (its drivers never ask for one)."""
+    raise InternalError("a job with no flow has no failure policy")
 
 
 WARM_UP_LOOKUP = master_pb2.LookupRequest(keys=["kvpool/warm-up"], internal=True)
@@ -457,7 +492,7 @@ class ClientState:
     def _tier_limit(self, max_tier: str | None) -> int:
         return self._default_limit if max_tier is None else tier_limit(max_tier)
 
-    def _strict(self, strict: bool | None) -> bool:
+    def strictness(self, strict: bool | None) -> bool:
         """The call's strictness; also refuses calls on a closed client, in every mode (using a
         closed client is a bug in the caller, not a failure of the cache)."""
         if self._closed:
@@ -488,9 +523,16 @@ class ClientState:
 
     # --- reads ----------------------------------------------------------------------------
 
+    def ask_job(self, query: Query[Any] | Any) -> Job[Any]:
+        """A :class:`Query` (and the ones its answers ask for) as a job; anything else is
+        already the answer."""
+        if not isinstance(query, Query):
+            return Job(None, _no_attempt, lambda _none: query)
+        return Job(partial(self.ask_flow, query), partial(self.asking, query), _same)
+
     def get_call(self, key: str, strict: bool | None, max_tier: str | None) -> ReadCall:
         pair = (key, validate_key(key))
-        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
         return ReadCall("get", [pair], fresh_bytes, strict_, limit, _result, True)
 
     def get_into_call(
@@ -498,14 +540,14 @@ class ClientState:
     ) -> ReadCall:
         pair = (key, validate_key(key))
         sink = as_into(buffer)
-        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
         return ReadCall("get_into", [pair], into(sink), strict_, limit, _size, True)
 
     def batch_get_call(
         self, keys: Sequence[str], strict: bool | None, max_tier: str | None
     ) -> ReadCall:
         pairs = validate_keys(keys)
-        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
         return ReadCall("batch_get", pairs, fresh_bytes, strict_, limit, _result)
 
     def batch_get_into_call(
@@ -517,7 +559,7 @@ class ClientState:
     ) -> ReadCall:
         pairs = validate_keys(keys)
         sinks = batch_sinks(pairs, buffers)
-        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
         return ReadCall("batch_get_into", pairs, into_each(sinks), strict_, limit, _size)
 
     def batch_get_alloc_call(
@@ -538,7 +580,7 @@ class ClientState:
             made[index] = buffer
             return sink[:size], True
 
-        strict_, limit = self._strict(strict), self._tier_limit(max_tier)
+        strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
         return ReadCall(
             "batch_get_alloc",
             pairs,
@@ -581,6 +623,12 @@ class ClientState:
                 span.set_attributes(read_attributes(None, miss_reason(error)))
 
         return Attempt(call.op, None, call.strict, self.call_error, failed, n, _read_done)
+
+    def read_job(self, call: ReadCall) -> Job[Any]:
+        """A :class:`ReadCall` as a job: its answer from the items read (none to read: at
+        once)."""
+        flow = partial(self.read_flow, call) if call.pairs else None
+        return Job(flow, partial(self.reading, call), partial(self.answer, call))
 
     def settle(self, item: ReadItem | None, key: str, strict: bool) -> bool:
         """Count a read's outcome; True for a hit. Strict misses raise the typed error."""
@@ -680,7 +728,7 @@ class ClientState:
     def exists_query(self, key: str, strict: bool | None) -> Query[bool]:
         validate_key(key)
         return self.lookup_query(
-            "exists", [key], lambda r: bool(r.entries[0].found), False, self._strict(strict)
+            "exists", [key], lambda r: bool(r.entries[0].found), False, self.strictness(strict)
         )
 
     def sizes_query(self, keys: Sequence[str], strict: bool | None) -> Query[Any] | list[Any]:
@@ -691,7 +739,9 @@ class ClientState:
         def sizes(response: master_pb2.LookupResponse) -> list[int | None]:
             return [int(e.size_bytes) if e.found else None for e in response.entries]
 
-        return self.lookup_query("sizes", names, sizes, [None] * len(names), self._strict(strict))
+        return self.lookup_query(
+            "sizes", names, sizes, [None] * len(names), self.strictness(strict)
+        )
 
     def locate_query(self, keys: Sequence[str], strict: bool | None) -> Query[Any] | list[Any]:
         names = validate_key_names(keys)
@@ -705,7 +755,7 @@ class ClientState:
             ]
 
         neutral = [None] * len(names)
-        return self.lookup_query("locate", names, locations, neutral, self._strict(strict))
+        return self.lookup_query("locate", names, locations, neutral, self.strictness(strict))
 
     def batch_exists_query(
         self, keys: Sequence[str], strict: bool | None
@@ -715,7 +765,7 @@ class ClientState:
         names = validate_key_names(keys)
         if not names:
             return []
-        strict_ = self._strict(strict)
+        strict_ = self.strictness(strict)
         neutral = [False] * len(names)
 
         def found(response: master_pb2.PrefixMatchResponse) -> list[bool] | Query[Any]:
@@ -737,7 +787,7 @@ class ClientState:
         names = validate_key_names(keys)
         if not names:
             return 0
-        strict_ = self._strict(strict)
+        strict_ = self.strictness(strict)
         if fetch_entries and len(names) <= PREFIX_LOOKUP_MAX_KEYS and not self._by_content(names):
             return self.lookup_query("prefix_match", names, leading_hits, 0, strict_)
 
@@ -761,7 +811,7 @@ class ClientState:
         pairs = validate_keys(keys)
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise InvalidArgumentError(f"replicas: expected an int >= 0, got {replicas!r}")
-        self._strict(True)
+        self.strictness(True)
         if not pairs:
             return []
         request = master_pb2.PinRequest(
@@ -825,7 +875,7 @@ class ClientState:
     def remove_one_query(self, key: str, strict: bool | None) -> Query[bool]:
         validate_key(key)
         return self.remove_query(
-            "remove", [key], self._strict(strict), False, lambda r: bool(r.removed[0])
+            "remove", [key], self.strictness(strict), False, lambda r: bool(r.removed[0])
         )
 
     def batch_remove_query(
@@ -835,7 +885,7 @@ class ClientState:
         if not names:
             return []
         neutral = [False] * len(names)
-        strict_ = self._strict(strict)
+        strict_ = self.strictness(strict)
         return self.remove_query("batch_remove", names, strict_, neutral, lambda r: list(r.removed))
 
     def remove_prefix_query(self, prefix: str, limit: int) -> Query[tuple[int, bool]]:
@@ -843,7 +893,7 @@ class ClientState:
         removed, whether matching keys are left). An admin call: failures raise, typed."""
         if not isinstance(prefix, str):
             raise InvalidArgumentError(f"a prefix must be a str, not {type(prefix).__name__}")
-        self._strict(True)
+        self.strictness(True)
         return self.remove_query(
             "remove_prefix",
             [],
@@ -866,7 +916,7 @@ class ClientState:
 
     def computed_item(self, key: str, value: BytesLike) -> PutItem:
         """get_or_compute's put: bad keys and values raise; its failure never does."""
-        self._strict(False)  # refuses a closed client
+        self.strictness(False)  # refuses a closed client
         item = self.put_item(key, value)
         self._stats.fallback()
         return item
@@ -898,6 +948,23 @@ class ClientState:
         if single and strict and results[0] is None:
             raise items[0].error or UnavailableError(f"put {items[0].key!r} failed")
         return results
+
+    def put_job(
+        self, items: list[PutItem], strict: bool, *, single: bool
+    ) -> Job[list[PutReceipt | None]]:
+        """A put of ``items`` as a job: each item's receipt once committed, None where it
+        failed."""
+        receipts: dict[PutItem, PutReceipt] = {}
+        flow = partial(self.put_flow, items, receipts) if items else None
+        results = partial(self.put_results, items, receipts, strict, single=single)
+        return Job(flow, partial(self.putting, items, strict), results)
+
+    def computed_job(self, key: str, value: BytesLike) -> Job[bytes]:
+        """get_or_compute's put of ``value`` (best effort: bad keys and values raise, a failing
+        store does not), answering the value as bytes."""
+        item = self.computed_item(key, value)
+        answer = value if type(value) is bytes else bytes(item.payload)
+        return self.put_job([item], False, single=True).then(lambda _receipts: answer)
 
     def put_flow(
         self,
@@ -1017,6 +1084,15 @@ class ClientState:
         """The failure policy of a warm-up: every failure raises, typed (its flow answers
         the cluster's)."""
         return Attempt("warm_up", None, True, self.call_error)
+
+    def warm_up_job(self, timeout_s: float | None, nodes: bool) -> Job[WarmUp]:
+        flow = partial(self.warm_up_flow, nodes)
+        return Job(flow, self.warming_up, self.warmed, timeout_s)
+
+    def warmed(self, warm: WarmUp) -> WarmUp:
+        """After a warm-up: the blocking driver lends this thread's connections to the next
+        thread."""
+        return warm
 
     def looking_up(self, keys: list[str]) -> AbstractContextManager[Any]:
         """Around a Lookup: its span (``kvpool.client.lookup``, when tracing); failures
