@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from kvpool.client.commits import PutReceipt
 from kvpool.client.plans import BlockLocation
-from kvpool.client.state import ClientState, Job, WarmUp
+from kvpool.client.state import ClientState, Job, PutCall, WarmUp, WarmUpCall, ask
 from kvpool.client.values import Into, PutItems, Value
 
 T = TypeVar("T")
@@ -55,7 +55,7 @@ def warm_up(
     In a ``Client``, another thread's first call takes these connections over. Never raises
     for the cluster's state (the answer says what could not be opened, within ``timeout_s``,
     default the client's); UnavailableError once the client is closed."""
-    return client.warm_up_job(timeout_s, nodes)
+    return WarmUpCall(nodes, timeout_s)
 
 
 def put(client: ClientState, /, key: str, value: Value, *, strict: bool | None = None) -> Job[bool]:
@@ -64,7 +64,8 @@ def put(client: ClientState, /, key: str, value: Value, *, strict: bool | None =
     ``value``: bytes, bytearray, C-contiguous memoryview or numpy array (sent as its raw
     bytes), or a list or tuple of them: one block, their bytes joined, each piece sent
     from where it is (no gathering copy). Do not modify it until put returns."""
-    return put_receipt(client, key, value, strict=strict).then(_committed)
+    item = client.put_item(key, value)
+    return PutCall([item], client.strictness(strict), True, _first_committed)
 
 
 def put_receipt(
@@ -73,7 +74,7 @@ def put_receipt(
     """As :meth:`put`, answering the commit's receipt (version, write id, index revision,
     replica node ids) instead of True; None on failure (strict raises as put does)."""
     item = client.put_item(key, value)
-    return client.put_job([item], client.strictness(strict), single=True).then(_first)
+    return PutCall([item], client.strictness(strict), True, _first)
 
 
 def batch_put(
@@ -81,7 +82,8 @@ def batch_put(
 ) -> Job[list[bool]]:
     """Store many blocks with one commit; one bool per item, in order. With strict, a failure
     of the whole call raises; per-item failures stay False."""
-    return batch_put_receipts(client, items, strict=strict).then(_each_committed)
+    prepared = client.put_items(items)
+    return PutCall(prepared, client.strictness(strict), False, _each_committed)
 
 
 def batch_put_receipts(
@@ -89,7 +91,7 @@ def batch_put_receipts(
 ) -> Job[list[PutReceipt | None]]:
     """As :meth:`batch_put`, with each committed item's receipt (None where it failed)."""
     prepared = client.put_items(items)
-    return client.put_job(prepared, client.strictness(strict), single=False)
+    return PutCall(prepared, client.strictness(strict), False, _same)
 
 
 def get(
@@ -99,7 +101,7 @@ def get(
     BlockMissError, ChecksumMismatchError, DeadlineExceededError, UnavailableError…).
     ``max_tier`` ("gpu", "cpu", "ssd"; default: the config's): a block held only on a slower
     tier is a miss — for an engine that recomputes faster than it reads the SSD."""
-    return client.read_job(client.get_call(key, strict, max_tier))
+    return client.get_call(key, strict, max_tier)
 
 
 def get_into(
@@ -115,7 +117,7 @@ def get_into(
     BufferTooSmallError / InvalidValueError), or into a list or tuple of such buffers,
     filled in order: its size in bytes, or None (the buffer's content is then undefined).
     The bytes are copied once, into ``buffer``."""
-    return client.read_job(client.get_into_call(key, buffer, strict, max_tier))
+    return client.get_into_call(key, buffer, strict, max_tier)
 
 
 def batch_get(
@@ -128,7 +130,7 @@ def batch_get(
 ) -> Job[list[bytes | None]]:
     """Each key's bytes or None, in order (one lookup for the keys not cached, one MGET per
     node). With strict, a failure of the whole call raises; per-key misses stay None."""
-    return client.read_job(client.batch_get_call(keys, strict, max_tier))
+    return client.batch_get_call(keys, strict, max_tier)
 
 
 def batch_get_into(
@@ -143,7 +145,7 @@ def batch_get_into(
     """Read each key into its own buffer (``buffers[i]`` for ``keys[i]``): each block's size
     or None. The bytes are copied once, into the buffers; BufferTooSmallError when a block
     does not fit its buffer."""
-    return client.read_job(client.batch_get_into_call(keys, buffers, strict, max_tier))
+    return client.batch_get_into_call(keys, buffers, strict, max_tier)
 
 
 def batch_get_alloc(
@@ -159,13 +161,13 @@ def batch_get_alloc(
     (writable, at least ``size`` bytes): the buffers, None where a key missed. The bytes
     are copied once, into them; ``alloc`` runs in the calling thread (an ``AsyncClient``'s
     on its event loop)."""
-    return client.read_job(client.batch_get_alloc_call(keys, alloc, strict, max_tier))
+    return client.batch_get_alloc_call(keys, alloc, strict, max_tier)
 
 
 def exists(client: ClientState, /, key: str, *, strict: bool | None = None) -> Job[bool]:
     """Whether the index has ``key`` (the bytes are not checked; False on failure unless the
     client is strict)."""
-    return client.ask_job(client.exists_query(key, strict)).then(bool)
+    return client.exists_query(key, strict)
 
 
 def batch_exists(
@@ -173,7 +175,7 @@ def batch_exists(
 ) -> Job[list[bool]]:
     """Whether the index has each key, in one call to a master that sends no entries
     (cheaper than :meth:`sizes` for a long batch); all False on failure unless strict."""
-    return client.ask_job(client.batch_exists_query(keys, strict))
+    return ask(client.batch_exists_query(keys, strict))
 
 
 def sizes(
@@ -181,7 +183,7 @@ def sizes(
 ) -> Job[list[int | None]]:
     """Each key's block size in bytes, or None where the index has no such key (one lookup;
     no bytes are read; None for all on failure unless strict)."""
-    return client.ask_job(client.sizes_query(keys, strict))
+    return ask(client.sizes_query(keys, strict))
 
 
 def locate(
@@ -190,7 +192,7 @@ def locate(
     """Where the index has each key's block — its size, version, checksum, the fastest tier
     a replica reported and the live nodes holding it — or None where it has no such key
     (one lookup; no bytes are read; None for all on failure unless strict)."""
-    return client.ask_job(client.locate_query(keys, strict))
+    return ask(client.locate_query(keys, strict))
 
 
 def prefix_match(
@@ -208,7 +210,7 @@ def prefix_match(
     may not follow, or a latency-bound hit query). Keys of kvpool's scheme (``kvpool.keys``)
     are read by content, asking the index nothing anyway: for them the count only is asked
     either way (``direct_reads="off"`` fetches)."""
-    return client.ask_job(client.prefix_match_query(keys, strict, fetch_entries)).then(int)
+    return ask(client.prefix_match_query(keys, strict, fetch_entries))
 
 
 def pin(client: ClientState, /, keys: Sequence[str], replicas: int = 1) -> Job[list[bool]]:
@@ -217,7 +219,7 @@ def pin(client: ClientState, /, keys: Sequence[str], replicas: int = 1) -> Job[l
     unpinned), False when the index has no such key. Raises PinQuotaExceededError above the
     masters' pin_quota (the keys that fit are pinned), and any other failure as its typed
     error: pinning is an explicit request, never a silent miss."""
-    return client.ask_job(client.pin_query(keys, replicas))
+    return ask(client.pin_query(keys, replicas))
 
 
 def unpin(client: ClientState, /, keys: Sequence[str]) -> Job[list[bool]]:
@@ -228,7 +230,7 @@ def unpin(client: ClientState, /, keys: Sequence[str]) -> Job[list[bool]]:
 def remove(client: ClientState, /, key: str, *, strict: bool | None = None) -> Job[bool]:
     """Remove ``key``; True if the index had it. Replicas are told to drop the bytes, best
     effort."""
-    return client.ask_job(client.remove_one_query(key, strict)).then(bool)
+    return client.remove_one_query(key, strict)
 
 
 def batch_remove(
@@ -236,7 +238,7 @@ def batch_remove(
 ) -> Job[list[bool]]:
     """Remove many keys with one commit; True per key the index had (False for all on
     failure unless strict)."""
-    return client.ask_job(client.batch_remove_query(keys, strict))
+    return ask(client.batch_remove_query(keys, strict))
 
 
 def remove_prefix(client: ClientState, /, prefix: str, *, limit: int = 0) -> Job[tuple[int, bool]]:
@@ -244,20 +246,24 @@ def remove_prefix(client: ClientState, /, prefix: str, *, limit: int = 0) -> Job
     ``limit`` (0: the masters' step, 4096) in one Raft commit: (keys removed, whether
     matching keys are left — call again). Replicas are told to drop the bytes, best effort.
     An admin call: failures raise, typed."""
-    return client.ask_job(client.remove_prefix_query(prefix, limit))
+    return ask(client.remove_prefix_query(prefix, limit))
 
 
-def _committed(receipt: PutReceipt | None) -> bool:
-    return receipt is not None
+def _first(receipts: list[PutReceipt | None]) -> PutReceipt | None:
+    (first,) = receipts
+    return first
+
+
+def _first_committed(receipts: list[PutReceipt | None]) -> bool:
+    return _first(receipts) is not None
 
 
 def _each_committed(receipts: list[PutReceipt | None]) -> list[bool]:
     return [r is not None for r in receipts]
 
 
-def _first(receipts: list[Any]) -> Any:
-    (first,) = receipts
-    return first
+def _same(receipts: list[PutReceipt | None]) -> list[PutReceipt | None]:
+    return receipts
 
 
 F = TypeVar("F", bound=Callable[..., Any])

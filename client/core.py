@@ -174,16 +174,15 @@ class ClientCore(ClientState):
         """Carry ``job`` out on the event loop under its deadline and failure policy (as
         :meth:`SyncPath.carry <kvpool.client.fastpath.SyncPath.carry>`), where a guard also
         cancels what still runs DEADLINE_SLACK_S after the deadline: its answer."""
-        flow_of = job.flow_of
-        if flow_of is None:
-            return job.finish(None)
+        if job.idle():
+            return job.finish(self, None)
         loop = asyncio.get_running_loop()
-        with job.attempt() as attempt:
+        with job.attempt(self) as attempt:
             deadline = self.call_deadline(loop.time(), job.timeout_s)
             async with asyncio.timeout_at(deadline + DEADLINE_SLACK_S):
-                perform = partial(self._perform, deadline)
-                attempt.value = await ops.drive_async(flow_of(deadline, loop.time), perform)
-        return job.finish(attempt.value)
+                flow = job.flow(self, deadline, loop.time)
+                attempt.value = await ops.drive_async(flow, partial(self._perform, deadline))
+        return job.finish(self, attempt.value)
 
     async def _perform(self, deadline: float, step: ops.Step) -> Any:
         """Carry out one step of a flow (:mod:`~kvpool.client.ops`) on the event loop (a

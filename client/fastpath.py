@@ -142,14 +142,13 @@ class SyncPath(ClientState):
     def carry(self, job: Job[R]) -> R:
         """Carry ``job`` out in this thread under its deadline and failure policy: its
         answer."""
-        flow_of = job.flow_of
-        if flow_of is None:
-            return job.finish(None)
-        with job.attempt() as attempt:
+        if job.idle():
+            return job.finish(self, None)
+        with job.attempt(self) as attempt:
             deadline = self.call_deadline(time.monotonic(), job.timeout_s)
-            flow = flow_of(deadline, time.monotonic)
+            flow = job.flow(self, deadline, time.monotonic)
             attempt.value = ops.drive(flow, partial(self._perform, deadline))
-        return job.finish(attempt.value)
+        return job.finish(self, attempt.value)
 
     def _perform(self, deadline: float, step: ops.Step) -> Any:
         """Carry out one step of a flow (:mod:`~kvpool.client.ops`) in this thread."""

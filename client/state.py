@@ -27,8 +27,7 @@ import os
 import threading
 from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from opentelemetry.trace import SpanKind
@@ -97,11 +96,21 @@ from kvpool.mastercall import MasterRouting
 from kvpool.proto.keys import is_scheme_key
 from kvpool.proto.v1 import master_pb2
 
-__all__ = ["ClientState", "Job", "PutReceipt", "Query", "ReadCall", "RevisionFloor", "tier_limit"]
+__all__ = [
+    "ClientState",
+    "Job",
+    "PutCall",
+    "PutReceipt",
+    "Query",
+    "ReadCall",
+    "RevisionFloor",
+    "WarmUpCall",
+    "ask",
+    "tier_limit",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
-U = TypeVar("U")
 
 MAX_COMMIT_ENTRIES = 8192
 """Most entries in one CommitPuts (the masters' default commit_batch_max_entries); a larger
@@ -185,8 +194,37 @@ class RevisionFloor:
 # --- what the drivers carry out -------------------------------------------------------------------
 
 
+Clock = Callable[[], float]
+
+
+class Job(Generic[R]):
+    """One public call, built and not yet carried out (:mod:`kvpool.client.api` builds one per
+    call). A driver's ``carry(job)`` answers ``finish(state, None)`` at once when the job is
+    ``idle()``; else it runs ``flow(state, deadline, clock)`` under the failure policy
+    ``attempt(state)`` and the deadline ``timeout_s`` (else the client's), and answers
+    ``finish(state, value)`` of what the flow answered, or of the attempt's neutral answer
+    after a failure. Each kind of call — a :class:`ReadCall`, a :class:`Query`, a
+    :class:`PutCall`, a :class:`WarmUpCall` — says how, once for both drivers."""
+
+    __slots__ = ()
+    timeout_s: float | None = None
+
+    def idle(self) -> bool:
+        return False
+
+    def flow(self, state: ClientState, deadline: float, clock: Clock) -> Generator[Step, Any, Any]:
+        raise NotImplementedError
+
+    def attempt(self, state: ClientState) -> Attempt:
+        raise NotImplementedError
+
+    def finish(self, state: ClientState, value: Any) -> R:
+        result: R = value
+        return result
+
+
 @dataclass(slots=True)
-class ReadCall:
+class ReadCall(Job[Any]):
     """One read operation: read ``pairs`` (key, key bytes) into where ``sink_for`` says; the
     caller's answer is :meth:`ClientState.answer` of the items read — ``value(index, item)``
     for each hit, None for a miss, one answer for a ``single``-key call (get, get_into), a list
@@ -202,9 +240,21 @@ class ReadCall:
     single: bool = False
     direct: bool = True  # its sinks take a size not known yet (ops.DIRECT_SIZE)
 
+    def idle(self) -> bool:
+        return not self.pairs
+
+    def flow(self, state: ClientState, deadline: float, clock: Clock) -> ReadFlow:
+        return state.read_flow(self, deadline, clock)
+
+    def attempt(self, state: ClientState) -> Attempt:
+        return state.reading(self)
+
+    def finish(self, state: ClientState, value: Any) -> Any:
+        return state.answer(self, value)
+
 
 @dataclass(frozen=True, slots=True)
-class Query(Generic[T]):
+class Query(Job[T]):
     """One call to a master: ``answered(response)`` is the caller's answer, the next Query to
     ask (within the same deadline), or :class:`Removed`. On a failure of the cache the answer is
     ``neutral`` unless ``strict`` (then the typed error)."""
@@ -217,37 +267,74 @@ class Query(Generic[T]):
     strict: bool
     leader_only: bool = False
 
+    def flow(self, state: ClientState, deadline: float, clock: Clock) -> Generator[Step, Any, Any]:
+        return state.ask_flow(self, deadline, clock)
 
-FlowOf = Callable[[float, Callable[[], float]], Generator[Step, Any, Any]]
-"""A flow's maker: ``flow_of(deadline, clock)`` with the driver's clock."""
+    def attempt(self, state: ClientState) -> Attempt:
+        return state.asking(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Answered(Job[T]):
+    """A call answered without asking anyone (an empty batch)."""
+
+    value: T
+
+    def idle(self) -> bool:
+        return True
+
+    def finish(self, state: ClientState, value: Any) -> T:
+        return self.value
+
+
+def ask(query: Query[T] | T) -> Job[T]:
+    """A question to the index as a job (an answer already known, as one)."""
+    return query if isinstance(query, Query) else Answered(query)
 
 
 @dataclass(slots=True)
-class Job(Generic[R]):
-    """One public call, built and not yet carried out (:mod:`kvpool.client.api` builds one per
-    call; each driver carries it out its own way): the flow ``flow_of(deadline, clock)``
-    under the failure policy ``attempt()`` and the deadline ``timeout_s`` (else the client's);
-    the caller's answer is ``finish(value)`` of what the flow answered, or of the attempt's
-    neutral answer after a failure. No flow: the answer is ``finish(None)`` at once."""
+class PutCall(Job[R]):
+    """A put of ``items`` (one commit): the caller's answer is ``answers(receipts)``, each
+    item's receipt once committed or None where it failed."""
 
-    flow_of: FlowOf | None
-    attempt: Callable[[], Attempt]
-    finish: Callable[[Any], R]
-    timeout_s: float | None = None
+    items: list[PutItem]
+    strict: bool
+    single: bool
+    answers: Callable[[list[PutReceipt | None]], R]
+    receipts: dict[PutItem, PutReceipt] = field(default_factory=dict)
 
-    def then(self, then: Callable[[R], U]) -> Job[U]:
-        """This job, its answer passed through ``then``."""
-        finish = self.finish
-        return Job(self.flow_of, self.attempt, lambda value: then(finish(value)), self.timeout_s)
+    def idle(self) -> bool:
+        return not self.items
+
+    def flow(self, state: ClientState, deadline: float, clock: Clock) -> Generator[Step, Any, Any]:
+        return state.put_flow(self.items, self.receipts, deadline, clock)
+
+    def attempt(self, state: ClientState) -> Attempt:
+        return state.putting(self.items, self.strict)
+
+    def finish(self, state: ClientState, value: Any) -> R:
+        done = bool(value)
+        results = state.put_results(
+            self.items, self.receipts, self.strict, done, single=self.single
+        )
+        return self.answers(results)
 
 
-def _same(value: Any) -> Any:
-    return value
+@dataclass(frozen=True, slots=True)
+class WarmUpCall(Job["WarmUp"]):
+    """A warm-up (``warm_up``): see :meth:`ClientState.warm_up_flow`."""
 
+    nodes: bool
+    timeout_s: float | None
 
-def _no_attempt() -> Attempt:
-    """A job with no flow has no attempt (its drivers never ask for one)."""
-    raise InternalError("a job with no flow has no failure policy")
+    def flow(self, state: ClientState, deadline: float, clock: Clock) -> Generator[Step, Any, Any]:
+        return state.warm_up_flow(self.nodes, deadline, clock)
+
+    def attempt(self, state: ClientState) -> Attempt:
+        return state.warming_up()
+
+    def finish(self, state: ClientState, value: Any) -> WarmUp:
+        return state.warmed(value)
 
 
 WARM_UP_LOOKUP = master_pb2.LookupRequest(keys=["kvpool/warm-up"], internal=True)
@@ -523,13 +610,6 @@ class ClientState:
 
     # --- reads ----------------------------------------------------------------------------
 
-    def ask_job(self, query: Query[Any] | Any) -> Job[Any]:
-        """A :class:`Query` (and the ones its answers ask for) as a job; anything else is
-        already the answer."""
-        if not isinstance(query, Query):
-            return Job(None, _no_attempt, lambda _none: query)
-        return Job(partial(self.ask_flow, query), partial(self.asking, query), _same)
-
     def get_call(self, key: str, strict: bool | None, max_tier: str | None) -> ReadCall:
         pair = (key, validate_key(key))
         strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
@@ -623,12 +703,6 @@ class ClientState:
                 span.set_attributes(read_attributes(None, miss_reason(error)))
 
         return Attempt(call.op, None, call.strict, self.call_error, failed, n, _read_done)
-
-    def read_job(self, call: ReadCall) -> Job[Any]:
-        """A :class:`ReadCall` as a job: its answer from the items read (none to read: at
-        once)."""
-        flow = partial(self.read_flow, call) if call.pairs else None
-        return Job(flow, partial(self.reading, call), partial(self.answer, call))
 
     def settle(self, item: ReadItem | None, key: str, strict: bool) -> bool:
         """Count a read's outcome; True for a hit. Strict misses raise the typed error."""
@@ -949,22 +1023,12 @@ class ClientState:
             raise items[0].error or UnavailableError(f"put {items[0].key!r} failed")
         return results
 
-    def put_job(
-        self, items: list[PutItem], strict: bool, *, single: bool
-    ) -> Job[list[PutReceipt | None]]:
-        """A put of ``items`` as a job: each item's receipt once committed, None where it
-        failed."""
-        receipts: dict[PutItem, PutReceipt] = {}
-        flow = partial(self.put_flow, items, receipts) if items else None
-        results = partial(self.put_results, items, receipts, strict, single=single)
-        return Job(flow, partial(self.putting, items, strict), results)
-
     def computed_job(self, key: str, value: BytesLike) -> Job[bytes]:
         """get_or_compute's put of ``value`` (best effort: bad keys and values raise, a failing
         store does not), answering the value as bytes."""
         item = self.computed_item(key, value)
         answer = value if type(value) is bytes else bytes(item.payload)
-        return self.put_job([item], False, single=True).then(lambda _receipts: answer)
+        return PutCall([item], False, True, lambda _receipts: answer)
 
     def put_flow(
         self,
@@ -1084,10 +1148,6 @@ class ClientState:
         """The failure policy of a warm-up: every failure raises, typed (its flow answers
         the cluster's)."""
         return Attempt("warm_up", None, True, self.call_error)
-
-    def warm_up_job(self, timeout_s: float | None, nodes: bool) -> Job[WarmUp]:
-        flow = partial(self.warm_up_flow, nodes)
-        return Job(flow, self.warming_up, self.warmed, timeout_s)
 
     def warmed(self, warm: WarmUp) -> WarmUp:
         """After a warm-up: the blocking driver lends this thread's connections to the next
