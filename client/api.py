@@ -11,15 +11,47 @@ answers the value (``Client``); :func:`kvpool.client.core.awaiting` makes a coro
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kvpool.buffers import Parts
 from kvpool.client.commits import PutReceipt
-from kvpool.client.plans import BlockLocation
-from kvpool.client.state import ClientState, Job, PutCall, WarmUp, WarmUpCall, ask
-from kvpool.client.values import Into, PutItems, Value
+from kvpool.client.ops import DIRECT_SIZE, SinkFactory
+from kvpool.client.placement import MemberInfo
+from kvpool.client.plans import BlockLocation, ReadItem
+from kvpool.client.state import (
+    Answered,
+    ClientState,
+    Job,
+    PutCall,
+    Query,
+    ReadCall,
+    WarmUp,
+    WarmUpCall,
+)
+from kvpool.client.values import (
+    Into,
+    PutItems,
+    Value,
+    as_into,
+    as_sink,
+    check_fits,
+    validate_key,
+    validate_key_names,
+    validate_keys,
+)
+from kvpool.errors import InternalError, InvalidArgumentError, PinQuotaExceededError
+from kvpool.proto.v1 import master_pb2
 
 T = TypeVar("T")
+
+PREFIX_LOOKUP_MAX_KEYS = 1024
+"""prefix_match of at most this many keys is a Lookup (entries cached for the reads that follow)
+unless the caller asks for a count only; a longer chain asks PrefixMatch, which answers a count
+only."""
+PIN_OK = master_pb2.PIN_STATUS_OK
+PIN_QUOTA = master_pb2.PIN_STATUS_QUOTA_EXCEEDED
 
 __all__ = [
     "batch_exists",
@@ -101,7 +133,9 @@ def get(
     BlockMissError, ChecksumMismatchError, DeadlineExceededError, UnavailableError…).
     ``max_tier`` ("gpu", "cpu", "ssd"; default: the config's): a block held only on a slower
     tier is a miss — for an engine that recomputes faster than it reads the SSD."""
-    return client.get_call(key, strict, max_tier)
+    pair = (key, validate_key(key))
+    strict_, limit = client.strictness(strict), client.read_limit(max_tier)
+    return ReadCall("get", [pair], _fresh_bytes, strict_, limit, _result, True)
 
 
 def get_into(
@@ -117,7 +151,10 @@ def get_into(
     BufferTooSmallError / InvalidValueError), or into a list or tuple of such buffers,
     filled in order: its size in bytes, or None (the buffer's content is then undefined).
     The bytes are copied once, into ``buffer``."""
-    return client.get_into_call(key, buffer, strict, max_tier)
+    pair = (key, validate_key(key))
+    sink = as_into(buffer)
+    strict_, limit = client.strictness(strict), client.read_limit(max_tier)
+    return ReadCall("get_into", [pair], _into(sink), strict_, limit, _size, True)
 
 
 def batch_get(
@@ -130,7 +167,9 @@ def batch_get(
 ) -> Job[list[bytes | None]]:
     """Each key's bytes or None, in order (one lookup for the keys not cached, one MGET per
     node). With strict, a failure of the whole call raises; per-key misses stay None."""
-    return client.batch_get_call(keys, strict, max_tier)
+    pairs = validate_keys(keys)
+    strict_, limit = client.strictness(strict), client.read_limit(max_tier)
+    return ReadCall("batch_get", pairs, _fresh_bytes, strict_, limit, _result)
 
 
 def batch_get_into(
@@ -145,7 +184,10 @@ def batch_get_into(
     """Read each key into its own buffer (``buffers[i]`` for ``keys[i]``): each block's size
     or None. The bytes are copied once, into the buffers; BufferTooSmallError when a block
     does not fit its buffer."""
-    return client.batch_get_into_call(keys, buffers, strict, max_tier)
+    pairs = validate_keys(keys)
+    sinks = _batch_sinks(pairs, buffers)
+    strict_, limit = client.strictness(strict), client.read_limit(max_tier)
+    return ReadCall("batch_get_into", pairs, _into_each(sinks), strict_, limit, _size)
 
 
 def batch_get_alloc(
@@ -161,13 +203,35 @@ def batch_get_alloc(
     (writable, at least ``size`` bytes): the buffers, None where a key missed. The bytes
     are copied once, into them; ``alloc`` runs in the calling thread (an ``AsyncClient``'s
     on its event loop)."""
-    return client.batch_get_alloc_call(keys, alloc, strict, max_tier)
+    pairs = validate_keys(keys)
+    made: dict[int, T] = {}
+
+    def sink_for(index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
+        buffer = alloc(size)
+        sink = as_sink(buffer)
+        check_fits(sink, size, key)
+        made[index] = buffer
+        return sink[:size], True
+
+    strict_, limit = client.strictness(strict), client.read_limit(max_tier)
+    return ReadCall(
+        "batch_get_alloc",
+        pairs,
+        sink_for,
+        strict_,
+        limit,
+        lambda i, _item: made.get(i),
+        direct=False,  # its buffers are made for a known size
+    )
 
 
 def exists(client: ClientState, /, key: str, *, strict: bool | None = None) -> Job[bool]:
     """Whether the index has ``key`` (the bytes are not checked; False on failure unless the
     client is strict)."""
-    return client.exists_query(key, strict)
+    validate_key(key)
+    return client.lookup_query(
+        "exists", [key], lambda r: bool(r.entries[0].found), False, client.strictness(strict)
+    )
 
 
 def batch_exists(
@@ -175,7 +239,23 @@ def batch_exists(
 ) -> Job[list[bool]]:
     """Whether the index has each key, in one call to a master that sends no entries
     (cheaper than :meth:`sizes` for a long batch); all False on failure unless strict."""
-    return ask(client.batch_exists_query(keys, strict))
+    names = validate_key_names(keys)
+    if not names:
+        return Answered([])
+    strict_ = client.strictness(strict)
+    neutral = [False] * len(names)
+
+    def found(response: master_pb2.PrefixMatchResponse) -> list[bool] | Query[Any]:
+        client.floor.raise_to(response.revision)
+        if len(response.found) == len(names):
+            return list(response.found)
+        # A master of an older release answers the count only: ask a Lookup.
+        return client.lookup_query(
+            "exists", names, lambda r: [e.found for e in r.entries], neutral, strict_
+        )
+
+    request = master_pb2.PrefixMatchRequest(keys=names, min_revision=client.floor.value, each=True)
+    return Query("exists", "PrefixMatch", request, found, neutral, strict_)
 
 
 def sizes(
@@ -183,7 +263,15 @@ def sizes(
 ) -> Job[list[int | None]]:
     """Each key's block size in bytes, or None where the index has no such key (one lookup;
     no bytes are read; None for all on failure unless strict)."""
-    return ask(client.sizes_query(keys, strict))
+    names = validate_key_names(keys)
+    if not names:
+        return Answered([])
+
+    def sizes(response: master_pb2.LookupResponse) -> list[int | None]:
+        return [int(e.size_bytes) if e.found else None for e in response.entries]
+
+    neutral: list[int | None] = [None] * len(names)
+    return client.lookup_query("sizes", names, sizes, neutral, client.strictness(strict))
 
 
 def locate(
@@ -192,7 +280,16 @@ def locate(
     """Where the index has each key's block — its size, version, checksum, the fastest tier
     a replica reported and the live nodes holding it — or None where it has no such key
     (one lookup; no bytes are read; None for all on failure unless strict)."""
-    return ask(client.locate_query(keys, strict))
+    names = validate_key_names(keys)
+    if not names:
+        return Answered([])
+
+    def locations(response: master_pb2.LookupResponse) -> list[BlockLocation | None]:
+        members = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
+        return [BlockLocation.from_entry(e, members) if e.found else None for e in response.entries]
+
+    neutral: list[BlockLocation | None] = [None] * len(names)
+    return client.lookup_query("locate", names, locations, neutral, client.strictness(strict))
 
 
 def prefix_match(
@@ -210,7 +307,19 @@ def prefix_match(
     may not follow, or a latency-bound hit query). Keys of kvpool's scheme (``kvpool.keys``)
     are read by content, asking the index nothing anyway: for them the count only is asked
     either way (``direct_reads="off"`` fetches)."""
-    return ask(client.prefix_match_query(keys, strict, fetch_entries))
+    names = validate_key_names(keys)
+    if not names:
+        return Answered(0)
+    strict_ = client.strictness(strict)
+    if fetch_entries and len(names) <= PREFIX_LOOKUP_MAX_KEYS and not _by_content(client, names):
+        return client.lookup_query("prefix_match", names, _leading_hits, 0, strict_)
+
+    def matched(response: master_pb2.PrefixMatchResponse) -> int:
+        client.floor.raise_to(response.revision)
+        return min(int(response.matched), len(names))
+
+    request = master_pb2.PrefixMatchRequest(keys=names, min_revision=client.floor.value)
+    return Query("prefix_match", "PrefixMatch", request, matched, 0, strict_)
 
 
 def pin(client: ClientState, /, keys: Sequence[str], replicas: int = 1) -> Job[list[bool]]:
@@ -219,7 +328,31 @@ def pin(client: ClientState, /, keys: Sequence[str], replicas: int = 1) -> Job[l
     unpinned), False when the index has no such key. Raises PinQuotaExceededError above the
     masters' pin_quota (the keys that fit are pinned), and any other failure as its typed
     error: pinning is an explicit request, never a silent miss."""
-    return ask(client.pin_query(keys, replicas))
+    pairs = validate_keys(keys)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise InvalidArgumentError(f"replicas: expected an int >= 0, got {replicas!r}")
+    client.strictness(True)  # refuses a closed client
+    if not pairs:
+        return Answered([])
+    request = master_pb2.PinRequest(
+        request_id=os.urandom(16), keys=[k for k, _ in pairs], replicas=replicas
+    )
+
+    def pinned(response: master_pb2.PinResponse) -> list[bool]:
+        client.floor.raise_to(response.revision)
+        statuses = list(response.statuses)
+        if len(statuses) != len(pairs):
+            raise InternalError(f"Pin answered {len(statuses)} statuses for {len(pairs)} keys")
+        over = [k for (k, _), s in zip(pairs, statuses, strict=True) if s == PIN_QUOTA]
+        if over:
+            raise PinQuotaExceededError(
+                f"pin quota exceeded: {len(over)} of {len(pairs)} keys not pinned (first: "
+                f"{over[0]!r}); pinned {response.pinned_bytes} of {response.quota_bytes} "
+                "bytes (raise the masters' pin_quota or pin fewer blocks)"
+            )
+        return [s == PIN_OK for s in statuses]
+
+    return Query("pin", "Pin", request, pinned, [], True, leader_only=True)
 
 
 def unpin(client: ClientState, /, keys: Sequence[str]) -> Job[list[bool]]:
@@ -230,7 +363,10 @@ def unpin(client: ClientState, /, keys: Sequence[str]) -> Job[list[bool]]:
 def remove(client: ClientState, /, key: str, *, strict: bool | None = None) -> Job[bool]:
     """Remove ``key``; True if the index had it. Replicas are told to drop the bytes, best
     effort."""
-    return client.remove_one_query(key, strict)
+    validate_key(key)
+    return client.remove_query(
+        "remove", [key], client.strictness(strict), False, lambda r: bool(r.removed[0])
+    )
 
 
 def batch_remove(
@@ -238,7 +374,12 @@ def batch_remove(
 ) -> Job[list[bool]]:
     """Remove many keys with one commit; True per key the index had (False for all on
     failure unless strict)."""
-    return ask(client.batch_remove_query(keys, strict))
+    names = validate_key_names(keys)
+    if not names:
+        return Answered([])
+    neutral = [False] * len(names)
+    strict_ = client.strictness(strict)
+    return client.remove_query("batch_remove", names, strict_, neutral, lambda r: list(r.removed))
 
 
 def remove_prefix(client: ClientState, /, prefix: str, *, limit: int = 0) -> Job[tuple[int, bool]]:
@@ -246,7 +387,83 @@ def remove_prefix(client: ClientState, /, prefix: str, *, limit: int = 0) -> Job
     ``limit`` (0: the masters' step, 4096) in one Raft commit: (keys removed, whether
     matching keys are left — call again). Replicas are told to drop the bytes, best effort.
     An admin call: failures raise, typed."""
-    return ask(client.remove_prefix_query(prefix, limit))
+    if not isinstance(prefix, str):
+        raise InvalidArgumentError(f"a prefix must be a str, not {type(prefix).__name__}")
+    client.strictness(True)  # refuses a closed client
+    return client.remove_query(
+        "remove_prefix",
+        [],
+        True,
+        (0, False),
+        lambda r: (int(r.prefix_removed), bool(r.more)),
+        prefixes=(prefix,),
+        limit=limit,
+    )
+
+
+def _fresh_bytes(_index: int, _key: str, _size: int) -> tuple[memoryview | Parts | None, bool]:
+    """Into new bytes (get, batch_get)."""
+    return None, False
+
+
+def _into(sink: memoryview | Parts) -> SinkFactory:
+    """Into the caller's buffer (get_into): BufferTooSmallError when the block does not fit."""
+
+    def caller(_index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
+        if size == DIRECT_SIZE:
+            return sink, True
+        check_fits(sink, size, key)
+        return sink[:size], True
+
+    return caller
+
+
+def _batch_sinks(
+    pairs: list[tuple[str, bytes]], buffers: Sequence[object]
+) -> list[memoryview | Parts]:
+    if isinstance(buffers, str | bytes) or not isinstance(buffers, Sequence):
+        raise InvalidArgumentError("batch_get_into takes a sequence of buffers, one per key")
+    if len(buffers) != len(pairs):
+        raise InvalidArgumentError(
+            f"batch_get_into: {len(pairs)} keys but {len(buffers)} buffers (one per key)"
+        )
+    return [as_into(b) for b in buffers]
+
+
+def _into_each(sinks: list[memoryview | Parts]) -> SinkFactory:
+    """Into each key's own buffer (batch_get_into)."""
+
+    def caller(index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
+        sink = sinks[index]
+        if size == DIRECT_SIZE:
+            return sink, True
+        check_fits(sink, size, key)
+        return sink[:size], True
+
+    return caller
+
+
+def _result(_index: int, item: ReadItem) -> bytes:
+    return item.result()
+
+
+def _size(_index: int, item: ReadItem) -> int:
+    return int(item.entry.size_bytes)
+
+
+def _leading_hits(response: master_pb2.LookupResponse) -> int:
+    """prefix_match from a Lookup: the leading run of found keys. The entries are in the lookup
+    cache by then, so the get of the hits that an engine sends next needs no second index round
+    trip."""
+    entries = response.entries
+    return next((i for i, e in enumerate(entries) if not e.found), len(entries))
+
+
+def _by_content(client: ClientState, names: list[str]) -> bool:
+    """Every key is one this client reads by content (``direct_reads``): a get of them asks
+    the index nothing, so their entries are not worth fetching."""
+    direct = client.direct_keys
+    return direct is not None and all(map(direct, names))
 
 
 def _first(receipts: list[PutReceipt | None]) -> PutReceipt | None:

@@ -5,12 +5,13 @@ A client is this state plus a driver that carries out its requests:
 synchronous :class:`~kvpool.client.sync.Client`), and :class:`~kvpool.client.core.ClientCore`
 on an event loop (:class:`~kvpool.client.aio.AsyncClient`). The state holds the placement, the
 lookup cache, the read-your-writes floor, the counters and the master routing, and writes every
-operation once:
+operation once (:mod:`kvpool.client.api` builds them, each a :class:`Job`):
 
 * a read is a :class:`ReadCall` — the keys, where their bytes go, the call's strictness and
   tier limit, and how its answer is made from the read items; the read itself is
   :func:`~kvpool.client.ops.read_flow`;
-* a put is :func:`~kvpool.client.ops.put_flow` over :meth:`ClientState.commit_answered`;
+* a put is a :class:`PutCall`: :func:`~kvpool.client.ops.put_flow` over
+  :meth:`ClientState.commit_answered`;
 * a question to the index or a change of it (exists, sizes, locate, batch_exists,
   prefix_match, pin, remove) is a :class:`Query` — the master method and request, how the
   answer is read (a value, or the next Query), and the neutral answer on failure.
@@ -33,7 +34,6 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
-from kvpool.buffers import Parts
 from kvpool.client.blocks import BlockRef, PutItem, ReadItem
 from kvpool.client.cache import LookupCache
 from kvpool.client.client_metrics import ClientMetrics
@@ -49,7 +49,6 @@ from kvpool.client.hedge import HedgePolicy
 from kvpool.client.links import Links
 from kvpool.client.ops import (
     DELETE_WAIT_S,
-    DIRECT_SIZE,
     Ask,
     CommitOutcomes,
     Connect,
@@ -63,21 +62,14 @@ from kvpool.client.ops import (
     read_flow,
 )
 from kvpool.client.placement import MemberInfo, Placement
-from kvpool.client.plans import BlockLocation
 from kvpool.client.spans import read_attributes
 from kvpool.client.stats import ClientStats
 from kvpool.client.values import (
     BytesLike,
-    Into,
     PutItems,
-    as_into,
-    as_sink,
     as_value,
-    check_fits,
     put_items,
     validate_key,
-    validate_key_names,
-    validate_keys,
 )
 from kvpool.config import ClientConfig
 from kvpool.errors import (
@@ -87,7 +79,6 @@ from kvpool.errors import (
     InternalError,
     InvalidArgumentError,
     KVPoolError,
-    PinQuotaExceededError,
     StaleRingError,
     UnavailableError,
 )
@@ -105,7 +96,6 @@ __all__ = [
     "ReadCall",
     "RevisionFloor",
     "WarmUpCall",
-    "ask",
     "tier_limit",
 ]
 
@@ -126,11 +116,6 @@ def empty_ring_delay(attempt: int) -> float:
     return 0.02 * attempt
 
 
-PREFIX_LOOKUP_MAX_KEYS = 1024
-"""prefix_match of at most this many keys is a Lookup (entries cached for the reads that follow)
-unless the caller asks for a count only; a longer chain asks PrefixMatch, which answers a count
-only."""
-
 MASTER_ATTEMPT_S = 0.5
 """The longest one call waits for one master before asking another: a paused leader costs a
 writer this long (a new leader is elected within ~0.3-0.7 s; a retried commit applies once)."""
@@ -138,9 +123,6 @@ writer this long (a new leader is elected within ~0.3-0.7 s; a retried commit ap
 TIER_LIMITS: dict[str, int] = {"": 0, "any": 0, "gpu": 1, "cpu": 2, "ssd": 3}
 """``max_tier`` names: the slowest tier a get accepts (a block held only on a slower one is a
 miss, ``slow_tier``, without reading it)."""
-
-PIN_OK = master_pb2.PIN_STATUS_OK
-PIN_QUOTA = master_pb2.PIN_STATUS_QUOTA_EXCEEDED
 
 
 def _every_key(_key: str) -> bool:
@@ -163,14 +145,6 @@ def tier_limit(max_tier: str) -> int:
         raise InvalidArgumentError(
             f"max_tier: expected one of gpu, cpu, ssd or any, got {max_tier!r}"
         ) from None
-
-
-def leading_hits(response: master_pb2.LookupResponse) -> int:
-    """prefix_match from a Lookup: the leading run of found keys. The entries are in the lookup
-    cache by then, so the get of the hits that an engine sends next needs no second index round
-    trip."""
-    entries = response.entries
-    return next((i for i, e in enumerate(entries) if not e.found), len(entries))
 
 
 def miss_reason(error: KVPoolError) -> str:
@@ -285,11 +259,6 @@ class Answered(Job[T]):
 
     def finish(self, state: ClientState, value: Any) -> T:
         return self.value
-
-
-def ask(query: Query[T] | T) -> Job[T]:
-    """A question to the index as a job (an answer already known, as one)."""
-    return query if isinstance(query, Query) else Answered(query)
 
 
 @dataclass(slots=True)
@@ -462,58 +431,8 @@ NO_SPAN = nullcontext()
 """What :meth:`ClientState.looking_up` is when tracing is off (shared: it holds nothing)."""
 
 
-def fresh_bytes(_index: int, _key: str, _size: int) -> tuple[memoryview | Parts | None, bool]:
-    """Into new bytes (get, batch_get)."""
-    return None, False
-
-
-def into(sink: memoryview | Parts) -> SinkFactory:
-    """Into the caller's buffer (get_into): BufferTooSmallError when the block does not fit."""
-
-    def caller(_index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
-        if size == DIRECT_SIZE:
-            return sink, True
-        check_fits(sink, size, key)
-        return sink[:size], True
-
-    return caller
-
-
-def batch_sinks(
-    pairs: list[tuple[str, bytes]], buffers: Sequence[object]
-) -> list[memoryview | Parts]:
-    if isinstance(buffers, str | bytes) or not isinstance(buffers, Sequence):
-        raise InvalidArgumentError("batch_get_into takes a sequence of buffers, one per key")
-    if len(buffers) != len(pairs):
-        raise InvalidArgumentError(
-            f"batch_get_into: {len(pairs)} keys but {len(buffers)} buffers (one per key)"
-        )
-    return [as_into(b) for b in buffers]
-
-
-def into_each(sinks: list[memoryview | Parts]) -> SinkFactory:
-    """Into each key's own buffer (batch_get_into)."""
-
-    def caller(index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
-        sink = sinks[index]
-        if size == DIRECT_SIZE:
-            return sink, True
-        check_fits(sink, size, key)
-        return sink[:size], True
-
-    return caller
-
-
 def _read_done(items: list[ReadItem | None] | None, span: Any) -> None:
     span.set_attributes(read_attributes(items))
-
-
-def _result(_index: int, item: ReadItem) -> bytes:
-    return item.result()
-
-
-def _size(_index: int, item: ReadItem) -> int:
-    return int(item.entry.size_bytes)
 
 
 class ClientState:
@@ -549,7 +468,7 @@ class ClientState:
         self.metrics = ClientMetrics(self._stats)
         self._closed = False
         self._default_limit = tier_limit(config.max_tier)
-        self._direct = DIRECT_KEYS[config.direct_reads]
+        self.direct_keys = DIRECT_KEYS[config.direct_reads]
 
     # --- state ----------------------------------------------------------------------------
 
@@ -576,7 +495,8 @@ class ClientState:
 
     # --- failure policy -------------------------------------------------------------------
 
-    def _tier_limit(self, max_tier: str | None) -> int:
+    def read_limit(self, max_tier: str | None) -> int:
+        """The slowest tier a read accepts (``max_tier``, else the client's)."""
         return self._default_limit if max_tier is None else tier_limit(max_tier)
 
     def strictness(self, strict: bool | None) -> bool:
@@ -609,67 +529,6 @@ class ClientState:
         return Attempt(query.op, query.neutral, query.strict, self.call_error)
 
     # --- reads ----------------------------------------------------------------------------
-
-    def get_call(self, key: str, strict: bool | None, max_tier: str | None) -> ReadCall:
-        pair = (key, validate_key(key))
-        strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
-        return ReadCall("get", [pair], fresh_bytes, strict_, limit, _result, True)
-
-    def get_into_call(
-        self, key: str, buffer: Into, strict: bool | None, max_tier: str | None
-    ) -> ReadCall:
-        pair = (key, validate_key(key))
-        sink = as_into(buffer)
-        strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
-        return ReadCall("get_into", [pair], into(sink), strict_, limit, _size, True)
-
-    def batch_get_call(
-        self, keys: Sequence[str], strict: bool | None, max_tier: str | None
-    ) -> ReadCall:
-        pairs = validate_keys(keys)
-        strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
-        return ReadCall("batch_get", pairs, fresh_bytes, strict_, limit, _result)
-
-    def batch_get_into_call(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[Into],
-        strict: bool | None,
-        max_tier: str | None,
-    ) -> ReadCall:
-        pairs = validate_keys(keys)
-        sinks = batch_sinks(pairs, buffers)
-        strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
-        return ReadCall("batch_get_into", pairs, into_each(sinks), strict_, limit, _size)
-
-    def batch_get_alloc_call(
-        self,
-        keys: Sequence[str],
-        alloc: Callable[[int], object],
-        strict: bool | None,
-        max_tier: str | None,
-    ) -> ReadCall:
-        """Each hit's bytes go into the buffer ``alloc(size)`` made once its size is known."""
-        pairs = validate_keys(keys)
-        made: dict[int, object] = {}
-
-        def sink_for(index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
-            buffer = alloc(size)
-            sink = as_sink(buffer)
-            check_fits(sink, size, key)
-            made[index] = buffer
-            return sink[:size], True
-
-        strict_, limit = self.strictness(strict), self._tier_limit(max_tier)
-        return ReadCall(
-            "batch_get_alloc",
-            pairs,
-            sink_for,
-            strict_,
-            limit,
-            lambda i, _item: made.get(i),
-            direct=False,  # its buffers are made for a known size
-        )
 
     def answer(self, call: ReadCall, items: list[ReadItem | None] | None) -> Any:
         """The caller's answer to ``call`` from the items read (None: the read failed as a
@@ -772,7 +631,7 @@ class ClientState:
             limit=call.limit,
             deadline=deadline,
             clock=clock,
-            direct=self._direct if call.direct else None,
+            direct=self.direct_keys if call.direct else None,
             on_direct=self._stats.direct,
             direct_replicas=self.config.replicas,
         )
@@ -798,115 +657,6 @@ class ClientState:
             return answered(response)
 
         return Query(op, "Lookup", request, learn, neutral, strict)
-
-    def exists_query(self, key: str, strict: bool | None) -> Query[bool]:
-        validate_key(key)
-        return self.lookup_query(
-            "exists", [key], lambda r: bool(r.entries[0].found), False, self.strictness(strict)
-        )
-
-    def sizes_query(self, keys: Sequence[str], strict: bool | None) -> Query[Any] | list[Any]:
-        names = validate_key_names(keys)
-        if not names:
-            return []
-
-        def sizes(response: master_pb2.LookupResponse) -> list[int | None]:
-            return [int(e.size_bytes) if e.found else None for e in response.entries]
-
-        return self.lookup_query(
-            "sizes", names, sizes, [None] * len(names), self.strictness(strict)
-        )
-
-    def locate_query(self, keys: Sequence[str], strict: bool | None) -> Query[Any] | list[Any]:
-        names = validate_key_names(keys)
-        if not names:
-            return []
-
-        def locations(response: master_pb2.LookupResponse) -> list[BlockLocation | None]:
-            members = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
-            return [
-                BlockLocation.from_entry(e, members) if e.found else None for e in response.entries
-            ]
-
-        neutral = [None] * len(names)
-        return self.lookup_query("locate", names, locations, neutral, self.strictness(strict))
-
-    def batch_exists_query(
-        self, keys: Sequence[str], strict: bool | None
-    ) -> Query[Any] | list[Any]:
-        """One PrefixMatch answering each key (no entries sent); a master of an older release
-        answers the count only, and then a Lookup is asked."""
-        names = validate_key_names(keys)
-        if not names:
-            return []
-        strict_ = self.strictness(strict)
-        neutral = [False] * len(names)
-
-        def found(response: master_pb2.PrefixMatchResponse) -> list[bool] | Query[Any]:
-            self.floor.raise_to(response.revision)
-            if len(response.found) == len(names):
-                return list(response.found)
-            return self.lookup_query(
-                "exists", names, lambda r: [e.found for e in r.entries], neutral, strict_
-            )
-
-        request = master_pb2.PrefixMatchRequest(
-            keys=names, min_revision=self.floor.value, each=True
-        )
-        return Query("exists", "PrefixMatch", request, found, neutral, strict_)
-
-    def prefix_match_query(
-        self, keys: Sequence[str], strict: bool | None, fetch_entries: bool
-    ) -> Query[int] | int:
-        names = validate_key_names(keys)
-        if not names:
-            return 0
-        strict_ = self.strictness(strict)
-        if fetch_entries and len(names) <= PREFIX_LOOKUP_MAX_KEYS and not self._by_content(names):
-            return self.lookup_query("prefix_match", names, leading_hits, 0, strict_)
-
-        def matched(response: master_pb2.PrefixMatchResponse) -> int:
-            self.floor.raise_to(response.revision)
-            return min(int(response.matched), len(names))
-
-        request = master_pb2.PrefixMatchRequest(keys=names, min_revision=self.floor.value)
-        return Query("prefix_match", "PrefixMatch", request, matched, 0, strict_)
-
-    def _by_content(self, names: list[str]) -> bool:
-        """Every key is one this client reads by content (``direct_reads``): a get of them asks
-        the index nothing, so their entries are not worth fetching."""
-        direct = self._direct
-        return direct is not None and all(map(direct, names))
-
-    def pin_query(self, keys: Sequence[str], replicas: int) -> Query[list[bool]] | list[bool]:
-        """Pin keys at ``replicas`` copies (0: unpin); always strict (pinning is an explicit
-        request, never a silent miss). PinQuotaExceededError when the masters' pin quota would
-        be exceeded (the keys that fit are pinned)."""
-        pairs = validate_keys(keys)
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise InvalidArgumentError(f"replicas: expected an int >= 0, got {replicas!r}")
-        self.strictness(True)
-        if not pairs:
-            return []
-        request = master_pb2.PinRequest(
-            request_id=os.urandom(16), keys=[k for k, _ in pairs], replicas=replicas
-        )
-
-        def pinned(response: master_pb2.PinResponse) -> list[bool]:
-            self.floor.raise_to(response.revision)
-            statuses = list(response.statuses)
-            if len(statuses) != len(pairs):
-                raise InternalError(f"Pin answered {len(statuses)} statuses for {len(pairs)} keys")
-            over = [k for (k, _), s in zip(pairs, statuses, strict=True) if s == PIN_QUOTA]
-            if over:
-                raise PinQuotaExceededError(
-                    f"pin quota exceeded: {len(over)} of {len(pairs)} keys not pinned (first: "
-                    f"{over[0]!r}); pinned {response.pinned_bytes} of {response.quota_bytes} "
-                    "bytes (raise the masters' pin_quota or pin fewer blocks)"
-                )
-            return [s == PIN_OK for s in statuses]
-
-        return Query("pin", "Pin", request, pinned, [], True, leader_only=True)
 
     def remove_query(
         self,
@@ -945,40 +695,6 @@ class ClientState:
             return Removed(answer(response), refs)
 
         return Query(op, "Remove", request, removed, neutral, strict, leader_only=True)
-
-    def remove_one_query(self, key: str, strict: bool | None) -> Query[bool]:
-        validate_key(key)
-        return self.remove_query(
-            "remove", [key], self.strictness(strict), False, lambda r: bool(r.removed[0])
-        )
-
-    def batch_remove_query(
-        self, keys: Sequence[str], strict: bool | None
-    ) -> Query[Any] | list[bool]:
-        names = validate_key_names(keys)
-        if not names:
-            return []
-        neutral = [False] * len(names)
-        strict_ = self.strictness(strict)
-        return self.remove_query("batch_remove", names, strict_, neutral, lambda r: list(r.removed))
-
-    def remove_prefix_query(self, prefix: str, limit: int) -> Query[tuple[int, bool]]:
-        """One step of removing every key that starts with ``prefix`` ("" = every key): (keys
-        removed, whether matching keys are left). An admin call: failures raise, typed."""
-        if not isinstance(prefix, str):
-            raise InvalidArgumentError(f"a prefix must be a str, not {type(prefix).__name__}")
-        self.strictness(True)
-        return self.remove_query(
-            "remove_prefix",
-            [],
-            True,
-            (0, False),
-            lambda r: (int(r.prefix_removed), bool(r.more)),
-            prefixes=(prefix,),
-            limit=limit,
-        )
-
-    # --- writes ---------------------------------------------------------------------------
 
     def put_item(self, key: str, value: object) -> PutItem:
         key_bytes = validate_key(key)
