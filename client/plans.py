@@ -544,7 +544,8 @@ class NodeRead:
                 continue
             if call.table is None:
                 it = group[0]
-                judge(it, self.address, _answer(call), call.data, call.message())
+                digest = call.digests[0] if call.digests else None  # hashed as it landed
+                judge(it, self.address, _answer(call), call.data, call.message(), digest=digest)
                 continue
             if call.status != Status.OK or len(call.records) != len(group):
                 for it in group:

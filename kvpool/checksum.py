@@ -31,6 +31,12 @@ def block_checksum(data: Any) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
 
 
+def block_hasher() -> Any:
+    """A running :func:`block_checksum`: ``update(piece)`` for each piece in order, then
+    ``intdigest()`` is the checksum of the pieces joined."""
+    return xxhash.xxh3_64()
+
+
 def copy_checksum(dest: memoryview | Parts, src: memoryview | Parts) -> int:
     """``copy_bytes(dest, src)``, then the checksum of ``dest`` as copied: the hash vouches for
     exactly the bytes the caller is handed, whatever happens to ``src`` meanwhile (a node's

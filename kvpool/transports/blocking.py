@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from kvpool.buffers import Parts
+from kvpool.checksum import block_hasher
 from kvpool.errors import (
     DeadlineExceededError,
     KVPoolError,
@@ -47,6 +48,7 @@ from kvpool.proto.wire import (
     MAX_ERROR_MESSAGE_BYTES,
     FrameError,
     Header,
+    Op,
     Status,
     unpack_header,
     version_mismatch_message,
@@ -324,6 +326,8 @@ class BlockingConnection:
 
     def _take_payload(self, call: Call, header: Header, deadline: float) -> None:
         size = header.payload_len
+        if call.table is None:
+            call.digests = None  # set below only for bytes hashed as they landed, in this answer
         if size == 0:
             return
         status = header.status
@@ -340,6 +344,10 @@ class BlockingConnection:
         if sink is not None and sink.nbytes == size:
             if isinstance(sink, Parts):
                 self._recv_scatter(sink.views, deadline)
+            elif call.op == Op.GET:  # hashed as it lands (call.digests), between receives
+                hasher = block_hasher()
+                self._recv_into(sink, deadline, hasher)
+                call.digests = [int(hasher.intdigest())]
             else:
                 self._recv_into(sink, deadline)
             call.data = sink
@@ -462,7 +470,10 @@ class BlockingConnection:
             self._recv_into(drop[:n], deadline)
             size -= n
 
-    def _recv_into(self, view: memoryview, deadline: float) -> None:
+    def _recv_into(self, view: memoryview, deadline: float, hasher: Any = None) -> None:
+        """Fill ``view`` from the socket; ``hasher`` (a :func:`~kvpool.checksum.block_hasher`)
+        is fed each piece as it lands, while the node sends the next (still in the CPU's
+        cache, and overlapped with the transfer instead of after it)."""
         sock = self._sock
         got = 0
         want = view.nbytes
@@ -470,6 +481,8 @@ class BlockingConnection:
             n = self._receive(sock.recv_into, view[got:] if got else view, deadline)
             if n == 0:
                 raise self._broken_by(None, "receive")
+            if hasher is not None:
+                hasher.update(view[got : got + n])
             got += n
             if got < want:
                 self._check(deadline)

@@ -265,6 +265,37 @@ def test_bytes_changed_on_the_node_are_a_miss_however_a_batch_receives_them(
             asyncio.run(scenario(kv, done))
 
 
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=needs_shm)])
+def test_bytes_changed_on_the_node_are_a_miss_for_a_one_key_read(
+    cluster: Cluster, transport: str
+) -> None:
+    """A one-key get_into over tcp hashes the block as it lands in the caller's buffer (the
+    checksum taken between receives, not after): a changed block is still a checksum miss,
+    into a buffer of its size, a larger one or two pieces, and for get; a good one a hit."""
+    rng = random.Random(8)
+    good = {f"one/good/{n}": rng.randbytes(n) for n in (100, 3 * MIB)}
+    bad = {f"one/bad/{n}": rng.randbytes(n) for n in (100, 3 * MIB)}
+    with Client([cluster.address], timeout_s=5.0, transport=transport) as kv:
+        assert kv.batch_put({**good, **bad}) == [True] * 4
+        assert sum(_flip_first_byte(n, set(bad)) for n in cluster.nodes) == len(bad)
+        reads = 0
+        for key, value in {**good, **bad}.items():
+            for extra, pieces in ((0, 1), (1, 1), (0, 2)):
+                buf = bytearray(len(value) + extra)
+                view = memoryview(buf)
+                into: Any = [view[: len(buf) // 2], view[len(buf) // 2 :]] if pieces == 2 else buf
+                got = kv.get_into(key, into)
+                reads += 1
+                if key in good:
+                    assert got == len(value)
+                    assert bytes(buf[: len(value)]) == value
+                else:
+                    assert got is None
+            assert kv.get(key) == good.get(key)
+            reads += 1
+        assert kv.stats["misses_by_reason"]["checksum_mismatch"] == reads // 2
+
+
 # --- the lookup cache ---------------------------------------------------------------------------
 
 
