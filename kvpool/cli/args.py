@@ -27,7 +27,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
         if not f.metadata.get("flag", True):
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help
         kind = f.metadata.get("kind", "")
         default = f.default
         if kind == "secret":

@@ -14,6 +14,7 @@ from kvpool.config import (
     NodeConfig,
     load_config,
     memory_limit_bytes,
+    opt,
     physical_memory_bytes,
     redacted,
 )
@@ -215,3 +216,27 @@ def test_a_node_tier_that_would_not_fit_its_container_is_refused(
     assert not any("container" in e for e in node("8GiB"))
     monkeypatch.setattr(config, "memory_limit_bytes", lambda: 64 << 30)  # no container limit
     assert not any("container" in e for e in node("40GiB"))
+
+
+def test_a_settings_help_with_a_percent_sign_renders_in_help() -> None:
+    """argparse formats help texts (``%(default)s``): a setting's help saying "90 %" once
+    made ``kvpool master --help`` crash. Every config's flags render, and a ``%`` stays."""
+    import argparse
+    import dataclasses
+
+    from kvpool.cli.args import add_config_flags
+
+    @dataclasses.dataclass(frozen=True)
+    class Odd:
+        share: float = opt(0.9, "past 90 % of the limit (90%s of it, %(default)s)")
+
+    for cls in (Odd, MasterConfig, NodeConfig, ClientConfig):
+        parser = argparse.ArgumentParser(prog="kvpool")
+        add_config_flags(parser, cls)
+        text = parser.format_help()
+        assert "--config" in text
+    parser = argparse.ArgumentParser(prog="kvpool")
+    add_config_flags(parser, Odd)
+    assert "past 90 % of the limit (90%s of it, %(default)s)" in " ".join(
+        parser.format_help().split()
+    )
