@@ -88,6 +88,9 @@ table, buffers): a container limit below the tier plus this is refused at start.
 
 INDEX_ENTRY_BYTES = 240
 """A master's memory per index entry (``kvpool-bench index``, ``index_memory``)."""
+INDEX_SHED_FROM = 0.9
+"""Of ``index_max_entries``, the size past which the leader asks nodes to shed their coldest
+blocks (``index_shed``): the entries above it, shared out by each node's replicas."""
 INDEX_MEMORY_FRACTION = 0.4
 """Of a master's memory, what the index may fill when ``index_max_entries`` is 0: the rest is
 the snapshot's fork (copy-on-write pages while it writes), the Raft log and the buffers."""
@@ -308,6 +311,12 @@ class MasterConfig(ServerSecurityConfig, LogConfig, IngressConfig):
         "refuse puts of keys the index does not hold once it holds this many entries, so that "
         "no master runs out of memory (every master holds the whole index); 0: what 0.4 of "
         "this host's or container's memory holds at 240 bytes an entry",
+    )
+    index_shed: bool = opt(
+        True,
+        "past nine tenths of index_max_entries, ask the nodes (in their heartbeats' answers) "
+        "to drop their coldest blocks, so that new keys keep getting into a full index; false: "
+        "a full index refuses new keys until blocks leave it by themselves",
     )
     advertise_address: str = opt(
         "",

@@ -567,6 +567,10 @@ class BlockIndex(MemberTable):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def member_block_count(self, member_id: int) -> int:
+        """How many entries name ``member_id`` among their replicas."""
+        return len(self._member_keys.get(member_id, ()))
+
     # --- snapshots ------------------------------------------------------------------------------
 
     def export_state(self) -> dict[str, Any]:

@@ -79,6 +79,12 @@ def master_families(service: MasterService, replicas: Any = None) -> Iterator[Me
         "puts refused by this master because the index was at index_max_entries",
         service.index_full_refusals,
     )
+    yield _total(
+        "kvpool_index_shed_asked",
+        "blocks this master, leading, asked nodes to drop because the index was past nine "
+        "tenths of index_max_entries (index_shed)",
+        service.index_shed_asked,
+    )
     members = service.replicator.read(lambda ix: len(ix.live_members()))
     yield _one("kvpool_index_live_nodes", "store nodes the index counts as live", members)
     if replicas is not None:

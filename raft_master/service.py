@@ -18,6 +18,7 @@ Raised :class:`~kvpool.errors.KVPoolError` s become a status plus metadata in th
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -28,7 +29,7 @@ import grpc.aio
 from google.protobuf.message import Message
 
 from kvpool import receipts
-from kvpool.config import MasterConfig
+from kvpool.config import INDEX_SHED_FROM, MasterConfig
 from kvpool.errors import (
     IndexFullError,
     InternalError,
@@ -123,6 +124,16 @@ def member_pb(rec: MemberRecord) -> common_pb2.Member:
     )
 
 
+def shed_share(held: int, limit: int, mine: int) -> int:
+    """The blocks a node holding ``mine`` of the index's ``held`` entries is asked to drop
+    when the index's limit is ``limit`` (``index_shed``): the entries past INDEX_SHED_FROM of
+    the limit, times the node's share; 0 below it."""
+    floor = int(limit * INDEX_SHED_FROM)
+    if held <= floor or held <= 0:
+        return 0
+    return min(math.ceil((held - floor) * mine / held), 0xFFFFFFFF)
+
+
 def _named_live_members(ix: BlockIndex, ids: Iterable[int]) -> list[MemberRecord]:
     out: dict[int, MemberRecord] = {}
     for member_id in ids:
@@ -197,6 +208,7 @@ class MasterService(master_pb2_grpc.MasterServicer):
         self._node_stats: dict[int, NodeStats] = {}
         self.index_limit = cfg.index_entry_limit()  # puts of new keys refused at this size
         self.index_full_refusals = 0  # CommitPuts refused for it (IndexFullError)
+        self.index_shed_asked = 0  # blocks nodes were asked to drop to make room (index_shed)
         self._index_full_log = OncePer(self._log, INDEX_FULL_LOG_EVERY_S, clock=clock)
         self.rpc_address = ""  # the frame RPC port, when offered (see rpc_port.py)
         self.read_address = ""  # the read port, offered with it (see read_port.py)
@@ -444,9 +456,23 @@ class MasterService(master_pb2_grpc.MasterServicer):
             )
         else:
             self._node_stats.pop(member_id, None)
+        shed = self._shed_share(member_id) if known and self.cfg.index_shed else 0
         return master_pb2.HeartbeatResponse(
-            known=known, ring_version=ring_version, receipt_key=self.receipt_key
+            known=known, ring_version=ring_version, receipt_key=self.receipt_key, shed_blocks=shed
         )
+
+    def _shed_share(self, member_id: int) -> int:
+        """How many of its coldest blocks a node is asked to drop (``index_shed``): the entries
+        past INDEX_SHED_FROM of the index's limit, times the node's share of the entries (as if
+        each entry's replicas all dropped it at once; the next heartbeats ask again for what is
+        left); 0 below it. A full index keeps admitting new keys this way, the coldest blocks
+        making room, instead of freezing what the cache holds."""
+        limit = self.index_limit
+        asked = self.replicator.read(
+            lambda ix: shed_share(len(ix), limit, ix.member_block_count(member_id))
+        )
+        self.index_shed_asked += asked
+        return asked
 
     async def ReportEvictions(  # noqa: N802 - gRPC method name
         self, request: master_pb2.ReportEvictionsRequest, context: grpc.aio.ServicerContext

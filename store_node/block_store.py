@@ -465,6 +465,13 @@ class BlockStore:
         """Above a tier's high watermark, make blocks leave it down to its low watermark."""
         self.tiers.relieve()
 
+    def shed(self, count: int) -> int:
+        """Drop up to ``count`` of the coldest blocks (the index asked: it is nearly full);
+        each is reported to the index as evicted. How many left."""
+        lost = len(self.tiers.shed(count)) if count > 0 else 0
+        self.counters.shed += lost
+        return lost
+
     def take_jobs(self) -> list[Job]:
         return self.tiers.take_jobs()
 

@@ -150,6 +150,7 @@ class Counters:
     directory_reads: int = 0  # hits same-host clients made through the shared directory
     misses: dict[MissReason, int] = field(default_factory=lambda: dict.fromkeys(MissReason, 0))
     evictions: int = 0  # blocks lost to pressure (their last copy went)
+    shed: int = 0  # of those, dropped because the index was nearly full (index_shed)
     no_space: int = 0
     too_large: int = 0
     checksum_mismatches: int = 0

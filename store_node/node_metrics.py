@@ -79,6 +79,14 @@ def node_families(store: BlockStore, registered: bool = True) -> Iterator[Metric
         c.evictions,
     )
     yield _one(
+        counter(
+            "kvpool_node_index_shed",
+            "blocks dropped because the index was nearly full and the leader asked for room "
+            "(index_shed; counted in kvpool_node_evictions too)",
+        ),
+        c.shed,
+    )
+    yield _one(
         counter("kvpool_node_checksum_mismatches", "copies whose bytes failed their checksum"),
         c.checksum_mismatches,
     )

@@ -63,6 +63,9 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 T = TypeVar("T")
 
 
+MAX_SHED_PER_HEARTBEAT = 4096
+"""Most blocks one heartbeat's answer makes a node drop for a nearly full index (``shed_blocks``):
+the next heartbeat asks again for what is left."""
 HOT_BLOCKS_PER_HEARTBEAT = 256
 """Most read counts one heartbeat carries (the keys read most since the last one)."""
 
@@ -322,7 +325,18 @@ class NodeRegistration:
             self._log.info("heartbeat_restored", member_id=self.member_id)
             self._heartbeat_failing = False
         self._receipt_key(response.receipt_key)
+        if response.known and response.shed_blocks:
+            self._shed(response.shed_blocks)
         return bool(response.known)
+
+    def _shed(self, asked: int) -> None:
+        """Drop the coldest blocks the leader asked for (the index is nearly full), at most
+        MAX_SHED_PER_HEARTBEAT; none while evictions the index has not heard of yet are
+        waiting, since its count, and so what it asks, does not show them yet."""
+        if self._pending_report is not None or self._store.evictions_pending:
+            return
+        dropped = self._store.shed(min(asked, MAX_SHED_PER_HEARTBEAT))
+        self._log.info("index_full_shed", asked=asked, dropped=dropped, member_id=self.member_id)
 
     def _receipt_key(self, raw: bytes) -> None:
         """Pass on the receipt key a master answered (the listener keeps the one it holds when

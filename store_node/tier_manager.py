@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from kvpool.proto.wire import TierLevel
@@ -277,6 +278,32 @@ class TierManager:
         """Drop ``need_bytes`` of copies from ``level`` now (losing blocks with no other copy);
         the ids of the blocks lost."""
         return self._evict(level, need_bytes)
+
+    def shed(self, count: int) -> list[BlockId]:
+        """Drop the coldest blocks until ``count`` have left the node (the index is nearly
+        full: ``index_shed``): the SSD's oldest segments first (its FIFO, as reclaim walks
+        it), then the CPU's and the GPU's policies, as pressure would; a copy with another
+        ready copy elsewhere is dropped and not counted. Pinned and leased blocks stay. The ids
+        of the blocks lost."""
+        lost: list[BlockId] = []
+        if self.ssd is not None:
+            self._shed_ssd(count, lost)
+        for level in [level for level in (CPU, GPU) if level in self.policies]:
+            policy = self.policies[level]
+            while len(lost) < count:
+                victim = policy.pop_victim(partial(self._evictable, level=level), EVICTION_REFUSALS)
+                if victim is None:
+                    break
+                block = self._lookup(victim)
+                assert block is not None
+                copy = block.copies[level]
+                if self._other_ready_copy(block, level):
+                    self._drop_copy(copy, evicted=True)
+                    continue
+                self.counters[level].evictions += 1
+                lost.append(block.id)
+                self._lose(block, level)
+        return lost
 
     # --- the worker's side --------------------------------------------------------------------
 
@@ -647,6 +674,27 @@ class TierManager:
                 else:
                     self.counters[SSD].evictions += 1
                     self._lose(block, SSD)
+
+    def _shed_ssd(self, count: int, lost: list[BlockId]) -> None:
+        """:meth:`shed` on the SSD: copies of its oldest segments first (the open one last);
+        none of a segment still being written."""
+        assert self.ssd is not None
+        segments = self.ssd.segments
+        for seg in [*segments.sealed_oldest_first(), segments.open_segment]:
+            if seg is None or self._seg_writers.get(seg) or self._seg_lingering.get(seg):
+                continue
+            for copy in list(self._ssd_copies.get(seg, {}).values()):
+                if len(lost) >= count:
+                    return
+                block = copy.block
+                if copy.detached or not copy.ready or copy.leases or block.pinned:
+                    continue
+                if self._other_ready_copy(block, SSD):
+                    self._drop_copy(copy, evicted=True)
+                    continue
+                self.counters[SSD].evictions += 1
+                lost.append(block.id)
+                self._lose(block, SSD)
 
     # --- internals: promotion -------------------------------------------------------------------
 

@@ -648,6 +648,7 @@ class HeartbeatResponse(_message.Message):
     KNOWN_FIELD_NUMBER: _builtins.int
     RING_VERSION_FIELD_NUMBER: _builtins.int
     RECEIPT_KEY_FIELD_NUMBER: _builtins.int
+    SHED_BLOCKS_FIELD_NUMBER: _builtins.int
     known: _builtins.bool
     """False when the index no longer knows this member as live (declared down):
     the node must drop its blocks and register again (the same incarnation, a new
@@ -656,16 +657,21 @@ class HeartbeatResponse(_message.Message):
     ring_version: _builtins.int
     receipt_key: _builtins.bytes
     """as RegisterNodeResponse.receipt_key (a changed raft_secret)"""
+    shed_blocks: _builtins.int
+    """The index is nearly full (index_shed): drop this many of the coldest blocks held
+    (0: none), so that new keys get in. A node caps it (MAX_SHED_PER_HEARTBEAT).
+    """
     def __init__(
         self,
         *,
         known: _builtins.bool = ...,
         ring_version: _builtins.int = ...,
         receipt_key: _builtins.bytes = ...,
+        shed_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "receipt_key", b"receipt_key", "ring_version", b"ring_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "receipt_key", b"receipt_key", "ring_version", b"ring_version", "shed_blocks", b"shed_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,7 +1,9 @@
 """The index's size limit (``index_max_entries``) on a real cluster: every master holds the
 whole index, so an index that outgrew their memory would kill them all at once (Mooncake's
 master was OOM-killed at 25-50 M objects). At the limit, puts of new keys miss (or raise
-IndexFullError in strict mode), overwrites go on, and room made by a remove is taken again."""
+IndexFullError in strict mode), overwrites go on, and room made by a remove is taken again.
+With ``index_shed`` (the default) the leader also asks the nodes to drop their coldest blocks
+past nine tenths of the limit, so that new keys keep getting in."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -24,8 +27,8 @@ pytestmark = pytest.mark.integration
 LIMIT = 8
 
 
-def _master_sample(cluster: LocalCluster, name: str) -> float:
-    (info,) = [i for i in cluster.processes.values() if i.name.startswith("master")]
+def _master_sample(cluster: LocalCluster, name: str, role: str = "master") -> float:
+    (info,) = [i for i in cluster.processes.values() if i.name.startswith(role)]
     with urllib.request.urlopen(f"http://{info.extra['metrics']}/metrics", timeout=5) as r:
         text = r.read().decode()
     m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
@@ -49,7 +52,7 @@ def test_at_the_limit_new_keys_miss_overwrites_go_on_and_a_remove_makes_room(
         nodes=1,
         cpu_cache_size="64MiB",
         metrics=True,
-        extra_master_flags=["--index-max-entries", str(LIMIT)],
+        extra_master_flags=["--index-max-entries", str(LIMIT), "--no-index-shed"],
     )
     keys = [f"limit/{i}" for i in range(LIMIT)]
     with Client(cluster.master_addresses, timeout_s=5.0) as kv:
@@ -74,3 +77,43 @@ def test_at_the_limit_new_keys_miss_overwrites_go_on_and_a_remove_makes_room(
     assert f"{LIMIT} of {LIMIT} (100% !ALARM)" in _status(cluster)
     report = json.loads(_status(cluster, "--json"))
     assert report["masters"][0]["max_entries"] == LIMIT
+
+
+def test_past_nine_tenths_the_nodes_drop_their_coldest_blocks_and_new_keys_get_in(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """A full index freezes what the cache holds unless blocks leave it: with index_shed the
+    leader's heartbeat answers ask the node for room, the node drops its coldest blocks (never
+    read here) and reports them, and the next new keys are stored; the blocks read stay."""
+    limit = 10
+    cluster = cluster_factory(
+        masters=1,
+        nodes=1,
+        cpu_cache_size="64MiB",
+        metrics=True,
+        extra_master_flags=["--index-max-entries", str(limit), "--heartbeat-interval-s", "0.2"],
+    )
+    cold = [f"shed/cold/{i}" for i in range(3)]
+    hot = [f"shed/hot/{i}" for i in range(limit - len(cold))]
+    with Client(cluster.master_addresses, timeout_s=5.0) as kv:
+        assert all(kv.batch_put([(k, k.encode() * 50) for k in cold]))
+        assert all(kv.batch_put([(k, k.encode() * 50) for k in hot]))
+        for _ in range(3):
+            assert kv.batch_get(hot) == [k.encode() * 50 for k in hot]
+        # The index is full: the node is asked to shed, and the cold blocks go first.
+        new = [f"shed/new/{i}" for i in range(len(cold))]
+        stored: list[str] = []
+        deadline = time.monotonic() + 20
+        while len(stored) < len(new) and time.monotonic() < deadline:
+            key = new[len(stored)]
+            if kv.put(key, key.encode() * 50):
+                stored.append(key)
+            else:
+                time.sleep(0.1)
+        assert stored == new, "new keys never got into the full index"
+        assert kv.batch_exists(cold) == [False] * len(cold)
+        assert kv.batch_get(hot) == [k.encode() * 50 for k in hot]
+        assert kv.batch_get(new) == [k.encode() * 50 for k in new]
+    assert _master_sample(cluster, "kvpool_index_shed_asked_total") >= len(cold)
+    assert _master_sample(cluster, "kvpool_node_index_shed_total", "node") >= len(cold)
+    assert _master_sample(cluster, "kvpool_index_entries") <= limit

@@ -388,6 +388,60 @@ def test_failed_ssd_writes_keep_blocks_in_memory_then_switch_demotion_off(
     assert node.read("later39")[0] == payload("later39", 1, BLOCK)
 
 
+# --- shedding for a nearly full index (index_shed) ----------------------------------------------
+
+
+def test_shedding_drops_the_oldest_ssd_blocks_first_and_reports_exactly_what_left(
+    node: Node,
+) -> None:
+    keys = [f"k{i}" for i in range(24)]  # more than the CPU tier: the oldest are on the SSD only
+    for key in keys:
+        node.put_with_backpressure(key)
+    node.store.set_pinned("k0", 1, True)
+    only_ssd = [k for k in keys if set(node.store.block(k, 1).copies) == {TierLevel.SSD}]
+    assert "k1" in only_ssd
+    assert node.store.shed(3) == 3
+    node.run()
+    gone = [k for k in keys if node.store.block(k, 1) is None]
+    assert gone == ["k1", "k2", "k3"]  # the oldest SSD segment's, the pinned k0 kept
+    assert sorted(node.store.take_evicted(100)) == [(k, 1) for k in gone]
+    assert node.store.counters.shed == 3
+    for key in keys:
+        want = MissReason.EVICTED if key in gone else payload(key, 1, BLOCK)
+        assert node.read(key)[0] == want
+
+
+def test_shedding_with_no_ssd_takes_the_coldest_cpu_blocks_and_never_a_pinned_one(
+    tmp_path: Path,
+) -> None:
+    cpu = CpuTier(16 * BLOCK)
+    store = BlockStore(cpu, S3FifoPolicy(), max_block_size=BLOCK, clock=lambda: 0.0)
+    try:
+        for i in range(8):
+            key = f"k{i}"
+            data = payload(key, 1, BLOCK)
+            verdict = store.reserve(key, 1, BLOCK, block_checksum(data))
+            assert verdict.block is not None
+            store.view(verdict.block)[:] = data
+            assert store.finish_put(verdict.block) == Status.OK
+            assert store.publish(key, 1, i + 1).status == Status.OK
+        store.set_pinned("k0", 1, True)
+        for i in range(4, 8):  # read: hotter than k1..k3
+            result = store.get(f"k{i}", 1, TierLevel.ANY)
+            assert result.copy is not None
+            store.release(result.copy)
+        assert store.shed(2) == 2
+        assert [store.block(f"k{i}", 1) is None for i in range(8)] == [
+            False, True, True, False, False, False, False, False,
+        ]  # fmt: skip
+        assert store.shed(100) == 5  # all the others but the pinned one
+        assert store.block("k0", 1) is not None
+        assert store.shed(0) == 0
+        store.check_invariants()
+    finally:
+        cpu.close()
+
+
 # --- GPU (a host-memory stand-in) ---------------------------------------------------------------
 
 
