@@ -48,7 +48,6 @@ from kvpool.proto.wire import (
     MAX_ERROR_MESSAGE_BYTES,
     FrameError,
     Header,
-    Op,
     Status,
     unpack_header,
     version_mismatch_message,
@@ -344,12 +343,10 @@ class BlockingConnection:
         if sink is not None and sink.nbytes == size:
             if isinstance(sink, Parts):
                 self._recv_scatter(sink.views, deadline)
-            elif call.op == Op.GET:  # hashed as it lands (call.digests), between receives
+            else:  # a block (a GET's): hashed as it lands, between receives (call.digests)
                 hasher = block_hasher()
                 self._recv_into(sink, deadline, hasher)
                 call.digests = [int(hasher.intdigest())]
-            else:
-                self._recv_into(sink, deadline)
             call.data = sink
         elif sink is None and may_allocate(call.expect, size):
             call.data = self._recv_bytes(size, deadline)
