@@ -296,13 +296,7 @@ class TierManager:
                     break
                 block = self._lookup(victim)
                 assert block is not None
-                copy = block.copies[level]
-                if self._other_ready_copy(block, level):
-                    self._drop_copy(copy, evicted=True)
-                    continue
-                self.counters[level].evictions += 1
-                lost.append(block.id)
-                self._lose(block, level)
+                self._drop_or_lose(block.copies[level], lost)
         return lost
 
     # --- the worker's side --------------------------------------------------------------------
@@ -665,15 +659,10 @@ class TierManager:
             if any(c.leases or c.block.pinned for c in members):
                 continue
             need_bytes -= segments.segment_bytes
+            lost: list[BlockId] = []
             for copy in members:
-                if copy.detached:
-                    continue
-                block = copy.block
-                if self._other_ready_copy(block, SSD):
-                    self._drop_copy(copy, evicted=True)
-                else:
-                    self.counters[SSD].evictions += 1
-                    self._lose(block, SSD)
+                if not copy.detached:
+                    self._drop_or_lose(copy, lost)
 
     def _shed_ssd(self, count: int, lost: list[BlockId]) -> None:
         """:meth:`shed` on the SSD: copies of its oldest segments first (the open one last);
@@ -686,15 +675,20 @@ class TierManager:
             for copy in list(self._ssd_copies.get(seg, {}).values()):
                 if len(lost) >= count:
                     return
-                block = copy.block
-                if copy.detached or not copy.ready or copy.leases or block.pinned:
+                if copy.detached or not copy.ready or copy.leases or copy.block.pinned:
                     continue
-                if self._other_ready_copy(block, SSD):
-                    self._drop_copy(copy, evicted=True)
-                    continue
-                self.counters[SSD].evictions += 1
-                lost.append(block.id)
-                self._lose(block, SSD)
+                self._drop_or_lose(copy, lost)
+
+    def _drop_or_lose(self, copy: Copy, lost: list[BlockId]) -> None:
+        """Drop ``copy``; when it was its block's last ready copy the block is lost (counted,
+        added to ``lost``, told to the index)."""
+        block, level = copy.block, copy.level
+        if self._other_ready_copy(block, level):
+            self._drop_copy(copy, evicted=True)
+            return
+        self.counters[level].evictions += 1
+        lost.append(block.id)
+        self._lose(block, level)
 
     # --- internals: promotion -------------------------------------------------------------------
 
