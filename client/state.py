@@ -88,6 +88,7 @@ from kvpool.proto.keys import is_scheme_key
 from kvpool.proto.v1 import master_pb2
 
 __all__ = [
+    "Answered",
     "ClientState",
     "Job",
     "PutCall",
