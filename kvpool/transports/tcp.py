@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.buffers import Parts
+from kvpool.checksum import block_hasher
 from kvpool.errors import (
     DeadlineExceededError,
     ProtocolVersionError,
@@ -64,6 +65,7 @@ class Response:
     header: Header
     key: bytes
     payload: memoryview | Parts | None  # the sink given with the request, or an error message
+    digest: int | None = None  # the payload's checksum, taken as it landed (a large sink's)
 
     @property
     def status(self) -> int:
@@ -84,6 +86,42 @@ class _Pending:
     table: Call | None = None  # a table call: its response is scattered (Scatter) when it can be
     scattered: bool = False
     expect: int = -1  # alloc: the payload's size the index named (-1: any up to the cap)
+    hashed: _Hashed | None = None  # a large sink received in pieces, each hashed once full
+
+
+HASH_PIECE_BYTES = 256 * 1024
+"""A one-call answer into a caller's buffer of at least twice this is received in pieces of
+this size, each hashed as soon as it is full (while the node sends the next), not the whole
+block after its last byte (the blocking connection hashes between receives the same way)."""
+
+
+class _Hashed:
+    """The caller's buffer as a :class:`Scatter` of pieces, hashed in order as they fill."""
+
+    __slots__ = ("_hasher", "fed", "pieces")
+
+    def __init__(self, sink: memoryview) -> None:
+        self.pieces = [
+            sink[i : i + HASH_PIECE_BYTES] for i in range(0, len(sink), HASH_PIECE_BYTES)
+        ]
+        self._hasher = block_hasher()
+        self.fed = 0
+
+    def scatter(self) -> Scatter:
+        def rest(_left: int) -> list[memoryview]:
+            self._feed(0)  # the first piece is full once the rest is asked for
+            return self.pieces[1:]
+
+        return Scatter(self.pieces[0], rest, lambda i: self._feed(i + 1))
+
+    def _feed(self, index: int) -> None:
+        piece = self.pieces[index]
+        self._hasher.update(piece)
+        self.fed += len(piece)
+
+    def digest(self, size: int) -> int | None:
+        """The checksum of the ``size`` bytes, when every one was hashed."""
+        return int(self._hasher.intdigest()) if self.fed == size else None
 
 
 def tune_socket(sock: socket.socket | None) -> None:
@@ -242,6 +280,8 @@ class FrameConnection:
                         continue
                     call.header = response.header
                     call.data = response.payload
+                    if call.table is None:  # a one-call answer: hashed as it landed, or not
+                        call.digests = None if response.digest is None else [response.digest]
                     if (
                         call.table is not None
                         and response.status == Status.OK
@@ -321,6 +361,9 @@ class FrameConnection:
         if isinstance(sink, Parts):  # the caller's pieces, filled in turn (frame_received: all)
             rest = sink.views[1:]
             return Scatter(sink.views[0], lambda _left: rest)
+        if pending.table is None and len(sink) >= 2 * HASH_PIECE_BYTES:
+            pending.hashed = _Hashed(sink)
+            return pending.hashed.scatter()
         return sink
 
     @staticmethod
@@ -374,10 +417,15 @@ class FrameConnection:
             )
             return
         answer: memoryview | Parts | None = payload
+        digest = None
         parts = pending.sink
         if isinstance(parts, Parts) and parts.views and payload is parts.views[0]:
             answer = parts  # the Scatter over its pieces was filled: the whole is the answer
-        pending.future.set_result(Response(header, key, answer))
+        hashed = pending.hashed
+        if hashed is not None and payload is hashed.pieces[0]:
+            answer = parts  # the caller's buffer, filled (and hashed) piece by piece
+            digest = hashed.digest(header.payload_len)
+        pending.future.set_result(Response(header, key, answer, digest))
 
     def version_mismatch(self, theirs: int) -> None:
         self._fail_all(

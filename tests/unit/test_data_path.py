@@ -215,6 +215,22 @@ def _flip_first_byte(node: Node, keys: set[str]) -> int:
     return node.call(flip)
 
 
+def _flip_last_byte(node: Node, keys: set[str]) -> int:
+    """As :func:`_flip_first_byte`, the last byte of each copy."""
+
+    def flip() -> int:
+        store = node.store
+        changed = 0
+        for block in list(store._blocks.values()):
+            if block.key in keys and block.size_bytes:
+                view = store.view(block)
+                view[block.size_bytes - 1] ^= 0xFF
+                changed += 1
+        return changed
+
+    return node.call(flip)
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=needs_shm)])
 def test_bytes_changed_on_the_node_are_a_miss_however_a_batch_receives_them(
@@ -265,35 +281,58 @@ def test_bytes_changed_on_the_node_are_a_miss_however_a_batch_receives_them(
             asyncio.run(scenario(kv, done))
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("shm", marks=needs_shm)])
 def test_bytes_changed_on_the_node_are_a_miss_for_a_one_key_read(
-    cluster: Cluster, transport: str
+    cluster: Cluster, transport: str, kind: str
 ) -> None:
     """A one-key get_into over tcp hashes the block as it lands in the caller's buffer (the
-    checksum taken between receives, not after): a changed block is still a checksum miss,
-    into a buffer of its size, a larger one or two pieces, and for get; a good one a hit."""
+    checksum taken between receives, or piece by piece on the event loop, not after): a
+    changed block is still a checksum miss, into a buffer of its size, a larger one or two
+    pieces, and for get; a good one a hit. The last byte is changed too: a hash that stopped
+    short of it would not see it."""
     rng = random.Random(8)
-    good = {f"one/good/{n}": rng.randbytes(n) for n in (100, 3 * MIB)}
-    bad = {f"one/bad/{n}": rng.randbytes(n) for n in (100, 3 * MIB)}
-    with Client([cluster.address], timeout_s=5.0, transport=transport) as kv:
-        assert kv.batch_put({**good, **bad}) == [True] * 4
+    sizes = (100, 3 * MIB + 5)  # the second: several pieces, the last one short
+    good = {f"one/good/{n}": rng.randbytes(n) for n in sizes}
+    bad = {f"one/bad/{n}": rng.randbytes(n) for n in sizes}
+    last = {f"one/last/{n}": rng.randbytes(n) for n in sizes}
+
+    async def scenario(kv: Any, wait: Callable[[Any], Any]) -> None:
+        assert await wait(kv.batch_put({**good, **bad, **last})) == [True] * 6
         assert sum(_flip_first_byte(n, set(bad)) for n in cluster.nodes) == len(bad)
+        assert sum(_flip_last_byte(n, set(last)) for n in cluster.nodes) == len(last)
         reads = 0
-        for key, value in {**good, **bad}.items():
+        for key, value in {**good, **bad, **last}.items():
             for extra, pieces in ((0, 1), (1, 1), (0, 2)):
                 buf = bytearray(len(value) + extra)
                 view = memoryview(buf)
                 into: Any = [view[: len(buf) // 2], view[len(buf) // 2 :]] if pieces == 2 else buf
-                got = kv.get_into(key, into)
+                got = await wait(kv.get_into(key, into))
                 reads += 1
                 if key in good:
                     assert got == len(value)
                     assert bytes(buf[: len(value)]) == value
                 else:
                     assert got is None
-            assert kv.get(key) == good.get(key)
+            assert await wait(kv.get(key)) == good.get(key)
             reads += 1
-        assert kv.stats["misses_by_reason"]["checksum_mismatch"] == reads // 2
+        assert kv.stats["misses_by_reason"]["checksum_mismatch"] == reads * 2 // 3
+
+    async def done(value: Any) -> Any:
+        return value
+
+    async def awaited(value: Any) -> Any:
+        return await value
+
+    async def run_async() -> None:
+        async with AsyncClient([cluster.address], timeout_s=5.0, transport=transport) as kv:
+            await scenario(kv, awaited)
+
+    if kind == "async":
+        asyncio.run(run_async())
+    else:
+        with Client([cluster.address], timeout_s=5.0, transport=transport) as kv:
+            asyncio.run(scenario(kv, done))
 
 
 # --- the lookup cache ---------------------------------------------------------------------------
