@@ -198,9 +198,9 @@ def test_batch_get_into_refuses_mismatched_buffers(cluster: Cluster) -> None:
             kv.batch_get_into(["k"], [bytearray(9)])  # too small for the block
 
 
-def _flip_first_byte(node: Node, keys: set[str]) -> int:
-    """Change the first byte of every stored copy of ``keys`` on ``node`` (as a bad DIMM or a
-    stray write would): how many copies were changed."""
+def _flip_first_byte(node: Node, keys: set[str], *, last: bool = False) -> int:
+    """Change the first byte (``last``: the last) of every stored copy of ``keys`` on ``node``
+    (as a bad DIMM or a stray write would): how many copies were changed."""
 
     def flip() -> int:
         store = node.store
@@ -208,27 +208,34 @@ def _flip_first_byte(node: Node, keys: set[str]) -> int:
         for block in list(store._blocks.values()):
             if block.key in keys and block.size_bytes:
                 view = store.view(block)
-                view[0] ^= 0xFF
+                view[block.size_bytes - 1 if last else 0] ^= 0xFF
                 changed += 1
         return changed
 
     return node.call(flip)
 
 
-def _flip_last_byte(node: Node, keys: set[str]) -> int:
-    """As :func:`_flip_first_byte`, the last byte of each copy."""
+def _with_each_client(
+    cluster: Cluster, transport: str, kind: str, scenario: Callable[..., Any]
+) -> None:
+    """Run ``scenario(kv, wait)`` with a ``Client`` (``kind`` "sync") or an ``AsyncClient``:
+    ``await wait(kv.<call>)`` is the call's answer either way."""
 
-    def flip() -> int:
-        store = node.store
-        changed = 0
-        for block in list(store._blocks.values()):
-            if block.key in keys and block.size_bytes:
-                view = store.view(block)
-                view[block.size_bytes - 1] ^= 0xFF
-                changed += 1
-        return changed
+    async def done(value: Any) -> Any:
+        return value
 
-    return node.call(flip)
+    async def awaited(value: Any) -> Any:
+        return await value
+
+    async def run_async() -> None:
+        async with AsyncClient([cluster.address], timeout_s=5.0, transport=transport) as kv:
+            await scenario(kv, awaited)
+
+    if kind == "async":
+        asyncio.run(run_async())
+    else:
+        with Client([cluster.address], timeout_s=5.0, transport=transport) as kv:
+            asyncio.run(scenario(kv, done))
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
@@ -264,21 +271,7 @@ def test_bytes_changed_on_the_node_are_a_miss_however_a_batch_receives_them(
                     assert bytes(b[: size[k]]) == good[k]
         assert kv.stats["misses_by_reason"]["checksum_mismatch"] == 4 * len(bad)
 
-    async def done(value: Any) -> Any:
-        return value
-
-    async def awaited(value: Any) -> Any:
-        return await value
-
-    async def run_async() -> None:
-        async with AsyncClient([cluster.address], timeout_s=5.0, transport=transport) as kv:
-            await scenario(kv, awaited)
-
-    if kind == "async":
-        asyncio.run(run_async())
-    else:
-        with Client([cluster.address], timeout_s=5.0, transport=transport) as kv:
-            asyncio.run(scenario(kv, done))
+    _with_each_client(cluster, transport, kind, scenario)
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
@@ -300,7 +293,7 @@ def test_bytes_changed_on_the_node_are_a_miss_for_a_one_key_read(
     async def scenario(kv: Any, wait: Callable[[Any], Any]) -> None:
         assert await wait(kv.batch_put({**good, **bad, **last})) == [True] * 6
         assert sum(_flip_first_byte(n, set(bad)) for n in cluster.nodes) == len(bad)
-        assert sum(_flip_last_byte(n, set(last)) for n in cluster.nodes) == len(last)
+        assert sum(_flip_first_byte(n, set(last), last=True) for n in cluster.nodes) == len(last)
         reads = 0
         for key, value in {**good, **bad, **last}.items():
             for extra, pieces in ((0, 1), (1, 1), (0, 2)):
@@ -318,21 +311,7 @@ def test_bytes_changed_on_the_node_are_a_miss_for_a_one_key_read(
             reads += 1
         assert kv.stats["misses_by_reason"]["checksum_mismatch"] == reads * 2 // 3
 
-    async def done(value: Any) -> Any:
-        return value
-
-    async def awaited(value: Any) -> Any:
-        return await value
-
-    async def run_async() -> None:
-        async with AsyncClient([cluster.address], timeout_s=5.0, transport=transport) as kv:
-            await scenario(kv, awaited)
-
-    if kind == "async":
-        asyncio.run(run_async())
-    else:
-        with Client([cluster.address], timeout_s=5.0, transport=transport) as kv:
-            asyncio.run(scenario(kv, done))
+    _with_each_client(cluster, transport, kind, scenario)
 
 
 # --- the lookup cache ---------------------------------------------------------------------------
