@@ -289,14 +289,9 @@ class TierManager:
         if self.ssd is not None:
             self._shed_ssd(count, lost)
         for level in [level for level in (CPU, GPU) if level in self.policies]:
-            policy = self.policies[level]
-            while len(lost) < count:
-                victim = policy.pop_victim(partial(self._evictable, level=level), EVICTION_REFUSALS)
-                if victim is None:
-                    break
-                block = self._lookup(victim)
-                assert block is not None
-                self._drop_or_lose(block.copies[level], lost)
+            while len(lost) < count and (block := self._coldest(level)) is not None:
+                if self._drop_or_lose(block.copies[level]):
+                    lost.append(block.id)
         return lost
 
     # --- the worker's side --------------------------------------------------------------------
@@ -580,28 +575,28 @@ class TierManager:
 
     def _make_leave(self, level: TierLevel, need_bytes: int, *, demote: bool) -> list[BlockId]:
         """Walk ``level``'s policy until ``need_bytes`` are leaving; the ids of blocks lost."""
-        policy = self.policies[level]
         lost: list[BlockId] = []
-        while need_bytes > 0:
-            victim = policy.pop_victim(lambda b: self._evictable(b, level), EVICTION_REFUSALS)
-            if victim is None:
-                break
-            block = self._lookup(victim)
-            assert block is not None
+        while need_bytes > 0 and (block := self._coldest(level)) is not None:
             copy = block.copies[level]
             need_bytes -= copy.footprint
-            if self._other_ready_copy(block, level):
-                self._drop_copy(copy, evicted=True)
-            elif demote and self._fits_ssd(block):
+            if demote and self._fits_ssd(block) and not self._other_ready_copy(block, level):
                 block.moving = True
                 copy.leases += 1  # the write job reads it
                 self._leaving[level] += copy.footprint
                 self._planned.append(copy)
-            else:
-                self.counters[level].evictions += 1
+            elif self._drop_or_lose(copy):
                 lost.append(block.id)
-                self._lose(block, level)
         return lost
+
+    def _coldest(self, level: TierLevel) -> Block | None:
+        """The next victim of ``level``'s policy that may leave now (None: none left)."""
+        policy = self.policies[level]
+        victim = policy.pop_victim(partial(self._evictable, level=level), EVICTION_REFUSALS)
+        if victim is None:
+            return None
+        block = self._lookup(victim)
+        assert block is not None
+        return block
 
     def _fits_ssd(self, block: Block) -> bool:
         return self.ssd is not None and (
@@ -659,10 +654,9 @@ class TierManager:
             if any(c.leases or c.block.pinned for c in members):
                 continue
             need_bytes -= segments.segment_bytes
-            lost: list[BlockId] = []
             for copy in members:
                 if not copy.detached:
-                    self._drop_or_lose(copy, lost)
+                    self._drop_or_lose(copy)
 
     def _shed_ssd(self, count: int, lost: list[BlockId]) -> None:
         """:meth:`shed` on the SSD: copies of its oldest segments first (the open one last);
@@ -677,18 +671,19 @@ class TierManager:
                     return
                 if copy.detached or not copy.ready or copy.leases or copy.block.pinned:
                     continue
-                self._drop_or_lose(copy, lost)
+                if self._drop_or_lose(copy):
+                    lost.append(copy.block.id)
 
-    def _drop_or_lose(self, copy: Copy, lost: list[BlockId]) -> None:
+    def _drop_or_lose(self, copy: Copy) -> bool:
         """Drop ``copy``; when it was its block's last ready copy the block is lost (counted,
-        added to ``lost``, told to the index)."""
+        told to the index): True then."""
         block, level = copy.block, copy.level
         if self._other_ready_copy(block, level):
             self._drop_copy(copy, evicted=True)
-            return
+            return False
         self.counters[level].evictions += 1
-        lost.append(block.id)
         self._lose(block, level)
+        return True
 
     # --- internals: promotion -------------------------------------------------------------------
 
