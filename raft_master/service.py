@@ -125,11 +125,14 @@ def member_pb(rec: MemberRecord) -> common_pb2.Member:
 
 
 def shed_share(held: int, limit: int, mine: int) -> int:
-    """The blocks a node holding ``mine`` of the index's ``held`` entries is asked to drop
-    when the index's limit is ``limit`` (``index_shed``): the entries past INDEX_SHED_FROM of
-    the limit, times the node's share; 0 below it."""
+    """How many of its coldest blocks a node holding ``mine`` of the index's ``held`` entries
+    is asked to drop in its heartbeat's answer (``index_shed``; ``limit`` 0: off): the entries
+    past INDEX_SHED_FROM of the index's limit, times the node's share of the entries (as if
+    each entry's replicas all dropped it at once; the next heartbeats ask again for what is
+    left); 0 below it. A full index keeps admitting new keys this way, the coldest blocks
+    making room, instead of freezing what the cache holds."""
     floor = int(limit * INDEX_SHED_FROM)
-    if held <= floor or held <= 0:
+    if held <= floor or held <= 0 or limit <= 0:
         return 0
     return min(math.ceil((held - floor) * mine / held), 0xFFFFFFFF)
 
@@ -438,9 +441,15 @@ class MasterService(master_pb2_grpc.MasterServicer):
         # have been replaced may say it (one woken from a pause still believes it leads).
         await self._require_read_lease(context)
         member_id = request.member_id
-        known, ring_version = self.replicator.read(
-            lambda ix: ((rec := ix.member(member_id)) is not None and rec.live, ix.ring_version)
-        )
+        limit = self.index_limit if self.cfg.index_shed else 0
+
+        def read(ix: BlockIndex) -> tuple[bool, int, int]:
+            known = (rec := ix.member(member_id)) is not None and rec.live
+            shed = shed_share(len(ix), limit, ix.member_block_count(member_id)) if known else 0
+            return known, ix.ring_version, shed
+
+        known, ring_version, shed = self.replicator.read(read)
+        self.index_shed_asked += shed
         if known:
             if request.hot_blocks and self.replicas is not None:
                 self.replicas.reads_reported([(b.key, b.reads) for b in request.hot_blocks])
@@ -456,23 +465,9 @@ class MasterService(master_pb2_grpc.MasterServicer):
             )
         else:
             self._node_stats.pop(member_id, None)
-        shed = self._shed_share(member_id) if known and self.cfg.index_shed else 0
         return master_pb2.HeartbeatResponse(
             known=known, ring_version=ring_version, receipt_key=self.receipt_key, shed_blocks=shed
         )
-
-    def _shed_share(self, member_id: int) -> int:
-        """How many of its coldest blocks a node is asked to drop (``index_shed``): the entries
-        past INDEX_SHED_FROM of the index's limit, times the node's share of the entries (as if
-        each entry's replicas all dropped it at once; the next heartbeats ask again for what is
-        left); 0 below it. A full index keeps admitting new keys this way, the coldest blocks
-        making room, instead of freezing what the cache holds."""
-        limit = self.index_limit
-        asked = self.replicator.read(
-            lambda ix: shed_share(len(ix), limit, ix.member_block_count(member_id))
-        )
-        self.index_shed_asked += asked
-        return asked
 
     async def ReportEvictions(  # noqa: N802 - gRPC method name
         self, request: master_pb2.ReportEvictionsRequest, context: grpc.aio.ServicerContext

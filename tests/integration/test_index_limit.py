@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 LIMIT = 8
 
 
-def _master_sample(cluster: LocalCluster, name: str, role: str = "master") -> float:
+def _sample(cluster: LocalCluster, name: str, role: str = "master") -> float:
     (info,) = [i for i in cluster.processes.values() if i.name.startswith(role)]
     with urllib.request.urlopen(f"http://{info.extra['metrics']}/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -72,8 +72,8 @@ def test_at_the_limit_new_keys_miss_overwrites_go_on_and_a_remove_makes_room(
         assert kv.put("limit/new", b"y" * 4096)
         assert kv.get("limit/new") == b"y" * 4096
         assert not kv.put("limit/newer", b"z")
-    assert _master_sample(cluster, "kvpool_index_max_entries") == LIMIT
-    assert _master_sample(cluster, "kvpool_index_full_refusals_total") == 4
+    assert _sample(cluster, "kvpool_index_max_entries") == LIMIT
+    assert _sample(cluster, "kvpool_index_full_refusals_total") == 4
     assert f"{LIMIT} of {LIMIT} (100% !ALARM)" in _status(cluster)
     report = json.loads(_status(cluster, "--json"))
     assert report["masters"][0]["max_entries"] == LIMIT
@@ -114,6 +114,6 @@ def test_past_nine_tenths_the_nodes_drop_their_coldest_blocks_and_new_keys_get_i
         assert kv.batch_exists(cold) == [False] * len(cold)
         assert kv.batch_get(hot) == [k.encode() * 50 for k in hot]
         assert kv.batch_get(new) == [k.encode() * 50 for k in new]
-    assert _master_sample(cluster, "kvpool_index_shed_asked_total") >= len(cold)
-    assert _master_sample(cluster, "kvpool_node_index_shed_total", "node") >= len(cold)
-    assert _master_sample(cluster, "kvpool_index_entries") <= limit
+    assert _sample(cluster, "kvpool_index_shed_asked_total") >= len(cold)
+    assert _sample(cluster, "kvpool_node_index_shed_total", "node") >= len(cold)
+    assert _sample(cluster, "kvpool_index_entries") <= limit

@@ -30,6 +30,7 @@ def test_a_node_is_asked_for_its_share_of_the_entries_past_nine_tenths() -> None
     assert shed_share(held=1000, limit=1000, mine=0) == 0
     assert shed_share(held=1200, limit=1000, mine=1200) == 300  # past the limit (puts in flight)
     assert shed_share(held=0, limit=0, mine=0) == 0
+    assert shed_share(held=5, limit=0, mine=5) == 0  # index_shed off
 
 
 class _Masters:
