@@ -8,12 +8,11 @@ plans and judging as the event-loop data plane (:mod:`kvpool.client.blocks`,
 timed out is closed, so no late byte can land in a caller's buffer after the call returned
 (nothing reads that socket again).
 
-Hedged reads (:mod:`kvpool.client.hedge`): after sending a round, the plane waits (``poll``) for
-the nodes to start answering; the keys of nodes still silent after the hedge delay are also
-sent to their next replica, into buffers of their own, and whichever node answers first is read
-first; the connection of a read that lost is closed (no answer of it is read, so none lands in
-a caller's buffer). Opening a connection blocks the thread, so with another replica to go to
-it may take only the hedge delay.
+Reads go as :func:`kvpool.client.rounds.read_flow` says, round by round, hedges included: this
+plane sends each node's frames on this thread's connection and waits for the answers with
+``select``/``poll``; a read that is dropped has its connection closed (no answer of it is read,
+so none lands in a caller's buffer). Opening a connection blocks the thread, so with another
+replica to go to it may take only the hedge delay (``SendReads.connect_by``).
 """
 
 from __future__ import annotations
@@ -22,13 +21,11 @@ import select
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 from opentelemetry.trace import SpanKind
 
 from kvpool import tracing
 from kvpool.client import links, rounds
-from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
 from kvpool.client.ops import drive
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import (
@@ -64,11 +61,11 @@ class BlockingDataPlane:
         on_node_answered: Callable[[int], None] | None = None,
     ) -> None:
         self._links = core.links
-        self._sendable = sendable
+        self._rules = rounds.ReadRules(
+            time.monotonic, core.hedge_policy, sendable, on_node_slow, core.counters.hedged
+        )
         self._probing: Callable[[int], bool] = probing or (lambda _mid: False)
         self._on_node_answered = on_node_answered or (lambda _mid: None)
-        self._hedge: HedgePolicy = core.hedge_policy
-        self._on_hedge = core.counters.hedged
         self._on_node_slow = on_node_slow or (lambda _mid: None)
         self._token = core.security.token
         self._on_node_failed = on_node_failed
@@ -125,156 +122,109 @@ class BlockingDataPlane:
         deadline: float,
         on_retry: Callable[[int], None] | None = None,
     ) -> None:
-        """Read every item from its replicas, in rounds (as the event-loop data plane)."""
-        queue = rounds.read_queue(items)
-        while queue:
-            now = time.monotonic()
-            if now >= deadline:
-                rounds.out_of_time(queue)
-                return
-            round_deadline = now + (deadline - now) / rounds.rounds_left(queue)
-            sent: list[_Sent] = []
-            by_node = rounds.next_round(queue, members, self._sendable)
-            hedging = self._hedge.worth_it(queue)
-            # Opening a connection is not hedged (it blocks this thread): with another replica
-            # to go to, it may take only the hedge delay.
-            connect_by = min(round_deadline, now + self._hedge.delay_s(0)) if hedging else None
-            # One span per node when a round reads from several (one node: the node's span
-            # is the caller's child directly).
-            per_node = tracing.STATE.enabled and len(by_node) > 1 and tracing.recording()
-            trace = tracing.frame_trace() if tracing.STATE.enabled and not per_node else b""
-            for address, (group, member) in by_node.items():
-                span = None
-                if per_node:
-                    span = tracing.tracer().start_span(
-                        "kvpool.client.read",
-                        kind=SpanKind.CLIENT,
-                        attributes={"kvpool.node": address, "kvpool.keys": len(group)},
-                    )
-                started = self._send_reads(
-                    address,
-                    group,
-                    member,
-                    round_deadline,
-                    tracing.frame_trace(span) if span else trace,
-                    connect_by=connect_by,
-                )
-                if started is not None:
-                    sent.append((*started, span))
-                elif span is not None:
-                    span.set_attributes(read_attributes(group))
-                    span.end()
-            if sent and hedging:
-                self._hedged_round(sent, members, round_deadline, deadline)
-            else:
-                for entry in sent:
-                    self._finish_entry(entry, round_deadline)
-            queue = rounds.still_unread(queue, on_retry)
+        """Read every item from its replicas, in rounds: :func:`~kvpool.client.rounds.
+        read_flow`, carried out in this thread."""
+        flow = rounds.read_flow(items, members, deadline, self._rules, on_retry)
+        underway: list[rounds.NodeReads] = []
+        try:
+            for step in flow:
+                if isinstance(step, rounds.SendReads):
+                    step.sent = self._send_round(step)
+                    if step.wait:
+                        for reads in step.sent:
+                            self._finish(reads)
+                        step.sent = []
+                    else:
+                        underway += step.sent
+                elif isinstance(step, rounds.AwaitReads):
+                    step.done = self._await(step.reads, step.until, step.first)
+                else:
+                    self._drop(step.reads)
+        finally:  # a read left with answers owed (an error): its connection goes
+            if underway:
+                self._drop([r for r in underway if r.io is not None])
 
-    def _finish_entry(self, entry: _Sent, deadline: float) -> None:
-        conn, plan, node, span = entry
-        self._finish_reads(conn, plan, node, deadline)
+    def _send_round(self, step: rounds.SendReads) -> list[rounds.NodeReads]:
+        # One span per node when a round reads from several (one node: the node's span is
+        # the caller's child directly).
+        per_node = tracing.STATE.enabled and len(step.groups) > 1 and tracing.recording()
+        trace = tracing.frame_trace() if tracing.STATE.enabled and not per_node else b""
+        sent: list[rounds.NodeReads] = []
+        for address, (group, member) in step.groups.items():
+            span = None
+            if per_node:
+                span = tracing.tracer().start_span(
+                    "kvpool.client.read",
+                    kind=SpanKind.CLIENT,
+                    attributes={"kvpool.node": address, "kvpool.keys": len(group)},
+                )
+                trace = tracing.frame_trace(span)
+            reads = rounds.NodeReads(address, group, member, step.deadline, step.clones)
+            started = self._send_reads(reads, trace, step.connect_by)
+            if started is not None:
+                reads.io = (*started, span)
+                sent.append(reads)
+            elif span is not None:
+                span.set_attributes(read_attributes(group))
+                span.end()
+        return sent
+
+    def _await(
+        self, reads: list[rounds.NodeReads], until: float, first: bool
+    ) -> list[rounds.NodeReads]:
+        """Finish each of ``reads`` whose answer begins before ``until`` (see
+        :class:`~kvpool.client.rounds.AwaitReads`)."""
+        if len(reads) == 1:  # the common round: one node; its answer is on the way
+            conn = reads[0].io[0]
+            if self._poll_s and conn.busy_poll(self._poll_s) and conn.answer_waiting():
+                self._finish(reads[0])
+                return reads
+            while (left := until - time.monotonic()) > 0:
+                if select.select([conn.socket], (), (), left)[0] and conn.answer_waiting():
+                    self._finish(reads[0])
+                    return reads
+            return []
+        poller = select.poll()
+        by_fd = {r.io[0].socket.fileno(): r for r in reads}
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
+        done: list[rounds.NodeReads] = []
+        while by_fd and not (first and done) and (left := until - time.monotonic()) > 0:
+            for fd, _mask in poller.poll(max(1, int(left * 1000 + 0.999))):
+                r = by_fd[fd]
+                if r.io[0].answer_waiting():  # not only a posted answer (a PUBLISH's)
+                    poller.unregister(fd)
+                    del by_fd[fd]
+                    self._finish(r)
+                    done.append(r)
+        return done
+
+    def _finish(self, reads: rounds.NodeReads) -> None:
+        conn, plan, span = reads.io
+        reads.io = None
+        self._finish_reads(conn, plan, reads.member, reads.deadline)
         if span is not None:
             span.set_attributes(read_attributes(plan.items))
             span.end()
 
-    def _hedged_round(
-        self,
-        sent: list[_Sent],
-        members: Callable[[int], MemberInfo | None],
-        round_deadline: float,
-        deadline: float,
-    ) -> None:
-        """Finish a round's reads, hedging the keys of nodes still silent after the hedge
-        delay (see the module doc)."""
-        delay_s = self._hedge.delay_s(max(round_bytes(e[1].items) for e in sent))
-        if len(sent) == 1:  # the common round: one node; its answer is on the way
-            conn = sent[0][0]
-            if self._poll_s and conn.busy_poll(self._poll_s) and conn.answer_waiting():
-                self._finish_entry(sent[0], round_deadline)
-                return
-            hedge_at = min(time.monotonic() + delay_s, round_deadline)
-            while (left := hedge_at - time.monotonic()) > 0:
-                if select.select([conn.socket], (), (), left)[0] and conn.answer_waiting():
-                    self._finish_entry(sent[0], round_deadline)
-                    return
-        poller = select.poll()
-        waiting: dict[int, tuple[_Sent, float]] = {}
-        for entry in sent:
-            fd = entry[0].socket.fileno()
-            waiting[fd] = (entry, round_deadline)
-            poller.register(fd, select.POLLIN)
-        done: set[int] = set()  # ids of the items and clones whose read is over
-
-        def finish(fd: int) -> None:
-            if not waiting[fd][0][0].answer_waiting():
-                return  # only a posted answer (a PUBLISH's) was there: keep waiting
-            entry, entry_deadline = waiting.pop(fd)
-            poller.unregister(fd)
-            self._finish_entry(entry, entry_deadline)
-            done.update(id(it) for it in entry[1].items)
-
-        _serve(poller, finish, min(time.monotonic() + delay_s, round_deadline), lambda: not waiting)
-        if not waiting:
-            return
-        slow = [entry for entry, _ in waiting.values()]
-        hedge = Hedge(it for e in slow for it in e[1].items)
-        busy = {e[1].address for e in slow}  # asked already: a hedge there would wait too
-        groups = rounds.next_round(hedge.clones, members, self._sendable)
-        for address in busy & groups.keys():
-            clones, _member = groups.pop(address)
-            hedge.forget(clones)
-        if len(hedge):
-            self._on_hedge(len(hedge), 0)
-            for e in slow:
-                self._on_node_slow(e[2].member_id)
-            now = time.monotonic()
-            hedge_deadline = now + (deadline - now) / (rounds.rounds_left(hedge.clones) + 1)
-            for address, (clones, member) in groups.items():
-                started = self._send_reads(address, clones, member, hedge_deadline)
-                if started is None:
-                    done.update(id(c) for c in clones)
-                    continue
-                fd = started[0].socket.fileno()
-                waiting[fd] = ((*started, None), hedge_deadline)
-                poller.register(fd, select.POLLIN)
-            limit = max(round_deadline, hedge_deadline)
-            _serve(
-                poller,
-                finish,
-                limit,
-                lambda: (
-                    not waiting
-                    or hedge.resolved(lambda it: id(it) in done, lambda c: id(c) in done)
-                ),
-            )
-        else:
-            _serve(poller, finish, round_deadline, lambda: not waiting)
-        abandoned = [entry for entry, _ in waiting.values()]
-        for conn, plan, _node, span in abandoned:
-            # Closed, not kept with answers owed: on a later call, the owed answer arriving
-            # would look like that call's (the socket readable) and block it unhedged; and a
-            # shared-memory connection's leases end with it.
+    def _drop(self, reads: list[rounds.NodeReads]) -> None:
+        """Close the connections of reads whose answers will not be read: kept with answers
+        owed, on a later call the owed answer arriving would look like that call's (the
+        socket readable) and block it unhedged; and a shared-memory connection's leases end
+        with it."""
+        for r in reads:
+            conn, plan, span = r.io
+            r.io = None
             self.discard(plan.address, conn)
             if span is not None:
                 span.set_attributes(read_attributes(plan.items))
                 span.end()
-        self._on_hedge(0, hedge.settle())
-        firsts = {id(e[1]) for e in slow}
-        for _conn, plan, _node, _span in abandoned:
-            if id(plan) in firsts:
-                fail_unanswered(plan.items, plan.address)
 
     def _send_reads(
-        self,
-        address: str,
-        group: list[ReadItem],
-        member: MemberInfo,
-        deadline: float,
-        trace: bytes = b"",
-        *,
-        connect_by: float | None = None,
-    ) -> tuple[BlockingConnection, NodeRead, MemberInfo] | None:
+        self, reads: rounds.NodeReads, trace: bytes, connect_by: float | None
+    ) -> tuple[BlockingConnection, NodeRead] | None:
+        address, group, member = reads.address, reads.items, reads.member
+        deadline = reads.deadline
         held = self._probing(member.member_id)  # a probe: rounds.PROBE_WAIT_S at most
         if held:
             deadline = min(deadline, time.monotonic() + rounds.PROBE_WAIT_S)
@@ -298,7 +248,7 @@ class BlockingDataPlane:
         except KVPoolError as e:
             self._failed(address, conn, plan, member, e)
             return None
-        return conn, plan, member
+        return conn, plan
 
     def _finish_reads(
         self, conn: BlockingConnection, plan: NodeRead, member: MemberInfo, deadline: float
@@ -413,26 +363,6 @@ class BlockingDataPlane:
                 conn.receive(calls, deadline)
             except KVPoolError:
                 self.discard(address, conn)
-
-
-_Sent = tuple[BlockingConnection, NodeRead, MemberInfo, Any]
-"""A node's reads sent in a round: connection, plan, member, span (or None)."""
-
-
-def _serve(
-    poller: select.poll, finish: Callable[[int], None], limit: float, until: Callable[[], bool]
-) -> None:
-    """Finish each connection ``poller`` reports readable until ``until()`` holds or the
-    monotonic clock reaches ``limit``."""
-    while not until():
-        left = limit - time.monotonic()
-        if left <= 0:
-            return
-        events = poller.poll(max(1, int(left * 1000 + 0.999)))
-        if not events:
-            continue
-        for fd, _mask in events:
-            finish(fd)
 
 
 def _hello(conn: BlockingConnection, timeout_s: float) -> links.NodeOffer:

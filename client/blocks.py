@@ -1,18 +1,16 @@
 """The client's data plane on an event loop: block frames to and from store nodes.
 
-Reads go replica after replica, in rounds: each round groups the keys still unread by the node
-of their next replica, takes one pooled connection per node and sends that node's frames on it
-(one MGET, one SHM_GET or pipelined GETs, see :mod:`kvpool.client.plans`, where every answer
-is judged). Writes send PUT frames (or shared-memory reservations) to every target replica at
-once, PUBLISH after the commit (not waited for), and DELETE after a remove (best effort).
+Reads go as :func:`kvpool.client.rounds.read_flow` says, round by round, hedges included: this
+plane carries its steps out with a task per node (one pooled connection each, its frames sent at
+once: one MGET, one SHM_GET or pipelined GETs, see :mod:`kvpool.client.plans`, where every answer
+is judged) and :func:`asyncio.wait`. A first read that is dropped is cancelled; a hedge's clone
+finishes in the background, into its own buffer. Writes send PUT frames (or shared-memory
+reservations) to every target replica at once, PUBLISH after the commit (not waited for), and
+DELETE after a remove (best effort).
 
 Connections come from a pool per node address; the first one to a node asks HELLO and, where the
 node is on this host and the ``transport`` setting allows, the pool hands out connections to the
 node's shared memory instead (:mod:`kvpool.client.links`).
-
-A read still unanswered after the hedge delay (:mod:`kvpool.client.hedge`) is also sent to the
-key's next replica, into a buffer of its own; the first good answer wins, the slow read is
-cancelled, and the slow node is tried last for a while.
 
 A payload read into a caller's buffer is never written after the read returns: a request that
 times out while receiving closes its connection, and so does a read that is cancelled.
@@ -27,7 +25,7 @@ from functools import partial
 
 from kvpool import tracing
 from kvpool.client import links, rounds
-from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
+from kvpool.client.hedge import HedgePolicy
 from kvpool.client.links import Links
 from kvpool.client.ops import drive_async
 from kvpool.client.placement import MemberInfo
@@ -88,12 +86,16 @@ class DataPlane:
         on_node_answered: Callable[[int], None] | None = None,
     ) -> None:
         self._links = links or Links("auto")
-        self._sendable = sendable
         self._probing = probing
         self._on_node_answered = on_node_answered or (lambda _mid: None)
-        self._hedge = hedge or HedgePolicy(enabled=False)
-        self._on_node_slow = on_node_slow or (lambda _mid: None)
-        self._on_hedge = on_hedge or (lambda _sent, _won: None)
+        self._rules: rounds.ReadRules | None = None  # made with the loop's clock, at first use
+        self._rules_on = partial(
+            rounds.ReadRules,
+            hedge=hedge or HedgePolicy(enabled=False),
+            sendable=sendable,
+            on_slow=on_node_slow,
+            on_hedge=on_hedge,
+        )
         self._background: set[asyncio.Task[None]] = set()
         self._token = token
         self._pool = pool or ConnectionPool(
@@ -147,90 +149,65 @@ class DataPlane:
         deadline: float,
         on_retry: Callable[[int], None] | None = None,
     ) -> None:
-        """Read every item from its replicas, in rounds, until read, out of replicas, or out of
-        time. Sets ``item.ok`` or records why each replica failed."""
+        """Read every item from its replicas, in rounds: :func:`~kvpool.client.rounds.
+        read_flow`, carried out on the event loop."""
         loop = asyncio.get_running_loop()
-        queue = rounds.read_queue(items)
-        while queue:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                rounds.out_of_time(queue)
-                return
-            timeout_s = remaining / rounds.rounds_left(queue)
-            groups = rounds.next_round(queue, members, self._sendable)
-            if len(groups) and self._hedge.worth_it(queue):
-                await self._hedged_round(groups, members, deadline, timeout_s)
-            else:
-                await asyncio.gather(
-                    *(self._read_group(a, g, m, timeout_s) for a, (g, m) in groups.items())
-                )
-            queue = rounds.still_unread(queue, on_retry)
+        rules = self._rules
+        if rules is None:
+            rules = self._rules = self._rules_on(loop.time)
+        flow = rounds.read_flow(items, members, deadline, rules, on_retry)
+        underway: list[rounds.NodeReads] = []
+        try:
+            for step in flow:
+                if isinstance(step, rounds.SendReads):
+                    timeout_s = step.deadline - loop.time()
+                    groups = step.groups.items()
+                    if step.wait and len(step.groups) == 1:
+                        for a, (g, m) in groups:
+                            await self._read_group(a, g, m, timeout_s)
+                    elif step.wait:
+                        await asyncio.gather(
+                            *(self._read_group(a, g, m, timeout_s) for a, (g, m) in groups)
+                        )
+                    else:
+                        step.sent = [
+                            rounds.NodeReads(a, g, m, step.deadline, step.clones)
+                            for a, (g, m) in groups
+                        ]
+                        for r in step.sent:
+                            read = self._read_group(r.address, r.items, r.member, timeout_s)
+                            r.io = asyncio.ensure_future(read)
+                        underway += step.sent
+                elif isinstance(step, rounds.AwaitReads):
+                    step.done = await self._await(step)
+                else:
+                    await self._drop(step.reads)
+        finally:  # cancelled, or an error: no first read goes on into a caller's buffer
+            if underway:
+                await self._drop([r for r in underway if not r.io.done()])
 
-    async def _hedged_round(
-        self,
-        groups: dict[str, tuple[list[ReadItem], MemberInfo]],
-        members: Callable[[int], MemberInfo | None],
-        deadline: float,
-        timeout_s: float,
-    ) -> None:
-        """One round of reads that may hedge: wait the hedge delay; the keys of nodes that
-        have not answered by then are also read from their next replica (see the module doc)."""
-        loop = asyncio.get_running_loop()
-        first: dict[asyncio.Task[None], tuple[list[ReadItem], MemberInfo]] = {
-            asyncio.ensure_future(self._read_group(a, g, m, timeout_s)): (g, m)
-            for a, (g, m) in groups.items()
-        }
-        delay_s = self._hedge.delay_s(max(round_bytes(g) for g, _ in first.values()))
-        _, slow = await asyncio.wait(first, timeout=min(delay_s, timeout_s))
-        hedge = Hedge(it for task in slow for it in first[task][0])
-        if not slow or not len(hedge):
-            if slow:
-                await asyncio.gather(*slow)
-            return
-        first_of = {id(it): task for task in slow for it in first[task][0]}
-        clones = hedge.clones
-        hedge_timeout_s = max(0.0, deadline - loop.time()) / rounds.rounds_left(clones)
-        second: dict[int, asyncio.Task[None]] = {}
-        for a, (g, m) in rounds.next_round(clones, members, self._sendable).items():
-            task = asyncio.ensure_future(self._read_group(a, g, m, hedge_timeout_s))
-            for clone in g:
-                second[id(clone)] = task
-        self._on_hedge(len(hedge), 0)
-        for task in slow:
-            self._on_node_slow(first[task][1].member_id)
+    async def _await(self, step: rounds.AwaitReads) -> list[rounds.NodeReads]:
+        by_task = {r.io: r for r in step.reads}
+        when = asyncio.FIRST_COMPLETED if step.first else asyncio.ALL_COMPLETED
+        left = max(0.0, step.until - asyncio.get_running_loop().time())
+        done, _ = await asyncio.wait(by_task, timeout=left, return_when=when)
+        for task in done:
+            task.result()  # an unexpected error is raised here, as gather would
+        return [by_task[task] for task in done]
 
-        def hedge_done(clone: ReadItem) -> bool:
-            task = second.get(id(clone))
-            return task is None or task.done()
-
-        waiting: set[asyncio.Task[None]] = {*slow, *second.values()}
-        while waiting and not hedge.resolved(lambda it: first_of[id(it)].done(), hedge_done):
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            _, waiting = await asyncio.wait(
-                waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED
-            )
-        # Stop the first reads still running before touching their keys' buffers: a read
-        # cancelled while receiving into a caller's buffer cuts its connection, so no byte of
-        # it lands there later. Hedge reads still running write only into their own buffers:
-        # they finish in the background.
-        late = [task for task in slow if not task.done()]
+    async def _drop(self, reads: list[rounds.NodeReads]) -> None:
+        """Stop first reads: a read cancelled while receiving into a caller's buffer cuts its
+        connection, so no byte of it lands there later. A hedge's clones write only into their
+        own buffers: they finish in the background."""
+        late = [r.io for r in reads if not r.clones]
         for task in late:
             task.cancel()
         if late:
             await asyncio.gather(*late, return_exceptions=True)
-        for task in set(second.values()):
-            if not task.done():
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-        for task in first:
-            if task not in late:
-                task.result()  # an unexpected error is raised here, as gather would
-        won = hedge.settle()
-        self._on_hedge(0, won)
-        for task in late:
-            fail_unanswered(first[task][0], first[task][1].data_address)
+        for r in reads:
+            if r.clones and not r.io.done():
+                self._background.add(r.io)
+                r.io.add_done_callback(self._background.discard)
 
     async def _read_group(
         self, address: str, items: list[ReadItem], member: MemberInfo, timeout_s: float

@@ -1,19 +1,24 @@
 """What both data planes decide around their I/O, once — no I/O.
 
 The event-loop data plane (:mod:`kvpool.client.blocks`) and the synchronous client's
-(:mod:`kvpool.client.blocking_plane`) read in rounds: a round sends every key still unread to the
-node of its next replica (:func:`next_round`), with the time left shared out over the rounds the
-keys may yet take (:func:`rounds_left`); after it, the keys still unread that have a replica left
-go again (:func:`still_unread`). They put every block to each of its targets at once
-(:func:`put_groups`). What a key counts as when it cannot be sent — no replica, no time, a node
-that could not be reached — is decided here too; the planes open, send, wait and judge (with
-:mod:`kvpool.client.plans`).
+(:mod:`kvpool.client.blocking_plane`) read as :func:`read_flow` says, in rounds: a round sends
+every key still unread to the node of its next replica (:func:`next_round`), with the time left
+shared out over the rounds the keys may yet take (:func:`rounds_left`), and may hedge
+(:func:`hedged_round`); after it, the keys still unread that have a replica left go again
+(:func:`still_unread`). The planes carry out its steps (:class:`SendReads`,
+:class:`AwaitReads`, :class:`DropReads`) and do nothing else between them. They put every
+block to each of its targets at once (:func:`put_groups`). What a key counts as when it cannot
+be sent — no replica, no time, a node that could not be reached — is decided here too; the
+planes open, send, wait and judge (with :mod:`kvpool.client.plans`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
 from kvpool.client.placement import MemberInfo
 from kvpool.client.plans import BlockRef, PutItem, ReadItem, transport_failure
 from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
@@ -200,3 +205,171 @@ def unreached_puts(group: list[tuple[PutItem, MemberInfo]], error: KVPoolError) 
     late = error if isinstance(error, DeadlineExceededError) else None
     for it, _ in group:
         it.error = late or UnavailableError(error.message)
+
+
+# --- a read, round by round: the flow both data planes carry out ---------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class NodeReads:
+    """One node's reads of a round, as a data plane sent them: the node, its keys (clones of
+    a hedge's keys when ``clones``), the deadline they were sent with, and the plane's own
+    handle on them (``io``: its connection and plan, or its task; None once over)."""
+
+    address: str
+    items: list[ReadItem]
+    member: MemberInfo
+    deadline: float
+    clones: bool = False
+    io: Any = None
+
+
+@dataclass(slots=True)
+class SendReads:
+    """Send each node of ``groups`` its keys' reads, by ``deadline`` (opening a connection by
+    ``connect_by`` when given: a blocking plane cannot hedge a connect), and list the
+    :class:`NodeReads` underway in ``sent``. A node that could not be reached, or whose keys
+    were all read through its shared directory, is not listed: its items say what happened.
+    With ``wait``, finish every read first (and list none): a round that will not hedge."""
+
+    groups: ReadGroups
+    deadline: float
+    connect_by: float | None = None
+    clones: bool = False
+    wait: bool = False
+    sent: list[NodeReads] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class AwaitReads:
+    """Finish each of ``reads`` whose answer arrives before ``until`` (its items judged) and
+    list those in ``done`` — as soon as one is, when ``first``, else all of them or as many as
+    ``until`` allowed."""
+
+    reads: list[NodeReads]
+    until: float
+    first: bool = False
+    done: list[NodeReads] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DropReads:
+    """Stop ``reads``: none of their answers is taken, so none lands in a caller's buffer
+    later (a clone's own buffer may still be written)."""
+
+    reads: list[NodeReads]
+
+
+RoundStep = SendReads | AwaitReads | DropReads
+RoundFlow = Generator[RoundStep, None, None]
+"""A read's steps; a data plane carries out each (``for step in flow``) and writes its answer
+on the step (``sent``, ``done``) before taking the next: nothing is sent into the flow, so a
+one-round read costs a loop over a generator, not a driver."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRules:
+    """What a data plane's reads go by: its clock, its hedge policy, which held-back members
+    may be asked (``sendable``), and who hears of a silent node (``on_slow``) and of hedges
+    (``on_hedge``: keys hedged, then keys the hedge served)."""
+
+    clock: Callable[[], float]
+    hedge: HedgePolicy
+    sendable: Callable[[int], bool] | None = None
+    on_slow: Callable[[int], None] | None = None
+    on_hedge: Callable[[int, int], None] | None = None
+
+
+def read_flow(
+    items: list[ReadItem],
+    members: Callable[[int], MemberInfo | None],
+    deadline: float,
+    rules: ReadRules,
+    on_retry: Callable[[int], None] | None = None,
+) -> RoundFlow:
+    """Read every item from its replicas, in rounds, until read, out of replicas or out of
+    time: the items record each outcome (``on_retry`` hears how many keys go again after a
+    round). A round that may hedge (:meth:`HedgePolicy.worth_it`) goes as
+    :func:`hedged_round` says; any other is sent and finished in one step."""
+    clock, sendable = rules.clock, rules.sendable
+    queue = read_queue(items)
+    while queue:
+        now = clock()
+        if now >= deadline:
+            out_of_time(queue)
+            return
+        round_deadline = now + (deadline - now) / rounds_left(queue)
+        groups = next_round(queue, members, sendable)
+        if groups and rules.hedge.worth_it(queue):
+            yield from hedged_round(groups, members, round_deadline, deadline, rules)
+        elif groups:
+            yield SendReads(groups, round_deadline, wait=True)
+        queue = still_unread(queue, on_retry)
+
+
+def hedged_round(
+    groups: ReadGroups,
+    members: Callable[[int], MemberInfo | None],
+    round_deadline: float,
+    deadline: float,
+    rules: ReadRules,
+) -> RoundFlow:
+    """One round of reads that may hedge. Wait the hedge delay (:meth:`HedgePolicy.delay_s`
+    of the round's bytes) for the nodes to answer; the keys of the nodes still silent then are
+    also read from their next replica, by clones into buffers of their own (:class:`Hedge`),
+    but not from a node of this round that is silent too. Wait until each hedged key is read
+    or both its reads are over; stop the reads still running (a first read's keys then fail as
+    unanswered there) and fold the clones back (:meth:`Hedge.settle`)."""
+    clock, hedge, on_hedge, on_slow = rules.clock, rules.hedge, rules.on_hedge, rules.on_slow
+    now = clock()
+    send = SendReads(groups, round_deadline, connect_by=min(round_deadline, now + hedge.delay_s(0)))
+    yield send
+    firsts = send.sent
+    if not firsts:
+        return
+    delay_s = hedge.delay_s(max(round_bytes(r.items) for r in firsts))
+    wait = AwaitReads(firsts, min(clock() + delay_s, round_deadline))
+    yield wait
+    over = {id(r) for r in wait.done}
+    slow = [r for r in firsts if id(r) not in over]
+    if not slow:
+        return
+    second = Hedge(it for r in slow for it in r.items)
+    clone_groups = next_round(second.clones, members, rules.sendable)
+    for address in {r.address for r in slow} & clone_groups.keys():  # it would wait too
+        second.forget(clone_groups.pop(address)[0])
+    limit = round_deadline
+    waiting = slow
+    if len(second):
+        if on_hedge is not None:
+            on_hedge(len(second), 0)
+        if on_slow is not None:
+            for r in slow:
+                on_slow(r.member.member_id)
+        now = clock()
+        hedge_deadline = now + (deadline - now) / (rounds_left(second.clones) + 1)
+        send = SendReads(clone_groups, hedge_deadline, clones=True)
+        yield send
+        waiting = slow + send.sent
+        limit = max(round_deadline, hedge_deadline)
+    reader = {id(it): r for r in waiting for it in r.items}
+
+    def read_over(it: ReadItem) -> bool:  # a clone never sent counts as over
+        r = reader.get(id(it))
+        return r is None or id(r) in over
+
+    while waiting and not (len(second) and second.resolved(read_over, read_over)):
+        if clock() >= limit:
+            break
+        wait = AwaitReads(waiting, limit, first=bool(len(second)))
+        yield wait
+        over.update(id(r) for r in wait.done)
+        waiting = [r for r in waiting if id(r) not in over]
+    if waiting:
+        yield DropReads(waiting)
+    won = second.settle()
+    if len(second) and on_hedge is not None:
+        on_hedge(0, won)
+    for r in waiting:
+        if not r.clones:
+            fail_unanswered(r.items, r.address)
