@@ -61,8 +61,14 @@ class BlockingDataPlane:
         on_node_answered: Callable[[int], None] | None = None,
     ) -> None:
         self._links = core.links
+        counters = core.counters
         self._rules = rounds.ReadRules(
-            time.monotonic, core.hedge_policy, sendable, on_node_slow, core.counters.hedged
+            time.monotonic,
+            core.hedge_policy,
+            sendable,
+            on_node_slow,
+            counters.hedged,
+            counters.replica_retries,
         )
         self._probing: Callable[[int], bool] = probing or (lambda _mid: False)
         self._on_node_answered = on_node_answered or (lambda _mid: None)
@@ -120,11 +126,10 @@ class BlockingDataPlane:
         items: list[ReadItem],
         members: Callable[[int], MemberInfo | None],
         deadline: float,
-        on_retry: Callable[[int], None] | None = None,
     ) -> None:
         """Read every item from its replicas, in rounds: :func:`~kvpool.client.rounds.
         read_flow`, carried out in this thread."""
-        flow = rounds.read_flow(items, members, deadline, self._rules, on_retry)
+        flow = rounds.read_flow(items, members, deadline, self._rules)
         underway: list[rounds.NodeReads] = []
         try:
             for step in flow:

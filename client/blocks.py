@@ -81,6 +81,7 @@ class DataPlane:
         hedge: HedgePolicy | None = None,
         on_node_slow: Callable[[int], None] | None = None,
         on_hedge: Callable[[int, int], None] | None = None,
+        on_retry: Callable[[int], None] | None = None,
         sendable: Callable[[int], bool] | None = None,
         probing: Callable[[int], bool] | None = None,
         on_node_answered: Callable[[int], None] | None = None,
@@ -95,6 +96,7 @@ class DataPlane:
             sendable=sendable,
             on_slow=on_node_slow,
             on_hedge=on_hedge,
+            on_retry=on_retry,
         )
         self._background: set[asyncio.Task[None]] = set()
         self._token = token
@@ -147,7 +149,6 @@ class DataPlane:
         items: list[ReadItem],
         members: Callable[[int], MemberInfo | None],
         deadline: float,
-        on_retry: Callable[[int], None] | None = None,
     ) -> None:
         """Read every item from its replicas, in rounds: :func:`~kvpool.client.rounds.
         read_flow`, carried out on the event loop."""
@@ -155,7 +156,7 @@ class DataPlane:
         rules = self._rules
         if rules is None:
             rules = self._rules = self._rules_on(loop.time)
-        flow = rounds.read_flow(items, members, deadline, rules, on_retry)
+        flow = rounds.read_flow(items, members, deadline, rules)
         underway: list[rounds.NodeReads] = []
         try:
             for step in flow:

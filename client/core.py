@@ -82,6 +82,7 @@ class ClientCore(ClientState):
             hedge=self.hedge_policy,
             on_node_slow=self._node_slow,
             on_hedge=self._stats.hedged,
+            on_retry=self._stats.replica_retries,
             sendable=self._sendable,
             probing=self._placement.held.__contains__,
             on_node_answered=self._placement.node_answered,
@@ -189,7 +190,7 @@ class ClientCore(ClientState):
         commit's chunks at once)."""
         if isinstance(step, ops.Read):
             live = partial(self.member, live=step.live)
-            await self._data.read(step.items, live, deadline, on_retry=self._stats.replica_retries)
+            await self._data.read(step.items, live, deadline)
         elif isinstance(step, ops.Lookup):
             with self.looking_up(step.keys):
                 request = self.lookup_request(step.keys)

@@ -154,7 +154,7 @@ class SyncPath(ClientState):
         """Carry out one step of a flow (:mod:`~kvpool.client.ops`) in this thread."""
         if isinstance(step, ops.Read):
             live = partial(self.member, live=step.live)
-            self._data.read(step.items, live, deadline, on_retry=self._stats.replica_retries)
+            self._data.read(step.items, live, deadline)
         elif isinstance(step, ops.Lookup):
             with self.looking_up(step.keys):
                 request = self.lookup_request(step.keys)

@@ -270,14 +270,16 @@ one-round read costs a loop over a generator, not a driver."""
 @dataclass(frozen=True, slots=True)
 class ReadRules:
     """What a data plane's reads go by: its clock, its hedge policy, which held-back members
-    may be asked (``sendable``), and who hears of a silent node (``on_slow``) and of hedges
-    (``on_hedge``: keys hedged, then keys the hedge served)."""
+    may be asked (``sendable``), and who hears of a silent node (``on_slow``), of hedges
+    (``on_hedge``: keys hedged, then keys the hedge served) and of keys that go again to
+    another replica after a round (``on_retry``)."""
 
     clock: Callable[[], float]
     hedge: HedgePolicy
     sendable: Callable[[int], bool] | None = None
     on_slow: Callable[[int], None] | None = None
     on_hedge: Callable[[int, int], None] | None = None
+    on_retry: Callable[[int], None] | None = None
 
 
 def read_flow(
@@ -285,12 +287,11 @@ def read_flow(
     members: Callable[[int], MemberInfo | None],
     deadline: float,
     rules: ReadRules,
-    on_retry: Callable[[int], None] | None = None,
 ) -> RoundFlow:
     """Read every item from its replicas, in rounds, until read, out of replicas or out of
-    time: the items record each outcome (``on_retry`` hears how many keys go again after a
-    round). A round that may hedge (:meth:`HedgePolicy.worth_it`) goes as
-    :func:`hedged_round` says; any other is sent and finished in one step."""
+    time: the items record each outcome. A round that may hedge
+    (:meth:`HedgePolicy.worth_it`) goes as :func:`hedged_round` says; any other is sent and
+    finished in one step."""
     clock, sendable = rules.clock, rules.sendable
     queue = read_queue(items)
     while queue:
@@ -304,7 +305,7 @@ def read_flow(
             yield from hedged_round(groups, members, round_deadline, deadline, rules)
         elif groups:
             yield SendReads(groups, round_deadline, wait=True)
-        queue = still_unread(queue, on_retry)
+        queue = still_unread(queue, rules.on_retry)
 
 
 def hedged_round(

@@ -104,8 +104,8 @@ class Nodes:
                     hedge,
                     on_slow=self.slow.append,
                     on_hedge=lambda sent, won: self.hedged.append((sent, won)),
+                    on_retry=self.retried.append,
                 ),
-                self.retried.append,
             )
         )
 
