@@ -61,20 +61,23 @@ class BlockingDataPlane:
         on_node_answered: Callable[[int], None] | None = None,
     ) -> None:
         self._links = core.links
+        self._probing = probing or rounds.never_held
+        self._on_node_answered = on_node_answered or rounds.ignore
+        self._on_node_slow = on_node_slow or rounds.ignore
+        self._on_node_failed = on_node_failed
         counters = core.counters
-        self._rules = rounds.ReadRules(
+        self._rules = rounds.PlaneRules(
             time.monotonic,
             core.hedge_policy,
-            sendable,
-            on_node_slow,
-            counters.hedged,
-            counters.replica_retries,
+            probing=self._probing,
+            sendable=sendable,
+            on_failed=on_node_failed,
+            on_answered=self._on_node_answered,
+            on_slow=self._on_node_slow,
+            on_hedge=counters.hedged,
+            on_retry=counters.replica_retries,
         )
-        self._probing: Callable[[int], bool] = probing or (lambda _mid: False)
-        self._on_node_answered = on_node_answered or (lambda _mid: None)
-        self._on_node_slow = on_node_slow or (lambda _mid: None)
         self._token = core.security.token
-        self._on_node_failed = on_node_failed
         self._connect_timeout_s = connect_timeout_s
         self._poll_s = core.config.busy_poll_us / 1e6  # before a read's answer
         self._conns = ThreadConnections(core.config.connections_per_node)
@@ -299,46 +302,45 @@ class BlockingDataPlane:
     # --- writes ---------------------------------------------------------------------------
 
     def stage(self, items: list[PutItem], deadline: float) -> None:
-        """PUT every item to each of its targets (all nodes at once)."""
-        sent: list[tuple[BlockingConnection, NodeStage, float, float]] = []
-        for address, group in rounds.put_groups(items, deadline - time.monotonic()).items():
-            member_id = group[0][1].member_id
-            started = time.monotonic()
-            by = rounds.probe_deadline(deadline, started, member_id, self._probing)
-            try:
-                conn = self.connection(address, by)
-            except KVPoolError as e:
-                rounds.unreached_puts(group, e)
-                self._on_node_failed(member_id)
+        """PUT every item to each of its targets: :func:`~kvpool.client.rounds.stage_flow`,
+        carried out in this thread (every node's frames sent before any answer is read)."""
+        for step in rounds.stage_flow(items, deadline, self._rules):
+            if isinstance(step, rounds.SendPuts):
+                self._send_puts(step.puts)
                 continue
-            plan = NodeStage(address, group, links.conn_arena(conn))
-            try:
-                for calls in plan.chunks():
-                    conn.send(calls, by)
-            except KVPoolError as e:
-                self.discard(address, conn)
-                plan.fail_all(e, self._on_node_failed)
-                continue
-            sent.append((conn, plan, by, started))
-        for conn, plan, by, started in sent:
-            try:
-                conn.receive(plan.calls, by)
-            except KVPoolError as e:
-                self.discard(plan.address, conn)
-                plan.fail_all(e, self._on_node_failed)
-                if rounds.silent_node(e, plan.calls, time.monotonic() - started):
-                    self._on_node_failed(plan.group[0][1].member_id)
-                continue
-            if self._probing(plan.group[0][1].member_id):
-                self._on_node_answered(plan.group[0][1].member_id)
-            plan.judge()
-            if plan.commit is not None:
+            for put in step.puts:
+                assert put.plan is not None
+                assert put.plan.commit is not None
                 try:
-                    conn.exchange([plan.commit], by)
+                    put.io.exchange([put.plan.commit], put.deadline)
                 except KVPoolError as e:
-                    self.discard(plan.address, conn)
-                    plan.commit.error = e
-                plan.judge_commit()
+                    self.discard(put.address, put.io)
+                    put.plan.commit.error = e
+
+    def _send_puts(self, puts: list[rounds.NodePuts]) -> None:
+        sent: list[tuple[rounds.NodePuts, BlockingConnection, NodeStage, float]] = []
+        for put in puts:
+            started = time.monotonic()
+            try:
+                conn = self.connection(put.address, put.deadline)
+            except KVPoolError as e:
+                put.error = e
+                continue
+            put.io, put.plan = conn, NodeStage(put.address, put.group, links.conn_arena(conn))
+            try:
+                for calls in put.plan.chunks():  # each group's frames made as the last one goes
+                    conn.send(calls, put.deadline)
+            except KVPoolError as e:
+                self.discard(put.address, conn)
+                put.error = e
+                continue
+            sent.append((put, conn, put.plan, started))
+        for put, conn, plan, started in sent:
+            try:
+                conn.receive(plan.calls, put.deadline)
+            except KVPoolError as e:
+                self.discard(put.address, conn)
+                put.error, put.waited_s = e, time.monotonic() - started
 
     def send_refs(
         self, op: Op, refs: list[BlockRef], deadline: float, *, wait: bool = True

@@ -4,9 +4,9 @@ Reads go as :func:`kvpool.client.rounds.read_flow` says, round by round, hedges 
 plane carries its steps out with a task per node (one pooled connection each, its frames sent at
 once: one MGET, one SHM_GET or pipelined GETs, see :mod:`kvpool.client.plans`, where every answer
 is judged) and :func:`asyncio.wait`. A first read that is dropped is cancelled; a hedge's clone
-finishes in the background, into its own buffer. Writes send PUT frames (or shared-memory
-reservations) to every target replica at once, PUBLISH after the commit (not waited for), and
-DELETE after a remove (best effort).
+finishes in the background, into its own buffer. Writes go as :func:`kvpool.client.rounds.
+stage_flow` says (PUT frames or shared-memory reservations to every target replica at once);
+PUBLISH follows the commit (not waited for), DELETE a remove (best effort).
 
 Connections come from a pool per node address; the first one to a node asks HELLO and, where the
 node is on this host and the ``transport`` setting allows, the pool hands out connections to the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 
 from kvpool import tracing
@@ -87,13 +87,17 @@ class DataPlane:
         on_node_answered: Callable[[int], None] | None = None,
     ) -> None:
         self._links = links or Links("auto")
-        self._probing = probing
-        self._on_node_answered = on_node_answered or (lambda _mid: None)
-        self._rules: rounds.ReadRules | None = None  # made with the loop's clock, at first use
+        self._probing = probing or rounds.never_held
+        self._on_node_answered = on_node_answered or rounds.ignore
+        self._on_node_failed = on_node_failed or rounds.ignore
+        self._rules: rounds.PlaneRules | None = None  # made with the loop's clock, at first use
         self._rules_on = partial(
-            rounds.ReadRules,
+            rounds.PlaneRules,
             hedge=hedge or HedgePolicy(enabled=False),
+            probing=self._probing,
             sendable=sendable,
+            on_failed=self._on_node_failed,
+            on_answered=self._on_node_answered,
             on_slow=on_node_slow,
             on_hedge=on_hedge,
             on_retry=on_retry,
@@ -103,7 +107,6 @@ class DataPlane:
         self._pool = pool or ConnectionPool(
             size=pool_size, connect_timeout_s=connect_timeout_s, opener=self._open
         )
-        self._on_node_failed = on_node_failed or (lambda _mid: None)
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -153,10 +156,7 @@ class DataPlane:
         """Read every item from its replicas, in rounds: :func:`~kvpool.client.rounds.
         read_flow`, carried out on the event loop."""
         loop = asyncio.get_running_loop()
-        rules = self._rules
-        if rules is None:
-            rules = self._rules = self._rules_on(loop.time)
-        flow = rounds.read_flow(items, members, deadline, rules)
+        flow = rounds.read_flow(items, members, deadline, self._rules_now())
         underway: list[rounds.NodeReads] = []
         try:
             for step in flow:
@@ -186,6 +186,13 @@ class DataPlane:
         finally:  # cancelled, or an error: no first read goes on into a caller's buffer
             if underway:
                 await self._drop([r for r in underway if not r.io.done()])
+
+    def _rules_now(self) -> rounds.PlaneRules:
+        """This plane's rules, with the running event loop's clock."""
+        rules = self._rules
+        if rules is None:
+            rules = self._rules = self._rules_on(asyncio.get_running_loop().time)
+        return rules
 
     async def _await(self, step: rounds.AwaitReads) -> list[rounds.NodeReads]:
         by_task = {r.io: r for r in step.reads}
@@ -248,39 +255,37 @@ class DataPlane:
     # --- writes -------------------------------------------------------------------------------
 
     async def stage(self, items: list[PutItem], deadline: float) -> None:
-        """PUT every item to each of its targets at once; ``item.acked`` lists the members
-        that staged it, ``item.error`` the last failure."""
-        groups = rounds.put_groups(items, deadline - asyncio.get_running_loop().time())
-        await asyncio.gather(
-            *(self._stage_group(address, g, deadline) for address, g in groups.items())
-        )
+        """PUT every item to each of its targets: :func:`~kvpool.client.rounds.stage_flow`,
+        carried out on the event loop (every node at once)."""
+        for step in rounds.stage_flow(items, deadline, self._rules_now()):
+            if isinstance(step, rounds.SendPuts):
+                await _each(self._send_puts, step.puts)
+            else:
+                await _each(self._commit, step.puts)
 
-    async def _stage_group(
-        self, address: str, group: list[tuple[PutItem, MemberInfo]], deadline: float
-    ) -> None:
+    async def _send_puts(self, put: rounds.NodePuts) -> None:
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        deadline = rounds.probe_deadline(deadline, now, group[0][1].member_id, self._probing)
-        conn = await self._connect(address, group[0][1], deadline - now)
-        if isinstance(conn, KVPoolError):
-            rounds.unreached_puts(group, conn)
-            return
-        plan = NodeStage(address, group, links.conn_arena(conn))
+        started = loop.time()
         try:
-            await conn.exchange(plan.all_calls(), deadline - loop.time())
+            conn = await self._pool.get(put.address, timeout_s=put.deadline - started)
         except KVPoolError as e:
-            plan.fail_all(e, self._on_node_failed)
-            if rounds.silent_node(e, plan.calls, loop.time() - now):
-                self._on_node_failed(group[0][1].member_id)
+            put.error = e
             return
-        self._on_node_answered(group[0][1].member_id)
-        plan.judge()
-        if plan.commit is not None:
-            try:
-                await conn.exchange([plan.commit], deadline - loop.time())
-            except KVPoolError as e:
-                plan.commit.error = e
-            plan.judge_commit()
+        put.io, put.plan = conn, NodeStage(put.address, put.group, links.conn_arena(conn))
+        try:
+            await conn.exchange(put.plan.all_calls(), put.deadline - loop.time())
+        except KVPoolError as e:
+            put.error, put.waited_s = e, loop.time() - started
+
+    async def _commit(self, put: rounds.NodePuts) -> None:
+        assert put.plan is not None
+        assert put.plan.commit is not None
+        try:
+            await put.io.exchange(
+                [put.plan.commit], put.deadline - asyncio.get_running_loop().time()
+            )
+        except KVPoolError as e:
+            put.plan.commit.error = e
 
     async def publish(
         self, refs: Iterable[BlockRef], deadline: float, *, wait: bool = False
@@ -326,6 +331,16 @@ class DataPlane:
                 return
 
         await asyncio.gather(*(group(a, g) for a, g in groups.items()))
+
+
+async def _each(
+    work: Callable[[rounds.NodePuts], Awaitable[None]], puts: list[rounds.NodePuts]
+) -> None:
+    """``work`` on every one of ``puts`` at once (one without a task)."""
+    if len(puts) == 1:
+        await work(puts[0])
+    else:
+        await asyncio.gather(*map(work, puts))
 
 
 async def _hello(conn: FrameConnection, timeout_s: float) -> links.NodeOffer:

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
 from kvpool.client.placement import MemberInfo
-from kvpool.client.plans import BlockRef, PutItem, ReadItem, transport_failure
+from kvpool.client.plans import BlockRef, NodeStage, PutItem, ReadItem, transport_failure
 from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
 from kvpool.proto.wire import Op
 from kvpool.transports.calls import Call
@@ -267,16 +267,30 @@ on the step (``sent``, ``done``) before taking the next: nothing is sent into th
 one-round read costs a loop over a generator, not a driver."""
 
 
+def ignore(_member_id: int) -> None:
+    """Hear of a member and do nothing (a :class:`PlaneRules` callback left unset)."""
+
+
+def never_held(_member_id: int) -> bool:
+    """No member is held back (:attr:`PlaneRules.probing` left unset)."""
+    return False
+
+
 @dataclass(frozen=True, slots=True)
-class ReadRules:
-    """What a data plane's reads go by: its clock, its hedge policy, which held-back members
-    may be asked (``sendable``), and who hears of a silent node (``on_slow``), of hedges
+class PlaneRules:
+    """What a data plane's reads and puts go by: its clock, its hedge policy, which members
+    are held back (``probing``: asked once, briefly, :data:`PROBE_WAIT_S`) and which of them
+    may be asked now (``sendable``); and who hears of a node that failed (``on_failed``),
+    answered (``on_answered``) or was silent past the hedge delay (``on_slow``), of hedges
     (``on_hedge``: keys hedged, then keys the hedge served) and of keys that go again to
     another replica after a round (``on_retry``)."""
 
     clock: Callable[[], float]
     hedge: HedgePolicy
+    probing: Callable[[int], bool] = never_held
     sendable: Callable[[int], bool] | None = None
+    on_failed: Callable[[int], None] = ignore
+    on_answered: Callable[[int], None] = ignore
     on_slow: Callable[[int], None] | None = None
     on_hedge: Callable[[int, int], None] | None = None
     on_retry: Callable[[int], None] | None = None
@@ -286,7 +300,7 @@ def read_flow(
     items: list[ReadItem],
     members: Callable[[int], MemberInfo | None],
     deadline: float,
-    rules: ReadRules,
+    rules: PlaneRules,
 ) -> RoundFlow:
     """Read every item from its replicas, in rounds, until read, out of replicas or out of
     time: the items record each outcome. A round that may hedge
@@ -313,7 +327,7 @@ def hedged_round(
     members: Callable[[int], MemberInfo | None],
     round_deadline: float,
     deadline: float,
-    rules: ReadRules,
+    rules: PlaneRules,
 ) -> RoundFlow:
     """One round of reads that may hedge. Wait the hedge delay (:meth:`HedgePolicy.delay_s`
     of the round's bytes) for the nodes to answer; the keys of the nodes still silent then are
@@ -374,3 +388,84 @@ def hedged_round(
     for r in waiting:
         if not r.clones:
             fail_unanswered(r.items, r.address)
+
+
+# --- a put's stage: the flow both data planes carry out ------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class NodePuts:
+    """One node's share of a put: its blocks and their deadline (shorter for a probe), and
+    what the data plane found: the plan it sent (``plan``, a :class:`NodeStage`; None when the
+    node could not be reached), the error the exchange failed with, how long it waited for
+    the answers, and the plane's own handle (``io``: the connection)."""
+
+    address: str
+    group: list[tuple[PutItem, MemberInfo]]
+    deadline: float
+    plan: NodeStage | None = None
+    error: KVPoolError | None = None
+    waited_s: float = 0.0
+    io: Any = None
+
+
+@dataclass(slots=True)
+class SendPuts:
+    """For each of ``puts``, every node at once: open a connection by its deadline, make its
+    plan (:class:`NodeStage`, over the connection's shared memory when it has one), send every
+    call and take the answers; record the plan, or the error and how long the answers were
+    waited for."""
+
+    puts: list[NodePuts]
+
+
+@dataclass(slots=True)
+class CommitPuts:
+    """Send each of ``puts``' shared-memory commit (``plan.commit``) on its connection and take
+    the answer; an exchange that failed records its error on the commit call."""
+
+    puts: list[NodePuts]
+
+
+StageStep = SendPuts | CommitPuts
+StageFlow = Generator[StageStep, None, None]
+
+
+def stage_flow(items: list[PutItem], deadline: float, rules: PlaneRules) -> StageFlow:
+    """PUT every item to each of its targets, every node at once, by ``deadline``:
+    ``item.acked`` lists the members that staged it, ``item.error`` the last failure. A node
+    that could not be reached, or failed, is reported (``on_failed``), and so is one silent
+    for :data:`NO_ANSWER_S` (:func:`silent_node`); one that answered is no longer held back
+    (``on_answered``). Steps and answers as :data:`RoundFlow`'s."""
+    clock, probing, on_failed = rules.clock, rules.probing, rules.on_failed
+    groups = put_groups(items, deadline - clock())
+    if not groups:
+        return
+    now = clock()
+    puts = [
+        NodePuts(address, group, probe_deadline(deadline, now, group[0][1].member_id, probing))
+        for address, group in groups.items()
+    ]
+    yield SendPuts(puts)
+    committing: list[NodePuts] = []
+    for put in puts:
+        member_id = put.group[0][1].member_id
+        plan, error = put.plan, put.error
+        if plan is None:
+            assert error is not None
+            unreached_puts(put.group, error)
+            on_failed(member_id)
+        elif error is not None:
+            plan.fail_all(error, on_failed)
+            if silent_node(error, plan.calls, put.waited_s):
+                on_failed(member_id)
+        else:
+            rules.on_answered(member_id)
+            plan.judge()
+            if plan.commit is not None:
+                committing.append(put)
+    if committing:
+        yield CommitPuts(committing)
+        for put in committing:
+            assert put.plan is not None
+            put.plan.judge_commit()

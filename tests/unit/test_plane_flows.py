@@ -1,23 +1,28 @@
-"""A read round by round, hedges included, as both data planes carry it out
-(:func:`kvpool.client.rounds.read_flow`): driven here step by step with a fake clock and fake
-nodes — no socket, no thread, no event loop."""
+"""What both data planes carry out, driven here step by step with a fake clock and fake nodes —
+no socket, no thread, no event loop: a read round by round, hedges included
+(:func:`kvpool.client.rounds.read_flow`), and a put's stage (:func:`~kvpool.client.rounds.
+stage_flow`)."""
 
 from __future__ import annotations
 
 from kvpool.client.hedge import HedgePolicy
 from kvpool.client.placement import MemberInfo
-from kvpool.client.plans import ReadItem
+from kvpool.client.plans import NodeStage, PutItem, ReadItem
 from kvpool.client.rounds import (
     AwaitReads,
     DropReads,
     NodeReads,
-    ReadRules,
+    PlaneRules,
     RoundFlow,
+    SendPuts,
     SendReads,
+    StageFlow,
     read_flow,
+    stage_flow,
 )
-from kvpool.errors import DeadlineExceededError
+from kvpool.errors import DeadlineExceededError, TransportError, UnavailableError
 from kvpool.proto.v1 import common_pb2
+from kvpool.proto.wire import Header, Status
 
 A = MemberInfo(1, "node-a", "tcp://a:1", 1 << 30)
 B = MemberInfo(2, "node-b", "tcp://b:1", 1 << 30)
@@ -99,7 +104,7 @@ class Nodes:
                 items,
                 LIVE.get,
                 1.0,
-                ReadRules(
+                PlaneRules(
                     self.clock,
                     hedge,
                     on_slow=self.slow.append,
@@ -177,3 +182,76 @@ def test_a_round_that_answers_within_the_hedge_delay_sends_no_clone() -> None:
     assert values(keys) == [b"aaaa", b"bbbb"]
     assert nodes.hedged == []
     assert nodes.dropped == []
+
+
+# --- a put's stage -------------------------------------------------------------------------------
+
+
+class StagingNodes:
+    """Fake nodes for a put's stage: each answers every PUT with ``status`` (by address), or
+    cannot be reached (``unreachable``), or stays silent (``silent``: the exchange times out
+    after ``waited_s``)."""
+
+    def __init__(self, *, unreachable: str = "", silent: str = "", waited_s: float = 0.5) -> None:
+        self.unreachable, self.silent, self.waited_s = unreachable, silent, waited_s
+        self.failed: list[int] = []
+        self.answered: list[int] = []
+        self.steps: list[str] = []
+
+    def rules(self, now: float = 0.0) -> PlaneRules:
+        return PlaneRules(
+            lambda: now, HEDGE, on_failed=self.failed.append, on_answered=self.answered.append
+        )
+
+    def run(self, flow: StageFlow) -> None:
+        for step in flow:
+            assert isinstance(step, SendPuts)
+            self.steps.append("send " + ",".join(p.address[6] for p in step.puts))
+            for put in step.puts:
+                if put.address == self.unreachable:
+                    put.error = TransportError(f"{put.address}: connect failed: refused")
+                    continue
+                put.plan = NodeStage(put.address, put.group, None)
+                put.plan.all_calls()
+                if put.address == self.silent:
+                    put.error = DeadlineExceededError(f"{put.address}: no answer in time")
+                    put.waited_s = self.waited_s
+                    continue
+                for call in put.plan.calls:
+                    call.header = Header(op=call.op, status=Status.OK)
+
+
+def put(key: str, *targets: MemberInfo) -> PutItem:
+    return PutItem(key, key.encode(), memoryview(b"data"), write_id=7, targets=list(targets))
+
+
+def test_a_put_is_staged_on_every_target_at_once_and_acked_by_those_that_answered() -> None:
+    nodes = StagingNodes(unreachable="tcp://b:1")
+    x, y = put("x", A, B), put("y", C)
+    nodes.run(stage_flow([x, y], 1.0, nodes.rules()))
+    assert nodes.steps == ["send a,b,c"]  # one step: every node at once
+    assert x.acked == [1]
+    assert y.acked == [3]
+    assert isinstance(x.error, UnavailableError)  # B's, kept beside A's ack
+    assert "connect failed" in str(x.error)
+    assert nodes.failed == [2]
+    assert nodes.answered == [1, 3]
+
+
+def test_a_node_silent_for_a_while_is_reported_failed_a_briefly_late_one_is_not() -> None:
+    for waited_s, failed in ((0.5, [1]), (0.01, [])):
+        nodes = StagingNodes(silent="tcp://a:1", waited_s=waited_s)
+        x = put("x", A)
+        nodes.run(stage_flow([x], 1.0, nodes.rules()))
+        assert x.acked == []
+        assert isinstance(x.error, DeadlineExceededError)
+        assert nodes.failed == failed
+        assert nodes.answered == []
+
+
+def test_a_put_with_no_time_left_sends_nothing() -> None:
+    nodes = StagingNodes()
+    x = put("x", A)
+    nodes.run(stage_flow([x], 1.0, nodes.rules(now=2.0)))
+    assert nodes.steps == []
+    assert isinstance(x.error, DeadlineExceededError)
