@@ -61,19 +61,15 @@ class BlockingDataPlane:
         on_node_answered: Callable[[int], None] | None = None,
     ) -> None:
         self._links = core.links
-        self._probing = probing or rounds.never_held
-        self._on_node_answered = on_node_answered or rounds.ignore
-        self._on_node_slow = on_node_slow or rounds.ignore
-        self._on_node_failed = on_node_failed
         counters = core.counters
         self._rules = rounds.PlaneRules(
             time.monotonic,
             core.hedge_policy,
-            probing=self._probing,
+            probing=probing or rounds.never_held,
             sendable=sendable,
             on_failed=on_node_failed,
-            on_answered=self._on_node_answered,
-            on_slow=self._on_node_slow,
+            on_answered=on_node_answered or rounds.ignore,
+            on_slow=on_node_slow,
             on_hedge=counters.hedged,
             on_retry=counters.replica_retries,
         )
@@ -233,7 +229,7 @@ class BlockingDataPlane:
     ) -> tuple[BlockingConnection, NodeRead] | None:
         address, group, member = reads.address, reads.items, reads.member
         deadline = reads.deadline
-        held = self._probing(member.member_id)  # a probe: rounds.PROBE_WAIT_S at most
+        held = self._rules.probing(member.member_id)  # a probe: rounds.PROBE_WAIT_S at most
         if held:
             deadline = min(deadline, time.monotonic() + rounds.PROBE_WAIT_S)
             if connect_by is not None:
@@ -241,11 +237,8 @@ class BlockingDataPlane:
         try:
             conn = self.connection(address, deadline if connect_by is None else connect_by)
         except KVPoolError as e:
-            rounds.unreached_reads(group, e)
-            if isinstance(e, DeadlineExceededError) and connect_by is not None:
-                self._on_node_slow(member.member_id)
-            else:
-                self._on_node_failed(member.member_id)
+            cut_short = connect_by is not None
+            rounds.unreached_node(group, e, member.member_id, self._rules, cut_short=cut_short)
             return None
         plan = links.node_read(address, group, conn)
         if not plan.calls:  # all read through the node's shared directory
@@ -261,7 +254,7 @@ class BlockingDataPlane:
     def _finish_reads(
         self, conn: BlockingConnection, plan: NodeRead, member: MemberInfo, deadline: float
     ) -> None:
-        held = self._probing(member.member_id)
+        held = self._rules.probing(member.member_id)
         if held:
             deadline = min(deadline, plan.sent_at + rounds.PROBE_WAIT_S)
         try:
@@ -269,10 +262,7 @@ class BlockingDataPlane:
         except KVPoolError as e:
             self._failed(plan.address, conn, plan, member, e)
             return
-        if held:
-            self._on_node_answered(member.member_id)
-        plan.judge()
-        release = plan.release_call()
+        release = rounds.node_read_answered(plan, member.member_id, self._rules)
         try:
             if release is not None:
                 conn.notify([release], deadline)
@@ -294,10 +284,8 @@ class BlockingDataPlane:
         error: KVPoolError,
     ) -> None:
         self.discard(address, conn)
-        plan.fail_all(error)
         waited_s = time.monotonic() - plan.sent_at
-        if rounds.read_failed_node(error, plan.calls, waited_s):
-            self._on_node_failed(member.member_id)
+        rounds.node_read_failed(plan, error, member.member_id, waited_s, self._rules)
 
     # --- writes ---------------------------------------------------------------------------
 
@@ -351,7 +339,7 @@ class BlockingDataPlane:
         until the node's check with the index answers it. A DELETE skips the nodes held back
         (:func:`~kvpool.client.rounds.deliverable`): it is best effort, and a stopped node
         would make the caller wait for it."""
-        groups = refs_by_node(rounds.deliverable(op, refs, self._probing))
+        groups = refs_by_node(rounds.deliverable(op, refs, self._rules.probing))
         sent = []
         for address, group in groups.items():
             posted, awaited = ref_rounds(op, group, wait)

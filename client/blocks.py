@@ -87,17 +87,14 @@ class DataPlane:
         on_node_answered: Callable[[int], None] | None = None,
     ) -> None:
         self._links = links or Links("auto")
-        self._probing = probing or rounds.never_held
-        self._on_node_answered = on_node_answered or rounds.ignore
-        self._on_node_failed = on_node_failed or rounds.ignore
         self._rules: rounds.PlaneRules | None = None  # made with the loop's clock, at first use
         self._rules_on = partial(
             rounds.PlaneRules,
             hedge=hedge or HedgePolicy(enabled=False),
-            probing=self._probing,
+            probing=probing or rounds.never_held,
             sendable=sendable,
-            on_failed=self._on_node_failed,
-            on_answered=self._on_node_answered,
+            on_failed=on_node_failed or rounds.ignore,
+            on_answered=on_node_answered or rounds.ignore,
             on_slow=on_node_slow,
             on_hedge=on_hedge,
             on_retry=on_retry,
@@ -135,15 +132,6 @@ class DataPlane:
         """Open the pool's connections to ``address`` now (a warm-up's); the node's shared
         memory when they use it."""
         return links.conn_arena(await self._pool.fill(address, timeout_s=timeout_s))
-
-    async def _connect(
-        self, address: str, member: MemberInfo, timeout_s: float
-    ) -> FrameConnection | KVPoolError:
-        try:
-            return await self._pool.get(address, timeout_s=timeout_s)
-        except KVPoolError as e:
-            self._on_node_failed(member.member_id)
-            return e
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -221,11 +209,13 @@ class DataPlane:
         self, address: str, items: list[ReadItem], member: MemberInfo, timeout_s: float
     ) -> None:
         loop = asyncio.get_running_loop()
+        rules, member_id = self._rules_now(), member.member_id
         now = loop.time()
-        deadline = rounds.probe_deadline(now + timeout_s, now, member.member_id, self._probing)
-        conn = await self._connect(address, member, deadline - now)
-        if isinstance(conn, KVPoolError):
-            rounds.unreached_reads(items, conn)
+        deadline = rounds.probe_deadline(now + timeout_s, now, member_id, rules.probing)
+        try:
+            conn = await self._pool.get(address, timeout_s=deadline - now)
+        except KVPoolError as e:
+            rounds.unreached_node(items, e, member_id, rules)
             return
         plan = links.node_read(address, items, conn)
         if not plan.calls:  # all read through the node's shared directory
@@ -234,14 +224,9 @@ class DataPlane:
         try:
             await conn.exchange(plan.calls, deadline - loop.time(), trace=tracing.frame_trace())
         except KVPoolError as e:
-            plan.fail_all(e)
-            waited_s = loop.time() - plan.sent_at
-            if rounds.read_failed_node(e, plan.calls, waited_s):
-                self._on_node_failed(member.member_id)
+            rounds.node_read_failed(plan, e, member_id, loop.time() - plan.sent_at, rules)
             return
-        self._on_node_answered(member.member_id)
-        plan.judge()
-        release = plan.release_call()
+        release = rounds.node_read_answered(plan, member_id, rules)
         if release is not None:
             conn.notify([release])
         if plan.followups:
@@ -319,7 +304,7 @@ class DataPlane:
         timeout_s = deadline - loop.time()
         if timeout_s <= 0:
             return
-        groups = refs_by_node(rounds.deliverable(op, refs, self._probing))
+        groups = refs_by_node(rounds.deliverable(op, refs, self._rules_now().probing))
 
         async def group(address: str, group_refs: list[BlockRef]) -> None:
             posted, awaited = ref_rounds(op, group_refs, wait=True)

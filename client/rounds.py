@@ -20,7 +20,14 @@ from typing import Any
 
 from kvpool.client.hedge import Hedge, HedgePolicy, fail_unanswered, round_bytes
 from kvpool.client.placement import MemberInfo
-from kvpool.client.plans import BlockRef, NodeStage, PutItem, ReadItem, transport_failure
+from kvpool.client.plans import (
+    BlockRef,
+    NodeRead,
+    NodeStage,
+    PutItem,
+    ReadItem,
+    transport_failure,
+)
 from kvpool.errors import DeadlineExceededError, KVPoolError, UnavailableError
 from kvpool.proto.wire import Op
 from kvpool.transports.calls import Call
@@ -180,6 +187,43 @@ def unreached_reads(items: list[ReadItem], error: KVPoolError) -> None:
     reason, failure = transport_failure(error)
     for it in items:
         it.fail(reason, failure)
+
+
+def unreached_node(
+    items: list[ReadItem],
+    error: KVPoolError,
+    member_id: int,
+    rules: PlaneRules,
+    *,
+    cut_short: bool = False,
+) -> None:
+    """No connection to the node of ``items`` (``error``): each records why, and the node is
+    reported failed — or slow, when the connect timed out only because the hedge delay cut it
+    short (``cut_short``: another replica is there to go to)."""
+    unreached_reads(items, error)
+    if cut_short and isinstance(error, DeadlineExceededError):
+        if rules.on_slow is not None:
+            rules.on_slow(member_id)
+    else:
+        rules.on_failed(member_id)
+
+
+def node_read_failed(
+    plan: NodeRead, error: KVPoolError, member_id: int, waited_s: float, rules: PlaneRules
+) -> None:
+    """A node's reads failed with ``error`` after ``waited_s``: each key records it, and the
+    node is reported failed unless it was merely slow (:func:`read_failed_node`)."""
+    plan.fail_all(error)
+    if read_failed_node(error, plan.calls, waited_s):
+        rules.on_failed(member_id)
+
+
+def node_read_answered(plan: NodeRead, member_id: int, rules: PlaneRules) -> Call | None:
+    """A node answered its reads: it is held back no longer, and its answers are judged.
+    Returns the call that ends the answers' shared-memory leases, if any, to send (posted)."""
+    rules.on_answered(member_id)
+    plan.judge()
+    return plan.release_call()
 
 
 # --- puts -----------------------------------------------------------------------------------------
