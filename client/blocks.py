@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine
 from functools import partial
+from typing import Any
 
 from kvpool import tracing
 from kvpool.client import links, rounds
@@ -36,7 +37,6 @@ from kvpool.client.plans import (
     ReadItem,
     new_write_ids,
     node_error,
-    ref_calls,
     ref_rounds,
     refs_by_node,
 )
@@ -151,13 +151,8 @@ class DataPlane:
                 if isinstance(step, rounds.SendReads):
                     timeout_s = step.deadline - loop.time()
                     groups = step.groups.items()
-                    if step.wait and len(step.groups) == 1:
-                        for a, (g, m) in groups:
-                            await self._read_group(a, g, m, timeout_s)
-                    elif step.wait:
-                        await asyncio.gather(
-                            *(self._read_group(a, g, m, timeout_s) for a, (g, m) in groups)
-                        )
+                    if step.wait:
+                        await _all([self._read_group(a, g, m, timeout_s) for a, (g, m) in groups])
                     else:
                         step.sent = [
                             rounds.NodeReads(a, g, m, step.deadline, step.clones)
@@ -244,9 +239,9 @@ class DataPlane:
         carried out on the event loop (every node at once)."""
         for step in rounds.stage_flow(items, deadline, self._rules_now()):
             if isinstance(step, rounds.SendPuts):
-                await _each(self._send_puts, step.puts)
+                await _all([self._send_puts(put) for put in step.puts])
             else:
-                await _each(self._commit, step.puts)
+                await _all([self._commit(put) for put in step.puts])
 
     async def _send_puts(self, put: rounds.NodePuts) -> None:
         loop = asyncio.get_running_loop()
@@ -272,60 +267,37 @@ class DataPlane:
         except KVPoolError as e:
             put.plan.commit.error = e
 
-    async def publish(
-        self, refs: Iterable[BlockRef], deadline: float, *, wait: bool = False
+    async def send_refs(
+        self, op: Op, refs: list[BlockRef], deadline: float, *, wait: bool = True
     ) -> None:
-        """PUBLISH committed blocks to their replicas, without waiting for the answers (a node
-        serves a staged block to a read naming its write id, so a read need not wait for the
-        PUBLISH either) unless ``wait``; failures are ignored (the node asks the index about
-        staged blocks it holds too long)."""
-        if wait:  # until each node has handled them (ref_rounds)
-            await self._send_all(Op.PUBLISH, refs, deadline)
-            return
-        loop = asyncio.get_running_loop()
-        timeout_s = deadline - loop.time()
-        if timeout_s <= 0:
-            return
-        groups = refs_by_node(refs)
-        for address, group in groups.items():
-            try:
-                conn = await self._pool.get(address, timeout_s=timeout_s)
-            except KVPoolError:
-                continue
-            conn.notify(ref_calls(Op.PUBLISH, group))
-
-    async def delete(self, refs: Iterable[BlockRef], deadline: float) -> None:
-        """DELETE removed blocks from their replicas; failures are ignored (the index no longer
-        points at them; the node reclaims them under pressure)."""
-        await self._send_all(Op.DELETE, refs, deadline)
-
-    async def _send_all(self, op: Op, refs: Iterable[BlockRef], deadline: float) -> None:
+        """PUBLISH or DELETE, every node at once, as :meth:`BlockingDataPlane.send_refs
+        <kvpool.client.blocking_plane.BlockingDataPlane.send_refs>` says (what is waited for,
+        which nodes a DELETE skips; failures are ignored)."""
         loop = asyncio.get_running_loop()
         timeout_s = deadline - loop.time()
         if timeout_s <= 0:
             return
         groups = refs_by_node(rounds.deliverable(op, refs, self._rules_now().probing))
 
-        async def group(address: str, group_refs: list[BlockRef]) -> None:
-            posted, awaited = ref_rounds(op, group_refs, wait=True)
+        async def send(address: str, group: list[BlockRef]) -> None:
+            posted, awaited = ref_rounds(op, group, wait)
             try:
                 conn = await self._pool.get(address, timeout_s=timeout_s)
                 conn.notify(posted)  # the awaited frames follow them on this connection
-                await conn.exchange(awaited, deadline - loop.time())
+                if awaited:
+                    await conn.exchange(awaited, deadline - loop.time())
             except KVPoolError:
                 return
 
-        await asyncio.gather(*(group(a, g) for a, g in groups.items()))
+        await _all([send(address, group) for address, group in groups.items()])
 
 
-async def _each(
-    work: Callable[[rounds.NodePuts], Awaitable[None]], puts: list[rounds.NodePuts]
-) -> None:
-    """``work`` on every one of ``puts`` at once (one without a task)."""
-    if len(puts) == 1:
-        await work(puts[0])
-    else:
-        await asyncio.gather(*map(work, puts))
+async def _all(works: list[Coroutine[Any, Any, None]]) -> None:
+    """Await ``works`` at once (one as it is: a task costs more than the await)."""
+    if len(works) == 1:
+        await works[0]
+    elif works:
+        await asyncio.gather(*works)
 
 
 async def _hello(conn: FrameConnection, timeout_s: float) -> links.NodeOffer:

@@ -28,6 +28,7 @@ from kvpool.config import ClientConfig
 from kvpool.errors import KVPoolError
 from kvpool.mastercall import MasterClient
 from kvpool.proto.v1 import master_pb2
+from kvpool.proto.wire import Op
 from kvpool.transports.tcp import ConnectionPool
 
 __all__ = ["ClientCore", "PutReceipt"]
@@ -202,9 +203,9 @@ class ClientCore(ClientState):
         elif isinstance(step, ops.Commit):
             return await self._commit_chunks(step.chunks, step.ring_version, deadline)
         elif isinstance(step, ops.Publish):
-            await self._data.publish(step.refs, deadline, wait=step.wait)
+            await self._data.send_refs(Op.PUBLISH, step.refs, deadline, wait=step.wait)
         elif isinstance(step, ops.Delete):
-            await self._data.delete(step.refs, step.deadline)
+            await self._data.send_refs(Op.DELETE, step.refs, step.deadline)
         elif isinstance(step, ops.Ask):
             leader_only = step.leader_only
             return await self._masters.call(
