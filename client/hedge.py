@@ -112,9 +112,10 @@ class Hedge:
         return won
 
 
-def fail_unanswered(items: Iterable[ReadItem], address: str) -> None:
-    """A slow node's first reads of ``items`` were given up on (the hedge's reads are settled):
-    each key still unread fails as a timeout there."""
+def fail_unanswered(items: Iterable[ReadItem], address: str, *, hedged: bool = True) -> None:
+    """A slow node's first reads of ``items`` were given up on (when ``hedged``, the hedge's
+    reads are settled): each key still unread fails as a timeout there."""
+    why = "no answer (hedged)" if hedged else "no answer in the round's time"
     for it in items:
         if not it.ok:
-            it.fail("timeout", DeadlineExceededError(f"{address}: {it.key!r}: no answer (hedged)"))
+            it.fail("timeout", DeadlineExceededError(f"{address}: {it.key!r}: {why}"))

@@ -431,7 +431,7 @@ def hedged_round(
         on_hedge(0, won)
     for r in waiting:
         if not r.clones:
-            fail_unanswered(r.items, r.address)
+            fail_unanswered(r.items, r.address, hedged=bool(len(second)))
 
 
 # --- a put's stage: the flow both data planes carry out ------------------------------------------
