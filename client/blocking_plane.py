@@ -21,6 +21,7 @@ import select
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from opentelemetry.trace import SpanKind
 
@@ -134,12 +135,7 @@ class BlockingDataPlane:
             for step in flow:
                 if isinstance(step, rounds.SendReads):
                     step.sent = self._send_round(step)
-                    if step.wait:
-                        for reads in step.sent:
-                            self._finish(reads)
-                        step.sent = []
-                    else:
-                        underway += step.sent
+                    underway += step.sent
                 elif isinstance(step, rounds.AwaitReads):
                     step.done = self._await(step.reads, step.until, step.first)
                 else:
@@ -149,11 +145,13 @@ class BlockingDataPlane:
                 self._drop([r for r in underway if r.io is not None])
 
     def _send_round(self, step: rounds.SendReads) -> list[rounds.NodeReads]:
+        """Send each node its reads; with ``step.wait``, finish them too (and list none)."""
         # One span per node when a round reads from several (one node: the node's span is
         # the caller's child directly).
         per_node = tracing.STATE.enabled and len(step.groups) > 1 and tracing.recording()
         trace = tracing.frame_trace() if tracing.STATE.enabled and not per_node else b""
         sent: list[rounds.NodeReads] = []
+        waiting: list[tuple[BlockingConnection, NodeRead, MemberInfo, Any]] = []
         for address, (group, member) in step.groups.items():
             span = None
             if per_node:
@@ -163,14 +161,19 @@ class BlockingDataPlane:
                     attributes={"kvpool.node": address, "kvpool.keys": len(group)},
                 )
                 trace = tracing.frame_trace(span)
-            reads = rounds.NodeReads(address, group, member, step.deadline, step.clones)
-            started = self._send_reads(reads, trace, step.connect_by)
-            if started is not None:
-                reads.io = (*started, span)
-                sent.append(reads)
-            elif span is not None:
-                span.set_attributes(read_attributes(group))
-                span.end()
+            started = self._send_reads(address, group, member, step, trace)
+            if started is None:
+                _end(span, group)
+            elif step.wait:  # no NodeReads to make: a one-step round
+                waiting.append((*started, member, span))
+            else:
+                io = (*started, span)
+                sent.append(
+                    rounds.NodeReads(address, group, member, step.deadline, step.clones, io)
+                )
+        for conn, plan, member, span in waiting:
+            self._finish_reads(conn, plan, member, step.deadline)
+            _end(span, plan.items)
         return sent
 
     def _await(
@@ -207,9 +210,7 @@ class BlockingDataPlane:
         conn, plan, span = reads.io
         reads.io = None
         self._finish_reads(conn, plan, reads.member, reads.deadline)
-        if span is not None:
-            span.set_attributes(read_attributes(plan.items))
-            span.end()
+        _end(span, plan.items)
 
     def _drop(self, reads: list[rounds.NodeReads]) -> None:
         """Close the connections of reads whose answers will not be read: kept with answers
@@ -220,15 +221,19 @@ class BlockingDataPlane:
             conn, plan, span = r.io
             r.io = None
             self.discard(plan.address, conn)
-            if span is not None:
-                span.set_attributes(read_attributes(plan.items))
-                span.end()
+            _end(span, plan.items)
 
     def _send_reads(
-        self, reads: rounds.NodeReads, trace: bytes, connect_by: float | None
+        self,
+        address: str,
+        group: list[ReadItem],
+        member: MemberInfo,
+        step: rounds.SendReads,
+        trace: bytes,
     ) -> tuple[BlockingConnection, NodeRead] | None:
-        address, group, member = reads.address, reads.items, reads.member
-        deadline = reads.deadline
+        """Send a node its reads of ``step``'s round: the connection and plan, or None (the
+        reads failed, or were all read through the node's shared directory)."""
+        deadline, connect_by = step.deadline, step.connect_by
         held = self._rules.probing(member.member_id)  # a probe: rounds.PROBE_WAIT_S at most
         if held:
             deadline = min(deadline, time.monotonic() + rounds.PROBE_WAIT_S)
@@ -358,6 +363,13 @@ class BlockingDataPlane:
                 conn.receive(calls, deadline)
             except KVPoolError:
                 self.discard(address, conn)
+
+
+def _end(span: Any, items: list[ReadItem]) -> None:
+    """End a node's span of a round (None: the round had none), saying how its reads went."""
+    if span is not None:
+        span.set_attributes(read_attributes(items))
+        span.end()
 
 
 def _hello(conn: BlockingConnection, timeout_s: float) -> links.NodeOffer:

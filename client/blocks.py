@@ -167,8 +167,9 @@ class DataPlane:
                 else:
                     await self._drop(step.reads)
         finally:  # cancelled, or an error: no first read goes on into a caller's buffer
-            if underway:
-                await self._drop([r for r in underway if not r.io.done()])
+            late = [r for r in underway if not r.io.done()]
+            if late:
+                await self._drop(late)
 
     def _rules_now(self) -> rounds.PlaneRules:
         """This plane's rules, with the running event loop's clock."""

@@ -389,10 +389,10 @@ def hedged_round(
     delay_s = hedge.delay_s(max(round_bytes(r.items) for r in firsts))
     wait = AwaitReads(firsts, min(clock() + delay_s, round_deadline))
     yield wait
+    if len(wait.done) == len(firsts):  # every node answered within the hedge delay
+        return
     over = {id(r) for r in wait.done}
     slow = [r for r in firsts if id(r) not in over]
-    if not slow:
-        return
     second = Hedge(it for r in slow for it in r.items)
     clone_groups = next_round(second.clones, members, rules.sendable)
     for address in {r.address for r in slow} & clone_groups.keys():  # it would wait too

@@ -15,7 +15,8 @@ The cells: a 4 KiB ``get`` with its entry cached and never cached (a fresh clien
 ``lookup_cache_size=0``), the first ``get`` of a key the client has just put, a 1 MiB
 ``get_into``, a 1 MiB and a 4 MiB ``get``, ``batch_get`` and ``batch_get_into`` of 32 x 1 MiB
 (the latter for both clients), ``batch_get`` and
-``batch_get_into`` of 32 x 64 KiB, a 4 KiB ``put``, ``exists``,
+``batch_get_into`` of 32 x 64 KiB, a 4 KiB ``put``, ``exists``, a cached 4 KiB ``get`` of a
+block on 2 replicas (a read that may hedge, both clients),
 the AsyncClient's cached 4 KiB ``get`` and ``put``, and (once per round, listed under tcp) the
 client's own Python per get with the network faked away — the data plane, and for a never-cached
 get the master call too; then a cached ``get_into`` with only its connection's socket faked (a
@@ -114,6 +115,11 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
         timed("exists", lambda: kv.exists(f"{pre}-s"), n)
     finally:
         kv.close()
+    with Client(masters, transport=transport, replicas=2) as twice:  # a read that may hedge
+        assert twice.put(f"{pre}-r", small)
+        for _ in range(20):
+            twice.get(f"{pre}-r")
+        timed("get 4 KiB, 2 replicas, cached", lambda: twice.get(f"{pre}-r"), n)
 
     async def async_cells() -> None:
         async with AsyncClient(masters, transport=transport) as ak:
@@ -138,6 +144,15 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
                 await ak.batch_get_into(big32, bigbufs)
                 samples.append(time.perf_counter() - t)
             cell("AsyncClient batch_get_into 32 x 1 MiB", samples)
+        async with AsyncClient(masters, transport=transport, replicas=2) as ak:
+            for _ in range(10):
+                await ak.get(f"{pre}-r")
+            samples = []
+            for _ in range(n):
+                t = time.perf_counter()
+                await ak.get(f"{pre}-r")
+                samples.append(time.perf_counter() - t)
+            cell("AsyncClient get 4 KiB, 2 replicas, cached", samples)
 
     asyncio.run(async_cells())
     with Client(masters) as kv, contextlib.suppress(AttributeError):

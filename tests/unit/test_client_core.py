@@ -20,8 +20,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvpool import Client
+from kvpool import Client, tracing
 from kvpool.checksum import block_checksum
 from kvpool.client import state as state_module
 from kvpool.client.core import ClientCore
@@ -1326,3 +1329,36 @@ def test_an_empty_ring_is_asked_again() -> None:
     assert p.update(draining, ring_version=3, now_s=0.2)  # no node takes puts: ask again
     assert p.needs_refresh()
     assert p.ring_is_empty()
+
+
+# --- tracing --------------------------------------------------------------------------------------
+
+
+def test_a_traced_batch_read_from_two_nodes_has_a_span_per_node_under_the_calls(
+    client: Client,
+) -> None:
+    keys = [f"traced/{i}" for i in range(16)]
+    assert all(client.batch_put([(k, k.encode() * 64) for k in keys]))
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    saved = (tracing.STATE.enabled, tracing.STATE.tracer)
+    tracing.STATE.tracer, tracing.STATE.enabled = provider.get_tracer("test"), True
+    try:
+        assert client.batch_get(keys) == [k.encode() * 64 for k in keys]
+    finally:
+        tracing.STATE.enabled, tracing.STATE.tracer = saved
+        provider.shutdown()
+    spans = exporter.get_finished_spans()
+    (call,) = [s for s in spans if s.name == "kvpool.batch_get"]
+    per_node = [s for s in spans if s.name == "kvpool.client.read"]
+    nodes = {dict(s.attributes or {})["kvpool.node"] for s in per_node}
+    assert len(per_node) == 2, "one span per node the round read from"
+    assert len(nodes) == 2
+    counts = [c for s in per_node if isinstance(c := dict(s.attributes or {})["kvpool.keys"], int)]
+    assert len(counts) == 2
+    assert min(counts) > 0
+    assert sum(counts) == len(keys)
+    for span in per_node:
+        assert span.parent is not None
+        assert span.parent.span_id == call.context.span_id
