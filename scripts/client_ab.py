@@ -121,38 +121,29 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
             twice.get(f"{pre}-r")
         timed("get 4 KiB, 2 replicas, cached", lambda: twice.get(f"{pre}-r"), n)
 
+    async def atimed(name: str, fn: Any, reps: int) -> None:
+        samples = []
+        for i in range(reps):
+            t = time.perf_counter()
+            await fn(i)
+            samples.append(time.perf_counter() - t)
+        cell(name, samples)
+
     async def async_cells() -> None:
         async with AsyncClient(masters, transport=transport) as ak:
             for _ in range(10):
                 await ak.get(f"{pre}-s")
-            samples = []
-            for _ in range(n):
-                t = time.perf_counter()
-                await ak.get(f"{pre}-s")
-                samples.append(time.perf_counter() - t)
-            cell("AsyncClient get 4 KiB, cached", samples)
-            samples = []
-            for i in range(max(30, n // 3)):
-                t = time.perf_counter()
-                await ak.put(f"{pre}-ap{i}", small)
-                samples.append(time.perf_counter() - t)
-            cell("AsyncClient put 4 KiB", samples)
+            await atimed("AsyncClient get 4 KiB, cached", lambda _: ak.get(f"{pre}-s"), n)
+            put = lambda i: ak.put(f"{pre}-ap{i}", small)  # noqa: E731
+            await atimed("AsyncClient put 4 KiB", put, max(30, n // 3))
             bigbufs = [bytearray(1 << 20) for _ in range(32)]
-            samples = []
-            for _ in range(max(10, n // 20)):
-                t = time.perf_counter()
-                await ak.batch_get_into(big32, bigbufs)
-                samples.append(time.perf_counter() - t)
-            cell("AsyncClient batch_get_into 32 x 1 MiB", samples)
+            batch = lambda _: ak.batch_get_into(big32, bigbufs)  # noqa: E731
+            await atimed("AsyncClient batch_get_into 32 x 1 MiB", batch, max(10, n // 20))
         async with AsyncClient(masters, transport=transport, replicas=2) as ak:
             for _ in range(10):
                 await ak.get(f"{pre}-r")
-            samples = []
-            for _ in range(n):
-                t = time.perf_counter()
-                await ak.get(f"{pre}-r")
-                samples.append(time.perf_counter() - t)
-            cell("AsyncClient get 4 KiB, 2 replicas, cached", samples)
+            get = lambda _: ak.get(f"{pre}-r")  # noqa: E731
+            await atimed("AsyncClient get 4 KiB, 2 replicas, cached", get, n)
 
     asyncio.run(async_cells())
     with Client(masters) as kv, contextlib.suppress(AttributeError):
