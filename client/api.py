@@ -17,8 +17,7 @@ from typing import Any, TypeVar
 
 from kvpool.buffers import Parts
 from kvpool.client.commits import PutReceipt
-from kvpool.client.ops import DIRECT_SIZE, SinkFactory
-from kvpool.client.placement import MemberInfo
+from kvpool.client.ops import DIRECT_SIZE, SinkFactory, members_of
 from kvpool.client.plans import BlockLocation, ReadItem
 from kvpool.client.state import (
     Answered,
@@ -154,7 +153,7 @@ def get_into(
     pair = (key, validate_key(key))
     sink = as_into(buffer)
     strict_, limit = client.strictness(strict), client.read_limit(max_tier)
-    return ReadCall("get_into", [pair], _into(sink), strict_, limit, _size, True)
+    return ReadCall("get_into", [pair], _into_each([sink]), strict_, limit, _size, True)
 
 
 def batch_get(
@@ -285,7 +284,7 @@ def locate(
         return Answered([])
 
     def locations(response: master_pb2.LookupResponse) -> list[BlockLocation | None]:
-        members = {m.member_id: MemberInfo.from_proto(m) for m in response.members}
+        members = members_of(response)
         return [BlockLocation.from_entry(e, members) if e.found else None for e in response.entries]
 
     neutral: list[BlockLocation | None] = [None] * len(names)
@@ -406,18 +405,6 @@ def _fresh_bytes(_index: int, _key: str, _size: int) -> tuple[memoryview | Parts
     return None, False
 
 
-def _into(sink: memoryview | Parts) -> SinkFactory:
-    """Into the caller's buffer (get_into): BufferTooSmallError when the block does not fit."""
-
-    def caller(_index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
-        if size == DIRECT_SIZE:
-            return sink, True
-        check_fits(sink, size, key)
-        return sink[:size], True
-
-    return caller
-
-
 def _batch_sinks(
     pairs: list[tuple[str, bytes]], buffers: Sequence[object]
 ) -> list[memoryview | Parts]:
@@ -431,7 +418,8 @@ def _batch_sinks(
 
 
 def _into_each(sinks: list[memoryview | Parts]) -> SinkFactory:
-    """Into each key's own buffer (batch_get_into)."""
+    """Into each key's own buffer (batch_get_into; get_into's one): BufferTooSmallError when
+    a block does not fit its buffer."""
 
     def caller(index: int, key: str, size: int) -> tuple[memoryview | Parts | None, bool]:
         sink = sinks[index]
