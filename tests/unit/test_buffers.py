@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from kvpool import checksum
 from kvpool.buffers import Parts, copy_bytes
 from kvpool.checksum import SPLIT_COPY_BYTES, block_checksum, copy_checksum
 from kvpool.client.values import as_into, as_value
@@ -122,6 +123,54 @@ def test_a_failed_split_copy_raises_and_the_next_one_works() -> None:
     dest = memoryview(bytearray(size))
     assert copy_checksum(dest, memoryview(data)) == block_checksum(data)
     assert bytes(dest) == data
+
+
+def test_a_split_copy_whose_helper_never_runs_is_made_by_the_caller_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A helper thread the scheduler has not run yet takes no piece: the caller copies them all
+    and never waits for it (a fixed half once made readers wait ~0.8 ms for such a helper)."""
+    idle = checksum._Helper(start=False)
+    monkeypatch.setattr(checksum, "_HELPER", idle)
+    data = os.urandom(SPLIT_COPY_BYTES + 4096)  # three pieces
+    dest = memoryview(bytearray(len(data)))
+    assert copy_checksum(dest, memoryview(data)) == block_checksum(data)
+    assert bytes(dest) == data
+    assert idle.skip == 0  # it did not wait: no back-off
+
+
+def test_a_helper_slower_than_the_caller_is_left_out_of_the_next_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A helper with no CPU (another process busy, the GIL held elsewhere) made a 4 MiB read
+    ~4x slower than the caller alone: after a split copy that waited for it, the next
+    SPLIT_BACKOFF_COPIES copies are the caller's alone — and still right."""
+    helper = checksum._Helper()
+    monkeypatch.setattr(checksum, "_HELPER", helper)
+    helped = []
+
+    def slow_in_helper(dest: memoryview, src: memoryview) -> None:
+        if threading.current_thread().name == "kvpool-copy":
+            helped.append(dest.nbytes)
+            threading.Event().wait(0.05)  # descheduled mid-piece
+        copy_bytes(dest, src)
+
+    monkeypatch.setattr(checksum, "copy_bytes", slow_in_helper)
+    data = os.urandom(2 * SPLIT_COPY_BYTES)
+    dest = memoryview(bytearray(len(data)))
+    for _ in range(200):  # until the helper took a piece (it may wake after the caller's end)
+        assert copy_checksum(dest, memoryview(data)) == block_checksum(data)
+        if helped:
+            break
+    assert helped
+    assert helper.skip == checksum.SPLIT_BACKOFF_COPIES
+    taken = len(helped)
+    for _i in range(checksum.SPLIT_BACKOFF_COPIES):
+        dest[:] = bytes(len(data))
+        assert copy_checksum(dest, memoryview(data)) == block_checksum(data)
+        assert bytes(dest) == data
+    assert len(helped) == taken
+    assert helper.skip == 0
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
