@@ -73,6 +73,7 @@ class BlockingDataPlane:
             on_slow=on_node_slow,
             on_hedge=counters.hedged,
             on_retry=counters.replica_retries,
+            content=core.direct_keys,
         )
         self._token = core.security.token
         self._connect_timeout_s = connect_timeout_s
@@ -245,7 +246,7 @@ class BlockingDataPlane:
             cut_short = connect_by is not None
             rounds.unreached_node(group, e, member.member_id, self._rules, cut_short=cut_short)
             return None
-        plan = links.node_read(address, group, conn)
+        plan = links.node_read(address, group, conn, self._rules.content)
         if not plan.calls:  # all read through the node's shared directory
             return None
         plan.sent_at = time.monotonic()

@@ -85,6 +85,7 @@ class DataPlane:
         sendable: Callable[[int], bool] | None = None,
         probing: Callable[[int], bool] | None = None,
         on_node_answered: Callable[[int], None] | None = None,
+        content: Callable[[str], bool] | None = None,
     ) -> None:
         self._links = links or Links("auto")
         self._rules: rounds.PlaneRules | None = None  # made with the loop's clock, at first use
@@ -98,6 +99,7 @@ class DataPlane:
             on_slow=on_node_slow,
             on_hedge=on_hedge,
             on_retry=on_retry,
+            content=content,
         )
         self._background: set[asyncio.Task[None]] = set()
         self._token = token
@@ -213,7 +215,7 @@ class DataPlane:
         except KVPoolError as e:
             rounds.unreached_node(items, e, member_id, rules)
             return
-        plan = links.node_read(address, items, conn)
+        plan = links.node_read(address, items, conn, rules.content)
         if not plan.calls:  # all read through the node's shared directory
             return
         plan.sent_at = loop.time()

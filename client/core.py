@@ -87,6 +87,7 @@ class ClientCore(ClientState):
             sendable=self._sendable,
             probing=self._placement.held.__contains__,
             on_node_answered=self._placement.node_answered,
+            content=self.direct_keys,
         )
         self._committer = AsyncCommitter(self._commit_rpc, lambda: state_module.MAX_COMMIT_ENTRIES)
         self._members_lock = asyncio.Lock()

@@ -23,7 +23,7 @@ import json
 import select
 import socket
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -251,15 +251,21 @@ def conn_arena(conn: object) -> Arena | None:
     return arena if isinstance(arena, Arena) else None
 
 
-def node_read(address: str, items: list[ReadItem], conn: Any) -> NodeRead:
+def node_read(
+    address: str,
+    items: list[ReadItem],
+    conn: Any,
+    content: Callable[[str], bool] | None = None,
+) -> NodeRead:
     """The reads of ``items`` from the node at ``address`` over ``conn``, as its features
     allow (MGET, shared memory, reads by content). Over shared memory the blocks the node's
-    directory lists are read here, with no message (:func:`~kvpool.client.plans.read_listed`):
-    the plan then holds only the others, and no call at all when none is left."""
+    directory lists are read here, with no message (:func:`~kvpool.client.plans.read_listed`;
+    ``content``: which keys name their content): the plan then holds only the others, and no
+    call at all when none is left."""
     features = conn.features
     arena = conn_arena(conn)
     if arena is not None and _node_alive(arena, conn):
-        items = read_listed(items, arena)
+        items = read_listed(items, arena, content)
     return NodeRead(
         address,
         items,

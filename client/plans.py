@@ -416,31 +416,43 @@ def _judge_direct(
 # --- reads with no message: the node's shared directory ---------------------------------------
 
 
-def read_listed(items: list[ReadItem], arena: Arena) -> list[ReadItem]:
+def read_listed(
+    items: list[ReadItem], arena: Arena, content: Callable[[str], bool] | None = None
+) -> list[ReadItem]:
     """Read the items the node's shared directory lists (:mod:`kvpool.transports.directory`)
     straight out of its arena: copied into the item's buffer (or new bytes), then hashed — a hit
     only when the copy hashes to the checksum listed and the listing is the write the item's
-    entry names (any write, for a read by content; the size of the caller's buffer, when it gave
-    one). Returns the items left to read through the node: not listed, or a copy that did not
-    check (its memory reused meanwhile). The directory lists only committed blocks in memory.
+    entry names (any write, for a read by content or of a key that names its content; the size
+    of the caller's buffer, when it gave one). Returns the items left to read through the node:
+    not listed, or a copy that did not check (its memory reused meanwhile). The directory lists
+    only committed blocks in memory.
 
     A read through an entry from the lookup cache goes to the node: the entry may name a write
     that a newer put has replaced, and the node drops the replaced write as it reads the new
     one's PUBLISH, in order with the reads it serves — a stopped node cannot, and its directory
     stays readable for up to a second. A read by content wants any write of the key; a read
-    through an entry the index just gave names the newest."""
+    through an entry the index just gave names the newest. So does a read through a cached
+    entry of a key that names its content (``content``: the client's ``direct_reads``): every
+    write of it holds the same bytes, so no write of it is a replaced value — a client reading
+    back the blocks it put itself reads them here, as another client would by content."""
     directory = arena.directory
     assert directory is not None
     rest: list[ReadItem] = []
     for it in items:
         entry = it.entry
-        if it.max_tier == TierLevel.GPU or (it.from_cache and entry.write_id):
+        exact = entry.write_id  # the write named must be the one listed
+        if exact and it.from_cache:
+            if content is None or not content(it.key):
+                rest.append(it)
+                continue
+            exact = 0
+        if it.max_tier == TierLevel.GPU:
             rest.append(it)
             continue
         found = directory.find(it.key_bytes)
         if (
             found is None
-            or (entry.write_id and found.write_id != entry.write_id)
+            or (exact and found.write_id != exact)
             or (entry.write_id and found.checksum != entry.checksum)
             or (entry.size_bytes and found.size != entry.size_bytes)
         ):

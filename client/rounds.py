@@ -327,7 +327,9 @@ class PlaneRules:
     may be asked now (``sendable``); and who hears of a node that failed (``on_failed``),
     answered (``on_answered``) or was silent past the hedge delay (``on_slow``), of hedges
     (``on_hedge``: keys hedged, then keys the hedge served) and of keys that go again to
-    another replica after a round (``on_retry``)."""
+    another replica after a round (``on_retry``). ``content``: which keys name their content
+    (the client's ``direct_reads``), whose cached entries a node's shared directory may serve
+    (:func:`~kvpool.client.plans.read_listed`)."""
 
     clock: Callable[[], float]
     hedge: HedgePolicy
@@ -338,6 +340,7 @@ class PlaneRules:
     on_slow: Callable[[int], None] | None = None
     on_hedge: Callable[[int, int], None] | None = None
     on_retry: Callable[[int], None] | None = None
+    content: Callable[[str], bool] | None = None
 
 
 def read_flow(

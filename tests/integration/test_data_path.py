@@ -441,6 +441,33 @@ def test_a_same_host_client_reads_committed_blocks_with_no_message_to_their_node
     with Client(cluster.master_addresses, timeout_s=5.0, transport="shm") as other:
         assert other.get(key) is None
         assert other.get(list(opaque)[1]) == list(opaque.values())[1]
+    # A client reading back the blocks of the scheme it put itself, through the entries its
+    # puts cached: no replaced value exists for such keys, so no message either.
+    mine = scheme_blocks("listed-mine")
+    with Client(cluster.master_addresses, timeout_s=5.0, transport="shm") as kv:
+        assert kv.batch_put(mine) == [True] * len(mine)
+        deadline = time.monotonic() + 10
+        while True:  # listed once the node has read each PUBLISH: at once, or nearly
+            sent.clear()
+            assert kv.batch_get(list(mine)) == list(mine.values())
+            if not reads() or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        for key, value in mine.items():
+            buf = bytearray(len(value))
+            assert kv.get_into(key, buf) == len(value)
+            assert buf == value
+        assert reads() == [], "its own blocks read with no message to the node"
+
+    async def read_own() -> list[bytes | None]:
+        async with AsyncClient(cluster.master_addresses, timeout_s=5.0, transport="shm") as aio:
+            assert await aio.batch_put(mine) == [True] * len(mine)
+            await asyncio.sleep(0.2)
+            sent.clear()
+            return await aio.batch_get(list(mine))
+
+    assert asyncio.run(read_own()) == list(mine.values())
+    assert reads() == []
 
 
 def test_a_prefix_match_of_keys_read_by_content_brings_no_entries(cluster: LocalCluster) -> None:

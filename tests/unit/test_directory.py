@@ -16,6 +16,7 @@ import pytest
 from kvpool.checksum import block_checksum
 from kvpool.client.links import _node_alive
 from kvpool.client.plans import ReadItem, read_listed
+from kvpool.proto.keys import is_scheme_key
 from kvpool.proto.v1 import common_pb2
 from kvpool.proto.wire import Status, TierLevel
 from kvpool.store_node.block_store import BlockStore
@@ -359,6 +360,50 @@ def test_a_client_reads_listed_blocks_and_leaves_the_rest_to_the_node() -> None:
         assert read_listed([far], arena) == [far]
         assert not far.ok
         assert not far.reasons
+    finally:
+        arena.close()
+        probe.close()
+        store.tier.close()
+
+
+def test_a_cached_entry_of_a_key_that_names_its_content_is_read_through_the_directory() -> None:
+    """A client reading back the blocks it put itself holds their entries in its cache. For an
+    opaque key the node judges such a read (the entry may name a replaced write); a key that
+    names its content has no replaced value — every write of it holds the same bytes — so the
+    directory serves it, whichever write it lists (its bytes still checked). Without
+    ``content`` (``direct_reads="off"``) it goes to the node as before."""
+    key = f"kv1/{'a' * 32}/{'b' * 32}"
+    value = os.urandom(5000)
+    store, probe, arena = listed_arena({key: value, "opaque": value})
+    digest = block_checksum(value)
+    try:
+
+        def cached(name: str, write_id: int) -> ReadItem:
+            it = item(name, write_id, 5000, digest, sink=True)
+            it.from_cache = True
+            return it
+
+        mine = cached(key, 100)  # the listed write
+        older = cached(key, 42)  # another write of the same content
+        opaque = cached("opaque", 101)
+        names_content = is_scheme_key
+        assert read_listed([mine, older, opaque], arena, names_content) == [opaque]
+        assert mine.ok
+        assert older.ok
+        assert mine.sink is not None
+        assert older.sink is not None
+        assert bytes(mine.sink) == bytes(older.sink) == value
+        assert (older.entry.write_id, older.tier) == (42, TierLevel.CPU)  # the entry as cached
+        assert not opaque.ok
+        # The listing's checksum is not the entry's: the node judges it, nothing is taken.
+        odd = item(key, 100, 5000, digest ^ 1, sink=True)
+        odd.from_cache = True
+        assert read_listed([odd], arena, names_content) == [odd]
+        assert not odd.ok
+        # direct_reads="off": no key is taken to name its content.
+        off = cached(key, 100)
+        assert read_listed([off], arena, None) == [off]
+        assert not off.ok
     finally:
         arena.close()
         probe.close()
