@@ -278,7 +278,7 @@ def test_a_busy_polling_client_spins_for_reads_and_lookups_only(
     monkeypatch.setattr(BlockingConnection, "busy_poll", spy)
     # Every read goes to its node (a same-host read of a listed block sends it nothing to wait
     # for: test_a_same_host_client_reads_committed_blocks_with_no_message_to_their_node).
-    monkeypatch.setattr(client_links, "read_listed", lambda items, _arena: items)
+    monkeypatch.setattr(client_links, "read_listed", lambda items, _arena, _content: items)
     blocks = {f"poll-{transport}/{n}": os.urandom(n) for n in (1, 4096, 2 * MIB)}
     keys = list(blocks)
     with Client(
