@@ -208,7 +208,7 @@ def is_scheme_key(key: str) -> bool:
     """Whether ``key`` has the form of this scheme's keys (:func:`key_for`): such a key names
     its content — one key, one value, in every process that builds it — which is what lets a
     client read it from the node the ring places it on without asking the index."""
-    return _SCHEME_KEY.fullmatch(key) is not None
+    return len(key) == KEY_LENGTH and _SCHEME_KEY.fullmatch(key) is not None
 
 
 def key_for(namespace: KeyNamespace, hash_: bytes) -> str:
