@@ -295,24 +295,32 @@ class BlockingDataPlane:
 
     # --- writes ---------------------------------------------------------------------------
 
-    def stage(self, items: list[PutItem], deadline: float) -> None:
+    def stage(self, items: list[PutItem], deadline: float, sent: Callable[[], None]) -> bool:
         """PUT every item to each of its targets: :func:`~kvpool.client.rounds.stage_flow`,
-        carried out in this thread (every node's frames sent before any answer is read)."""
+        carried out in this thread (every node's frames sent before any answer is read).
+        ``sent()`` is called once, as soon as a node has been handed every byte of its blocks
+        (over TCP its PUT frames sent; over shared memory the copies made and the commit
+        sent), before the answers are read — or at the end, when a replica acked only then.
+        False when it was not called (nothing staged)."""
+        called = False
+
+        def once() -> None:
+            nonlocal called
+            if not called:
+                called = True
+                sent()
+
         for step in rounds.stage_flow(items, deadline, self._rules):
             if isinstance(step, rounds.SendPuts):
-                self._send_puts(step.puts)
-                continue
-            for put in step.puts:
-                assert put.plan is not None
-                assert put.plan.commit is not None
-                try:
-                    put.io.exchange([put.plan.commit], put.deadline)
-                except KVPoolError as e:
-                    self.discard(put.address, put.io)
-                    put.plan.commit.error = e
+                self._send_puts(step.puts, once)
+            else:
+                self._commit_puts(step.puts, once)
+        if any(it.acked for it in items):
+            once()
+        return called
 
-    def _send_puts(self, puts: list[rounds.NodePuts]) -> None:
-        sent: list[tuple[rounds.NodePuts, BlockingConnection, NodeStage, float]] = []
+    def _send_puts(self, puts: list[rounds.NodePuts], sent: Callable[[], None]) -> None:
+        sending: list[tuple[rounds.NodePuts, BlockingConnection, NodeStage, float]] = []
         for put in puts:
             started = time.monotonic()
             try:
@@ -328,13 +336,52 @@ class BlockingDataPlane:
                 self.discard(put.address, conn)
                 put.error = e
                 continue
-            sent.append((put, conn, put.plan, started))
-        for put, conn, plan, started in sent:
+            sending.append((put, conn, put.plan, started))
+        if any(not plan.reserves for _, _, plan, _ in sending):
+            self._while_unread(sending, sent)
+        for put, conn, plan, started in sending:
             try:
                 conn.receive(plan.calls, put.deadline)
             except KVPoolError as e:
                 self.discard(put.address, conn)
                 put.error, put.waited_s = e, time.monotonic() - started
+
+    def _commit_puts(self, puts: list[rounds.NodePuts], sent: Callable[[], None]) -> None:
+        """The shared-memory commits: every node's sent, then ``sent()``, then the answers."""
+        sending: list[tuple[rounds.NodePuts, BlockingConnection, NodeStage, float]] = []
+        for put in puts:
+            assert put.plan is not None
+            assert put.plan.commit is not None
+            try:
+                put.io.send([put.plan.commit], put.deadline)
+            except KVPoolError as e:
+                self.discard(put.address, put.io)
+                put.plan.commit.error = e
+                continue
+            sending.append((put, put.io, put.plan, 0.0))
+        if sending:
+            self._while_unread(sending, sent)
+        for put, conn, plan, _ in sending:
+            assert plan.commit is not None
+            try:
+                conn.receive([plan.commit], put.deadline)
+            except KVPoolError as e:
+                self.discard(put.address, conn)
+                plan.commit.error = e
+
+    def _while_unread(
+        self,
+        sending: list[tuple[rounds.NodePuts, BlockingConnection, NodeStage, float]],
+        work: Callable[[], None],
+    ) -> None:
+        """Do ``work`` while the nodes' answers wait; if it raises, those connections are
+        closed (their answers will never be read) and the error goes on."""
+        try:
+            work()
+        except BaseException:
+            for put, conn, _plan, _started in sending:
+                self.discard(put.address, conn)
+            raise
 
     def send_refs(
         self, op: Op, refs: list[BlockRef], deadline: float, *, wait: bool = True

@@ -67,16 +67,93 @@ class CommitJob:
     lead: bool = False  # sync: this waiting thread sends the next request
 
 
-def put_entries(staged: list[PutItem]) -> list[master_pb2.PutEntry]:
+def put_entries(items: list[PutItem]) -> list[master_pb2.PutEntry]:
+    """The index entries of ``items``, each naming every target as a replica: a put commits
+    while its bytes are on their way (:func:`~kvpool.client.ops.put_flow`), and a target that
+    did not stage them is taken out of the index again after (:func:`unstaged`)."""
     return [
         master_pb2.PutEntry(
             key=it.key,
             write_id=it.write_id,
             size_bytes=it.payload.nbytes,
             checksum=it.checksum,
-            replicas=it.acked,
+            replicas=[m.member_id for m in it.targets],
         )
-        for it in staged
+        for it in items
+    ]
+
+
+@dataclass(slots=True)
+class Unstaged:
+    """A commit's answer less what the stage did not land (:func:`unstaged`)."""
+
+    chunk: list[PutItem]
+    """The items committed with at least one replica that staged them (and those the index
+    did not commit, with their results)."""
+    answer: CommitAnswer
+    """Their results; a result's replicas only those that staged the block."""
+    drops: list[tuple[int, str, int]]
+    """(member id, key, write id): replicas the index names that never staged the block, to
+    be dropped from it again (``ReportEvictions``, conditional on the write id)."""
+    deletes: list[BlockRef]
+    """The writes replaced by an item no replica staged, on the members that held them: the
+    index no longer names them, so they are deleted as a committed put's would be."""
+
+
+def unstaged(
+    chunk: list[PutItem], answer: CommitAnswer, member: Callable[[int], MemberInfo | None]
+) -> Unstaged:
+    """Split a commit's answer by what the stage landed (``item.acked``). The commit named
+    every target before their answers came; a replica that did not stage the block is dropped
+    from the index again, and an item that no kept replica staged fails, with the stage's
+    error. A read in between finds the entry and misses on that replica: never a wrong
+    block."""
+    if answer.stale_ring or len(answer.results) != len(chunk):
+        return Unstaged(chunk, answer, [], [])  # nothing committed, or judge_commit refuses
+    items: list[PutItem] = []
+    results: list[master_pb2.PutResult] = []
+    drops: list[tuple[int, str, int]] = []
+    deletes: list[BlockRef] = []
+    for it, result in zip(chunk, answer.results, strict=True):
+        named = list(result.replicas)
+        landed = [m for m in named if m in it.acked]
+        if result.status != master_pb2.PUT_STATUS_COMMITTED or landed == named:
+            items.append(it)
+            results.append(result)
+            continue
+        drops.extend((m, it.key, it.write_id) for m in named if m not in landed)
+        if landed:
+            kept = master_pb2.PutResult()
+            kept.CopyFrom(result)
+            del kept.replicas[:]
+            kept.replicas.extend(landed)
+            items.append(it)
+            results.append(kept)
+            continue
+        if it.error is None:
+            it.error = UnavailableError(f"put {it.key!r}: no replica staged it")
+        if result.superseded_write_id:
+            for member_id in result.superseded_replicas:
+                m = member(member_id)
+                if m is not None:
+                    deletes.append(BlockRef(it.key_bytes, result.superseded_write_id, 0, m))
+    kept_answer = CommitAnswer(results, answer.revision, answer.stale_ring, answer.ring_version)
+    return Unstaged(items, kept_answer, drops, deletes)
+
+
+def drop_requests(drops: list[tuple[int, str, int]]) -> list[master_pb2.ReportEvictionsRequest]:
+    """One ``ReportEvictions`` per member for :attr:`Unstaged.drops` (the index drops a replica
+    only while the key still names that write id)."""
+    by_member: dict[int, list[master_pb2.EvictedBlock]] = {}
+    for member_id, key, write_id in drops:
+        by_member.setdefault(member_id, []).append(
+            master_pb2.EvictedBlock(key=key, write_id=write_id)
+        )
+    return [
+        master_pb2.ReportEvictionsRequest(
+            request_id=os.urandom(REQUEST_ID_BYTES), member_id=member_id, blocks=blocks
+        )
+        for member_id, blocks in by_member.items()
     ]
 
 

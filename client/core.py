@@ -200,9 +200,24 @@ class ClientCore(ClientState):
             self.lookup_answered(step.keys, answer)
             return answer
         elif isinstance(step, ops.Stage):
-            await self._data.stage(step.items, step.deadline)
-        elif isinstance(step, ops.Commit):
-            return await self._commit_chunks(step.chunks, step.ring_version, deadline)
+            commit = step.commit
+            committing: list[asyncio.Future[list[CommitAnswer | KVPoolError]]] = []
+
+            def sent() -> None:  # the node takes the bytes while the masters commit
+                if not committing:
+                    chunks, ring_version = commit.chunks, commit.ring_version
+                    work = self._commit_chunks(chunks, ring_version, deadline)
+                    committing.append(asyncio.ensure_future(work))
+
+            try:
+                await self._data.stage(step.items, step.deadline, sent)
+            except BaseException:
+                for task in committing:
+                    task.add_done_callback(_retrieved)  # it ends on its own, unawaited
+                raise
+            if any(it.acked for it in step.items):
+                sent()  # acked only at the end (a node's inline blocks beside a failed reserve)
+            return await committing[0] if committing else None
         elif isinstance(step, ops.Publish):
             await self._data.send_refs(Op.PUBLISH, step.refs, deadline, wait=step.wait)
         elif isinstance(step, ops.Delete):
@@ -281,3 +296,9 @@ class ClientCore(ClientState):
 
     def _node_slow(self, member_id: int) -> None:
         self._placement.node_slow(member_id, asyncio.get_running_loop().time())
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Take a finished task's outcome, so that its error is not reported as never retrieved."""
+    if not task.cancelled():
+        task.exception()

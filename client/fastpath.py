@@ -162,9 +162,12 @@ class SyncPath(ClientState):
             self.lookup_answered(step.keys, answer)
             return answer
         elif isinstance(step, ops.Stage):
-            self._data.stage(step.items, step.deadline)
-        elif isinstance(step, ops.Commit):
-            return self._commit_chunks(step.chunks, step.ring_version, deadline)
+            commit, outcomes = step.commit, []
+
+            def sent() -> None:  # the node takes the bytes while the masters commit
+                outcomes.extend(self._commit_chunks(commit.chunks, commit.ring_version, deadline))
+
+            return outcomes if self._data.stage(step.items, step.deadline, sent) else None
         elif isinstance(step, ops.Publish):
             self._data.send_refs(Op.PUBLISH, step.refs, deadline, wait=step.wait)
         elif isinstance(step, ops.Delete):

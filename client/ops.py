@@ -22,8 +22,12 @@ read decides is here, once:
 
 A put of many blocks is :func:`put_flow`: per attempt it asks for a membership
 (:class:`EnsureMembers`), places every pending block on the ring under a fresh write id,
-stages the bytes on the replicas (:class:`Stage`), commits what was staged in chunks
-(:class:`Commit`, answered with one outcome per chunk), then PUBLISHes the new blocks
+sends the bytes to the replicas and, while the nodes take them, commits the entries in chunks
+naming every target (:class:`Stage` with its :class:`Commit`, answered with one outcome per
+chunk), so that the index's Raft round and the node's round trip overlap. A replica that then
+did not stage its block is dropped from the index again (an :class:`Ask` of
+``ReportEvictions``, conditional on the write id: a reader in between misses, never reads
+wrong), and a block no replica staged fails. Then it PUBLISHes the new blocks
 (:class:`Publish`) and DELETEs the replaced ones (:class:`Delete`). What the index refused as
 placed on a stale ring is placed again on the refreshed ring, up to :data:`MAX_PUT_ATTEMPTS`
 attempts; when every chunk's commit failed the put fails with the first chunk's error.
@@ -41,6 +45,7 @@ performs any step (``_perform``); what a step raised is thrown into the flow at 
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -48,7 +53,13 @@ from typing import Any, TypeVar
 
 from kvpool.buffers import Parts
 from kvpool.client.cache import LookupCache
-from kvpool.client.commits import AfterCommit, CommitAnswer, PutReceipt
+from kvpool.client.commits import (
+    AfterCommit,
+    CommitAnswer,
+    PutReceipt,
+    drop_requests,
+    unstaged,
+)
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.plans import BlockRef, DirectEntry, Entry, PutItem, ReadItem, new_write_ids
 from kvpool.errors import BlockMissError, KVPoolError, NoNodesError
@@ -335,22 +346,25 @@ def read_items(
 
 
 @dataclass(slots=True)
-class Stage:
-    """Send every item's bytes to its targets, staged, by ``deadline``; answer with nothing:
-    the items record which replicas acked."""
-
-    items: list[PutItem]
-    deadline: float
-
-
-@dataclass(slots=True)
 class Commit:
-    """Commit each chunk's staged entries placed on ring ``ring_version``; answer with one
-    outcome per chunk, in order: the CommitAnswer, or the KVPoolError that commit failed
-    with."""
+    """Commit each chunk's entries (every target named a replica: ``commits.put_entries``)
+    placed on ring ``ring_version``."""
 
     chunks: list[list[PutItem]]
     ring_version: int
+
+
+@dataclass(slots=True)
+class Stage:
+    """Send every item's bytes to its targets, staged, by ``deadline``, and :class:`Commit`
+    ``commit`` while the node takes them: once the first frames are sent, before their
+    answers are awaited. Answer with one commit outcome per chunk, in order — the
+    CommitAnswer, or the KVPoolError that commit failed with — or None when no frame could be
+    sent (nothing was committed); the items record which replicas acked."""
+
+    items: list[PutItem]
+    deadline: float
+    commit: Commit
 
 
 @dataclass(slots=True)
@@ -367,9 +381,6 @@ class Delete:
 
     refs: list[BlockRef]
     deadline: float
-
-
-PutStep = EnsureMembers | Stage | Commit | Publish | Delete
 
 
 # --- the other steps: a master's answer, a pause, connections ---------------------------------
@@ -400,7 +411,8 @@ class Connect:
     members: list[MemberInfo]
 
 
-Step = ReadStep | PutStep | Ask | Pause | Connect
+PutStep = EnsureMembers | Stage | Publish | Delete | Ask
+Step = ReadStep | PutStep | Pause | Connect
 """Every step a flow may ask a driver for."""
 CommitOutcomes = list[CommitAnswer | KVPoolError]
 PutFlow = Generator[PutStep, CommitOutcomes | None, None]
@@ -433,29 +445,37 @@ def put_flow(
         now = clock()
         for item, write_id in zip(pending, new_write_ids(len(pending)), strict=True):
             item.restart(write_id, placement.targets(item.key_bytes, replicas, now))
-        yield Stage(pending, send_deadline)
-        staged = [it for it in pending if it.acked]
-        if not staged:
-            return
         size = max_commit_entries
-        chunks = [staged[i : i + size] for i in range(0, len(staged), size)]
-        outcomes = yield Commit(chunks, ring_version)
-        assert outcomes is not None
+        chunks = [pending[i : i + size] for i in range(0, len(pending), size)]
+        outcomes = yield Stage(pending, send_deadline, Commit(chunks, ring_version))
+        if outcomes is None:
+            return  # nothing sent, nothing committed: the items hold the stage's errors
         failures = [o for o in outcomes if isinstance(o, KVPoolError)]
         if len(failures) == len(chunks):
+            if not any(it.acked for it in pending):
+                return  # the stage failed too: its errors say more than the commit's
             raise failures[0]  # the whole call failed (no leader, deadline, …)
         after = AfterCommit()
+        drops: list[tuple[int, str, int]] = []
         stale = False
         for chunk, outcome in zip(chunks, outcomes, strict=True):
             if isinstance(outcome, KVPoolError):
                 for it in chunk:
                     it.error = outcome
                 continue
-            result = answered(chunk, outcome, receipts)
+            split = unstaged(chunk, outcome, placement.member)
+            drops += split.drops
+            after.delete += split.deletes
+            result = answered(split.chunk, split.answer, receipts)
             if result is None:
                 stale = True
             else:
                 after.extend(result)
+        for request in drop_requests(drops):
+            # The index names a replica that never staged the block: take it out again. Left
+            # named (the master unreachable), that replica misses every read of it.
+            with contextlib.suppress(KVPoolError):
+                yield Ask("ReportEvictions", request, leader_only=True)
         if after.publish:
             # Not waited for (a node serves a staged block to a read naming its write id),
             # unless it replaces an older write there: then until that node has handled it

@@ -715,6 +715,12 @@ class NodeStage:
         """The calls made so far, in sending order (all of them once :meth:`chunks` is
         through)."""
 
+    @property
+    def reserves(self) -> bool:
+        """Whether blocks go through the arena: the node has every byte only once the copies
+        are made and the commit (:attr:`commit`) is sent, not with the first exchange."""
+        return bool(self._copied)
+
     def chunks(self, chunk_bytes: int = PUT_CHUNK_BYTES) -> Iterator[list[Call]]:
         """The calls in sending order, about ``chunk_bytes`` of payload at a time: a group's
         PUT frames (and their blocks' checksums) are made only when it is asked for, so that

@@ -159,7 +159,9 @@ class MasterServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ReportEvictions(self, request, context):
-        """A store node reports blocks it evicted or dropped, in a batch.
+        """A store node reports blocks it evicted or dropped, in a batch; a client, the replicas it
+        committed that did not stage the block. Each drop holds only while the key still names
+        that write id on that member.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

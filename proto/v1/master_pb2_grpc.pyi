@@ -57,7 +57,10 @@ class MasterStub:
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]
     """A store node proves it is alive and reports its fill."""
     ReportEvictions: _grpc.UnaryUnaryMultiCallable[_master_pb2.ReportEvictionsRequest, _master_pb2.ReportEvictionsResponse]
-    """A store node reports blocks it evicted or dropped, in a batch."""
+    """A store node reports blocks it evicted or dropped, in a batch; a client, the replicas it
+    committed that did not stage the block. Each drop holds only while the key still names
+    that write id on that member.
+    """
     ClaimReplicas: _grpc.UnaryUnaryMultiCallable[_master_pb2.ClaimReplicasRequest, _master_pb2.ClaimReplicasResponse]
     """A store node states which blocks it holds, on which tier: tier hints for lookups, and
     after a warm restart (restore) its replicas for entries the index still holds.
@@ -91,7 +94,10 @@ class MasterAsyncStub(MasterStub):
     Heartbeat: _aio.UnaryUnaryMultiCallable[_master_pb2.HeartbeatRequest, _master_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """A store node proves it is alive and reports its fill."""
     ReportEvictions: _aio.UnaryUnaryMultiCallable[_master_pb2.ReportEvictionsRequest, _master_pb2.ReportEvictionsResponse]  # type: ignore[assignment]
-    """A store node reports blocks it evicted or dropped, in a batch."""
+    """A store node reports blocks it evicted or dropped, in a batch; a client, the replicas it
+    committed that did not stage the block. Each drop holds only while the key still names
+    that write id on that member.
+    """
     ClaimReplicas: _aio.UnaryUnaryMultiCallable[_master_pb2.ClaimReplicasRequest, _master_pb2.ClaimReplicasResponse]  # type: ignore[assignment]
     """A store node states which blocks it holds, on which tier: tier hints for lookups, and
     after a warm restart (restore) its replicas for entries the index still holds.
@@ -170,7 +176,10 @@ class MasterServicer(metaclass=_abc_1.ABCMeta):
         request: _master_pb2.ReportEvictionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_master_pb2.ReportEvictionsResponse, _abc.Awaitable[_master_pb2.ReportEvictionsResponse]]:
-        """A store node reports blocks it evicted or dropped, in a batch."""
+        """A store node reports blocks it evicted or dropped, in a batch; a client, the replicas it
+        committed that did not stage the block. Each drop holds only while the key still names
+        that write id on that member.
+        """
 
     @_abc_1.abstractmethod
     def ClaimReplicas(

@@ -217,6 +217,11 @@ def test_a_master_stuck_at_a_higher_term_rejoins_the_group(groups: list[list[Any
             break
         time.sleep(0.02)
     new = wait_leader(members)
+    # The others learn the new term from the new leader's first append: a tick or so later.
+    while time.monotonic() < deadline:
+        if len({(m.raftCurrentTerm, m._getLeader()) for m in members}) == 1:
+            break
+        time.sleep(0.02)
     print(f"\nrejoined {time.monotonic() - started:.3f}s after it was stuck")
     assert {m.raftCurrentTerm for m in members} == {new.raftCurrentTerm}
     assert new.raftCurrentTerm > term + 3

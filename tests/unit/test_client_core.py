@@ -91,6 +91,9 @@ class FakeNodeProtocol(FrameServerProtocol):
                 self.send_error(header, Status.CHECKSUM_MISMATCH, "payload does not match")
                 return
             node.blocks[ident] = Block(data, header.checksum)
+            if node.answer_puts_after_commit:
+                self._answer_after_commit(reply, key.decode(), header.write_id, 0)
+                return
             self.send(reply)
         elif header.op == Op.PUBLISH:
             if ident in node.blocks:
@@ -125,6 +128,23 @@ class FakeNodeProtocol(FrameServerProtocol):
         else:
             self.send(reply)
 
+    def _answer_after_commit(self, reply: Header, key: str, write_id: int, waited: int) -> None:
+        """Answer the PUT once the master holds its commit (or after a second): record
+        which."""
+        master = self.node.master
+        committed = master is not None and any(
+            e.key == key and e.write_id == write_id
+            for method, request in master.requests
+            if method == "CommitPuts"
+            for e in request.entries
+        )
+        if committed or waited >= 1000:
+            self.node.answered_after_commit.append(committed)
+            self.send(reply)
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.001, self._answer_after_commit, reply, key, write_id, waited + 1)
+
 
 @dataclass
 class FakeNode:
@@ -139,6 +159,9 @@ class FakeNode:
     no_space: bool = False
     delay_s: float = 0.0
     opening_delay_s: float = 0.0  # before answering AUTH and HELLO
+    answer_puts_after_commit: bool = False  # hold a PUT's answer until the master has its commit
+    answered_after_commit: list[bool] = field(default_factory=list)
+    master: FakeMaster | None = None
     port: int = 0
     server: asyncio.Server | None = None
 
@@ -288,14 +311,28 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
         self.seen[request.request_id] = response
         return response
 
+    async def ReportEvictions(self, request: Any, context: Any) -> Any:
+        """A replica that does not hold a block leaves the index — only while the key still
+        names that write (a put takes back a replica that did not stage what it committed)."""
+        self._count("ReportEvictions", request)
+        dropped = 0
+        for block in request.blocks:
+            e = self.index.get(block.key)
+            if e is None or e.write_id != block.write_id or request.member_id not in e.replicas:
+                continue
+            e.replicas = [r for r in e.replicas if r != request.member_id]
+            if not e.replicas:
+                del self.index[block.key]
+            dropped += 1
+        if dropped:
+            self.revision += 1
+        return master_pb2.ReportEvictionsResponse(dropped=dropped, revision=self.revision)
+
     # Node-facing calls: the fake nodes never register; the client never calls these.
     async def RegisterNode(self, request: Any, context: Any) -> Any:
         raise InternalError("not in the fake")
 
     async def Heartbeat(self, request: Any, context: Any) -> Any:
-        raise InternalError("not in the fake")
-
-    async def ReportEvictions(self, request: Any, context: Any) -> Any:
         raise InternalError("not in the fake")
 
     async def LeaveNode(self, request: Any, context: Any) -> Any:
@@ -351,6 +388,7 @@ class FakeCluster:
             "127.0.0.1", node.port, lambda: FakeNodeProtocol(node)
         )
         self.master.nodes[node.member_id] = node
+        node.master = self.master
 
     def add_node(self) -> FakeNode:
         node = FakeNode(member_id=len(self.nodes) + 1, node_id=f"node-{len(self.nodes) + 1}")
@@ -553,6 +591,10 @@ def test_batch_put_reports_each_key(client: Client, cluster: FakeCluster) -> Non
     on_full = {k for k in keys if client._placement.place(k.encode(), 1)[0].member_id == 1}
     assert 0 < len(on_full) < len(keys)
     assert results == [k not in on_full for k in keys]
+    # Committed while the bytes were on their way, the keys the full node refused were taken
+    # out of the index again (conditional on their write ids).
+    assert set(cluster.master.index) == set(keys) - on_full
+    assert cluster.master.calls["ReportEvictions"] == 1
     stats = client.stats
     assert stats["puts_failed"] == len(on_full)
     assert stats["puts_ok"] == len(keys) - len(on_full)
@@ -851,6 +893,46 @@ def test_node_down_on_put_keeps_the_other_replica(
     assert kv.put("blk", b"data") is True
     assert cluster.master.index["blk"].replicas == [2]
     assert kv.get("blk") == b"data"
+
+
+def test_a_put_commits_while_the_node_takes_the_bytes(client: Client, cluster: FakeCluster) -> None:
+    """The commit goes before the PUT's answer is read: a node that answers only once the
+    index holds the commit answers at once, for either driver, and the put succeeds."""
+    for node in cluster.nodes:
+        node.answer_puts_after_commit = True
+    assert client.put("blk", b"data")
+    assert client.batch_put({f"k{i}": b"v" for i in range(16)}) == [True] * 16
+
+    async def main() -> None:
+        core = ClientCore(make_config([cluster.master_address], timeout_s=1.0))
+        try:
+            assert await core.put("ablk", b"data")
+        finally:
+            await core.close()
+
+    asyncio.run(main())
+    answers = [a for node in cluster.nodes for a in node.answered_after_commit]
+    assert len(answers) >= 3
+    assert all(answers)
+    assert "ReportEvictions" not in cluster.master.calls
+    assert client.get("blk") == b"data"
+
+
+def test_a_put_no_node_took_is_taken_out_of_the_index_again(
+    cluster: FakeCluster, client: Client
+) -> None:
+    cluster.master.report_superseded = True
+    assert client.put("old", b"v1")
+    for node in cluster.nodes:
+        node.no_space = True
+    assert not client.put("old", b"v2")  # committed, then refused by the node
+    assert not client.put("new", b"v")
+    assert "new" not in cluster.master.index
+    assert "old" not in cluster.master.index  # the write it replaced was gone from it already
+    assert cluster.master.calls["ReportEvictions"] == 2
+    # v1, which the index no longer names, was deleted where it was: no read serves it.
+    assert not any(key == b"old" for node in cluster.nodes for key, _ in node.blocks)
+    assert client.get("old") is None
 
 
 def test_no_live_replica_fails_the_put(client: Client, cluster: FakeCluster) -> None:

@@ -1,6 +1,7 @@
 """The put flow (:func:`kvpool.client.ops.put_flow`) driven step by step: no socket, no
-thread, no event loop. The test is the driver: it stages on the members it is told are up,
-answers each commit as told (ok, stale ring, or an error per chunk) and records every step."""
+thread, no event loop. The test is the driver: it stages on the members it is told stage
+(every target, or those ``acks`` names for a key), answers each commit as told (ok, stale
+ring, or an error per chunk) and records every step."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvpool.client.commits import AfterCommit, CommitAnswer, PutReceipt
+from kvpool.client.commits import AfterCommit, CommitAnswer, PutReceipt, judge_commit, superseded
 from kvpool.client.ops import (
     DELETE_WAIT_S,
     MAX_PUT_ATTEMPTS,
-    Commit,
+    Ask,
     Delete,
     EnsureMembers,
     Publish,
@@ -22,12 +23,15 @@ from kvpool.client.ops import (
     put_flow,
 )
 from kvpool.client.placement import MemberInfo, Placement
-from kvpool.client.plans import BlockRef, PutItem
-from kvpool.errors import KVPoolError, NotLeaderError, StaleRingError
+from kvpool.client.plans import PutItem
+from kvpool.errors import KVPoolError, NotLeaderError, StaleRingError, UnavailableError
+from kvpool.proto.v1 import master_pb2
 
 DEADLINE = 10.0
 TIMEOUT_S = 4.0
 MEMBERS = [MemberInfo(i, f"node-{i}", f"tcp://127.0.0.1:{7000 + i}", 1 << 30) for i in (1, 2)]
+OLD_WRITE = 1
+"""The write id a "replaced" answer says the commit replaced (on every target)."""
 
 Answer = str | KVPoolError
 """How the test answers one chunk's commit: "ok", "stale", "replaced" (ok, and the put
@@ -37,13 +41,14 @@ replaced an older write that is to be deleted), or the error the commit failed w
 @dataclass
 class World:
     placement: Placement = field(default_factory=Placement)
-    unacked: set[str] = field(default_factory=set)  # keys no replica acks
-    commits: list[list[Answer]] = field(default_factory=list)  # per Commit step, per chunk
+    acks: dict[str, list[int]] = field(default_factory=dict)  # key -> the members that stage it
+    commits: list[list[Answer]] = field(default_factory=list)  # per Stage step, per chunk
     now: float = 0.0
     steps: list[object] = field(default_factory=list)
     receipts: dict[PutItem, PutReceipt] = field(default_factory=dict)
     write_ids: list[list[int]] = field(default_factory=list)  # per Stage step
-    replacing: set[int] = field(default_factory=set)  # id() of the chunks answered "replaced"
+    sent_nothing: bool = False  # the driver could send no frame: nothing committed
+    drop_fails: bool = False  # every ReportEvictions fails
 
     def __post_init__(self) -> None:
         self.placement.update(MEMBERS, ring_version=1, now_s=0.0)
@@ -52,21 +57,15 @@ class World:
         self, chunk: list[PutItem], answer: CommitAnswer, receipts: dict[PutItem, PutReceipt]
     ) -> AfterCommit | None:
         """ClientCore.commit_answered in miniature: a stale ring fails every item of the
-        chunk; otherwise every item is committed, and the blocks to publish (and, for a
-        replacing write, to delete) are returned."""
+        chunk; otherwise the results are judged, and the blocks to publish (and the replaced
+        writes to delete) are returned."""
         if answer.stale_ring:
             for it in chunk:
                 it.error = StaleRingError("stale", ring_version=answer.ring_version)
             return None
-        after = AfterCommit()
-        for it in chunk:
-            it.committed = True
-            receipts[it] = PutReceipt(it.key, 1, it.write_id, answer.revision, (), ())
-            after.publish += [BlockRef(it.key_bytes, it.write_id, 1, m) for m in it.targets]
-            if id(chunk) in self.replacing:
-                after.delete.append(BlockRef(it.key_bytes, 1, 0, it.targets[0]))
-                after.wait_publish = True
-        return after
+        refs = judge_commit(chunk, answer, receipts)
+        deletes, wait = superseded(chunk, answer.results, self.placement.member)
+        return AfterCommit(refs, deletes, wait)
 
     def run(self, keys: list[str], *, max_commit_entries: int = 8192) -> list[PutItem]:
         items = [PutItem(k, k.encode(), memoryview(b"v")) for k in keys]
@@ -84,67 +83,151 @@ class World:
         drive(flow, self.perform)
         return items
 
-    def perform(self, step: PutStep) -> list[CommitAnswer | KVPoolError] | None:
+    def perform(self, step: PutStep) -> object:
         self.steps.append(step)
         if isinstance(step, Stage):
             self.write_ids.append([it.write_id for it in step.items])
-            for it in step.items:
-                if it.key not in self.unacked:
+            if self.sent_nothing:
+                for it in step.items:
+                    it.error = UnavailableError("unreachable")
+                return None
+            answers = self.commit(step)
+            for it in step.items:  # the stage's answers come after the commit's
+                if it.key in self.acks:
+                    it.acked = list(self.acks[it.key])
+                    if not it.acked:
+                        it.error = UnavailableError(f"{it.key}: node full")
+                else:
                     it.acked = [m.member_id for m in it.targets]
-        elif isinstance(step, Commit):
-            return self.commit(step)
+            return answers
+        if isinstance(step, Ask) and self.drop_fails:
+            raise NotLeaderError("no leader")
         return None
 
-    def commit(self, step: Commit) -> list[CommitAnswer | KVPoolError]:
+    def commit(self, step: Stage) -> list[CommitAnswer | KVPoolError]:
         told = self.commits.pop(0)
-        assert len(told) == len(step.chunks)
+        chunks = step.commit.chunks
+        assert len(told) == len(chunks)
         out: list[CommitAnswer | KVPoolError] = []
-        for chunk, answer in zip(step.chunks, told, strict=True):
+        for chunk, answer in zip(chunks, told, strict=True):
             if isinstance(answer, KVPoolError):
                 out.append(answer)
                 continue
-            if answer == "replaced":
-                self.replacing.add(id(chunk))
-            out.append(CommitAnswer([], revision=7, stale_ring=answer == "stale", ring_version=2))
+            results = []
+            for it in chunk:  # the commit names every target: it goes before the stage's acks
+                named = [m.member_id for m in it.targets]
+                result = master_pb2.PutResult(
+                    status=master_pb2.PUT_STATUS_COMMITTED, version=1, replicas=named
+                )
+                if answer == "replaced":
+                    result.superseded_write_id = OLD_WRITE
+                    result.superseded_replicas.extend(named)
+                results.append(result)
+            stale = answer == "stale"
+            out.append(CommitAnswer([] if stale else results, 7, stale, ring_version=2))
         return out
 
     def kinds(self) -> list[str]:
         return [type(s).__name__ for s in self.steps]
 
+    def drops(self) -> list[tuple[int, list[str]]]:
+        """(member id, keys) of each ReportEvictions asked."""
+        out = []
+        for s in self.steps:
+            if isinstance(s, Ask):
+                assert s.method == "ReportEvictions"
+                assert s.leader_only
+                out.append((s.request.member_id, [b.key for b in s.request.blocks]))
+        return out
 
-def test_one_attempt_stages_commits_and_publishes() -> None:
+
+def test_one_attempt_stages_and_commits_at_once_then_publishes() -> None:
     w = World(commits=[["ok"]])
     items = w.run(["a", "b"])
-    assert w.kinds() == ["EnsureMembers", "Stage", "Commit", "Publish"]
+    assert w.kinds() == ["EnsureMembers", "Stage", "Publish"]
     stage = w.steps[1]
     assert isinstance(stage, Stage)
     assert stage.deadline == DEADLINE - 0.25 * TIMEOUT_S  # time left for commit and publish
-    commit = w.steps[2]
-    assert isinstance(commit, Commit)
-    assert commit.ring_version == 1
-    publish = w.steps[3]
+    assert stage.commit.ring_version == 1
+    assert [[it.key for it in c] for c in stage.commit.chunks] == [["a", "b"]]
+    publish = w.steps[2]
     assert isinstance(publish, Publish)
     assert not publish.wait  # nothing replaced: not waited for
     assert len(publish.refs) == 4  # two replicas each
     assert all(it.committed and it.write_id for it in items)
     assert {len(it.targets) for it in items} == {2}
     assert len(w.receipts) == 2
+    assert w.drops() == []
 
 
-def test_nothing_staged_commits_nothing() -> None:
-    w = World(unacked={"a", "b"})
+def test_nothing_sent_commits_nothing_and_drops_nothing() -> None:
+    w = World(sent_nothing=True)
     items = w.run(["a", "b"])
     assert w.kinds() == ["EnsureMembers", "Stage"]
     assert not any(it.committed for it in items)
+    assert all(isinstance(it.error, UnavailableError) for it in items)
 
 
-def test_only_staged_items_are_committed_in_chunks() -> None:
-    w = World(unacked={"k2"}, commits=[["ok", "ok", "ok"]])
+def test_a_block_no_replica_staged_fails_and_leaves_the_index_again() -> None:
+    w = World(acks={"a": [], "b": []}, commits=[["ok"]])
+    items = w.run(["a", "b"])
+    assert w.kinds() == ["EnsureMembers", "Stage", "Ask", "Ask"]  # one per member, no Publish
+    assert sorted(w.drops()) == [(1, ["a", "b"]), (2, ["a", "b"])]
+    for it, step in ((it, s) for it in items for s in w.steps if isinstance(s, Ask)):
+        assert it.write_id in [b.write_id for b in step.request.blocks]  # conditional drop
+    assert not any(it.committed for it in items)
+    assert all(isinstance(it.error, UnavailableError) for it in items)
+    assert w.receipts == {}
+
+
+def test_a_replica_that_did_not_stage_is_dropped_and_the_block_kept_on_the_other() -> None:
+    w = World(acks={"a": [1]}, commits=[["ok"]])
+    a, b = w.run(["a", "b"])
+    assert w.drops() == [(2, ["a"])]
+    assert a.committed
+    assert a.error is None
+    assert w.receipts[a].member_ids == (1,)  # the receipt names only the replica that holds it
+    assert len(w.receipts[b].member_ids) == 2
+    publish = w.steps[-1]
+    assert isinstance(publish, Publish)
+    assert sorted((r.key_bytes, r.member.member_id) for r in publish.refs) == [
+        (b"a", 1),
+        (b"b", 1),
+        (b"b", 2),
+    ]
+
+
+def test_items_are_committed_in_chunks_and_only_the_unstaged_one_fails() -> None:
+    w = World(acks={"k2": []}, commits=[["ok", "ok", "ok"]])
     items = w.run([f"k{i}" for i in range(6)], max_commit_entries=2)
-    commit = w.steps[2]
-    assert isinstance(commit, Commit)
-    assert [[it.key for it in c] for c in commit.chunks] == [["k0", "k1"], ["k3", "k4"], ["k5"]]
+    stage = w.steps[1]
+    assert isinstance(stage, Stage)
+    chunks = [[it.key for it in c] for c in stage.commit.chunks]
+    assert chunks == [["k0", "k1"], ["k2", "k3"], ["k4", "k5"]]
     assert [it.key for it in items if not it.committed] == ["k2"]
+    assert sorted(w.drops()) == [(1, ["k2"]), (2, ["k2"])]
+
+
+def test_a_drop_that_fails_leaves_the_put_as_judged() -> None:
+    w = World(acks={"a": []}, commits=[["ok"]], drop_fails=True)
+    a, b = w.run(["a", "b"])
+    assert w.kinds() == ["EnsureMembers", "Stage", "Ask", "Ask", "Publish"]
+    assert not a.committed
+    assert isinstance(a.error, UnavailableError)
+    assert b.committed
+
+
+def test_the_write_replaced_by_a_block_no_replica_staged_is_deleted() -> None:
+    w = World(acks={"a": []}, commits=[["replaced"]], now=1.0)
+    (a,) = w.run(["a"])
+    assert not a.committed
+    assert w.kinds() == ["EnsureMembers", "Stage", "Ask", "Ask", "Delete"]
+    delete = w.steps[-1]
+    assert isinstance(delete, Delete)
+    assert sorted((r.write_id, r.member.member_id) for r in delete.refs) == [
+        (OLD_WRITE, 1),
+        (OLD_WRITE, 2),
+    ]
 
 
 def test_a_stale_ring_places_the_rest_again_with_new_write_ids() -> None:
@@ -153,14 +236,12 @@ def test_a_stale_ring_places_the_rest_again_with_new_write_ids() -> None:
     assert w.kinds() == [
         "EnsureMembers",
         "Stage",
-        "Commit",
         "Publish",  # the chunk that committed is published at once
         "EnsureMembers",
         "Stage",
-        "Commit",
         "Publish",
     ]
-    second = w.steps[5]
+    second = w.steps[4]
     assert isinstance(second, Stage)
     assert [it.key for it in second.items] == ["c"]  # only what the stale ring refused
     assert w.write_ids[1][0] != w.write_ids[0][2]  # a write id is never reused
@@ -171,7 +252,7 @@ def test_a_stale_ring_places_the_rest_again_with_new_write_ids() -> None:
 def test_a_ring_stale_every_time_gives_up_after_max_attempts() -> None:
     w = World(commits=[["stale"]] * MAX_PUT_ATTEMPTS)
     items = w.run(["a"])
-    assert w.kinds().count("Commit") == MAX_PUT_ATTEMPTS
+    assert w.kinds().count("Stage") == MAX_PUT_ATTEMPTS
     assert "Publish" not in w.kinds()
     assert isinstance(items[0].error, StaleRingError)
     assert not items[0].committed
@@ -185,16 +266,23 @@ def test_every_chunk_failing_fails_the_put_with_the_first_error() -> None:
     assert raised.value is first
 
 
+def test_every_chunk_and_the_stage_failing_keeps_the_stages_errors() -> None:
+    w = World(acks={"a": [], "b": []}, commits=[[NotLeaderError("no leader")]])
+    items = w.run(["a", "b"])
+    assert w.kinds() == ["EnsureMembers", "Stage"]
+    assert all(isinstance(it.error, UnavailableError) for it in items)
+
+
 def test_a_failed_chunk_fails_its_items_only() -> None:
     error = NotLeaderError("no leader")
     w = World(commits=[[error, "ok"]])
     items = w.run(["a", "b"], max_commit_entries=1)
-    assert w.kinds() == ["EnsureMembers", "Stage", "Commit", "Publish"]
+    assert w.kinds() == ["EnsureMembers", "Stage", "Publish"]
     a, b = items
     assert a.error is error
     assert not a.committed
     assert b.committed
-    publish = w.steps[3]
+    publish = w.steps[2]
     assert isinstance(publish, Publish)
     assert {r.key_bytes for r in publish.refs} == {b"b"}
 
@@ -202,12 +290,12 @@ def test_a_failed_chunk_fails_its_items_only() -> None:
 def test_a_replacing_write_waits_for_its_publish_and_deletes_the_old_block() -> None:
     w = World(commits=[["replaced"]], now=9.9)
     w.run(["a"])
-    assert w.kinds() == ["EnsureMembers", "Stage", "Commit", "Publish", "Delete"]
-    publish, delete = w.steps[3], w.steps[4]
+    assert w.kinds() == ["EnsureMembers", "Stage", "Publish", "Delete"]
+    publish, delete = w.steps[2], w.steps[3]
     assert isinstance(publish, Publish)
     assert publish.wait
     assert isinstance(delete, Delete)
-    assert [r.write_id for r in delete.refs] == [1]
+    assert {r.write_id for r in delete.refs} == {OLD_WRITE}
     assert delete.deadline == DEADLINE  # capped by the call's deadline
 
 
@@ -222,4 +310,4 @@ def test_the_delete_waits_at_most_delete_wait_s() -> None:
 def test_every_attempt_asks_for_members_first() -> None:
     w = World(commits=[["stale"], ["ok"]])
     w.run(["a"])
-    assert [i for i, s in enumerate(w.steps) if isinstance(s, EnsureMembers)] == [0, 3]
+    assert [i for i, s in enumerate(w.steps) if isinstance(s, EnsureMembers)] == [0, 2]
