@@ -566,7 +566,9 @@ class NodeConfig(ServerSecurityConfig, LogConfig, IngressConfig):
     )
     staged_ttl_s: float = opt(
         30.0,
-        "staged (uncommitted) blocks older than this are checked against the index and reclaimed",
+        "staged (uncommitted) blocks older than this are checked against the index and "
+        "reclaimed; a write a read missed here and still absent this long after is reported "
+        "gone if the index names it on this node",
         "duration",
     )
     eviction_report_interval_s: float = opt(

@@ -14,10 +14,10 @@ processes for both.
 The cells: a 4 KiB ``get`` with its entry cached and never cached (a fresh client with
 ``lookup_cache_size=0``), the first ``get`` of a key the client has just put, a 1 MiB
 ``get_into``, a 1 MiB and a 4 MiB ``get``, ``batch_get`` and ``batch_get_into`` of 32 x 1 MiB
-(the latter for both clients), ``batch_get`` and
-``batch_get_into`` of 32 x 64 KiB, a 4 KiB ``put``, ``exists``, a cached 4 KiB ``get`` of a
-block on 2 replicas (a read that may hedge, both clients),
-the AsyncClient's cached 4 KiB ``get`` and ``put``, and (once per round, listed under tcp) the
+(the latter for both clients), ``batch_get`` and ``batch_get_into`` of 32 x 64 KiB, a 4 KiB
+and a 1 MiB ``put``, ``batch_put`` of 32 x 1 MiB, ``exists``, a cached 4 KiB ``get`` of a
+block on 2 replicas (a read that may hedge, both clients), the AsyncClient's cached 4 KiB
+``get``, its 4 KiB and 1 MiB ``put``, and (once per round, listed under tcp) the
 client's own Python per get with the network faked away — the data plane, and for a never-cached
 get the master call too; then a cached ``get_into`` with only its connection's socket faked (a
 node's real answer replayed) — the best of 5 runs, the cells that do not move with the machine's
@@ -112,6 +112,14 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
         )
         count = iter(range(1 << 62))
         timed("put 4 KiB", lambda: kv.put(f"{pre}-p{next(count)}", small), max(30, n // 3))
+        timed("put 1 MiB", lambda: kv.put(f"{pre}-p{next(count)}", big), max(20, n // 5))
+        batches = iter(range(1 << 62))
+
+        def batch_put() -> None:
+            b = next(batches)
+            assert all(kv.batch_put([(f"{pre}-q{b}-{i}", big) for i in range(32)]))
+
+        timed("batch_put 32 x 1 MiB", batch_put, max(10, n // 30))
         timed("exists", lambda: kv.exists(f"{pre}-s"), n)
     finally:
         kv.close()
@@ -136,6 +144,8 @@ def _worker(masters: list[str], transport: str, n: int, tag: str) -> dict[str, f
             await atimed("AsyncClient get 4 KiB, cached", lambda _: ak.get(f"{pre}-s"), n)
             put = lambda i: ak.put(f"{pre}-ap{i}", small)  # noqa: E731
             await atimed("AsyncClient put 4 KiB", put, max(30, n // 3))
+            put = lambda i: ak.put(f"{pre}-aq{i}", big)  # noqa: E731
+            await atimed("AsyncClient put 1 MiB", put, max(20, n // 5))
             bigbufs = [bytearray(1 << 20) for _ in range(32)]
             batch = lambda _: ak.batch_get_into(big32, bigbufs)  # noqa: E731
             await atimed("AsyncClient batch_get_into 32 x 1 MiB", batch, max(10, n // 20))

@@ -72,6 +72,9 @@ STAGED_READ_WINDOW_S = 1.0
 
 RECENT_EVICTIONS = 8192
 """How many evicted block ids are remembered, to answer MISS EVICTED rather than ABSENT."""
+MISSING_SUSPECTS = 4096
+"""How many (key, write id) pairs a read missed and this node never held are remembered, to be
+checked against the index later (:meth:`BlockStore.expired_suspects`)."""
 EVICTION_BACKLOG = 262_144
 """Most evictions waiting to be reported; beyond it the oldest are forgotten (the index then
 points at a block we lack until it is read: a miss, never a wrong read)."""
@@ -120,6 +123,7 @@ class BlockStore:
         self._staged: dict[BlockId, None] = {}  # in staging order = staged_at order
         self._recent: OrderedDict[BlockId, None] = OrderedDict()
         self._recent_cap = recent_evictions
+        self._suspects: OrderedDict[BlockId, float] = OrderedDict()  # -> first missed at
         self._to_report: OrderedDict[BlockId, None] = OrderedDict()
         self._backlog_cap = eviction_backlog
         self.max_receiving_bytes = (
@@ -344,14 +348,57 @@ class BlockStore:
             reason = MissReason.SLOW_TIER
         elif block is not None:
             reason = MissReason.STAGED
-        elif key in self._by_key:
-            reason = MissReason.WRONG_VERSION
-        elif (key, write_id) in self._recent:
-            reason = MissReason.EVICTED
         else:
-            reason = MissReason.ABSENT
+            block_id = (key, write_id)
+            recent = block_id in self._recent
+            if key in self._by_key:
+                reason = MissReason.WRONG_VERSION
+            else:
+                reason = MissReason.EVICTED if recent else MissReason.ABSENT
+            if write_id and not recent:
+                self._suspect(block_id)
         self.counters.misses[reason] += 1
         return ReadResult(Status.MISS, reason)
+
+    def _suspect(self, block_id: BlockId) -> None:
+        """A read named a write this node does not hold and did not evict lately: remembered
+        (first time only, at most MISSING_SUSPECTS) so that, if the index still names it here
+        long after, it is reported gone (:meth:`expired_suspects`)."""
+        suspects = self._suspects
+        if block_id not in suspects:
+            suspects[block_id] = self._clock()
+            if len(suspects) > MISSING_SUSPECTS:
+                suspects.popitem(last=False)
+
+    def expired_suspects(self, now: float, age_s: float, limit: int) -> list[BlockId]:
+        """Up to ``limit`` writes a read missed at least ``age_s`` ago that this node still
+        does not hold, oldest first; each is taken (checked once). A write a put commits
+        before its bytes arrive (the client's commit overlaps the stage) may miss a read in
+        between; one still absent after any put's deadline never arrives."""
+        out: list[BlockId] = []
+        suspects = self._suspects
+        while suspects and len(out) < limit:
+            block_id, first = next(iter(suspects.items()))
+            if now - first < age_s:
+                break
+            del suspects[block_id]
+            if block_id not in self._blocks:
+                out.append(block_id)
+        return out
+
+    def report_missing(self, key: str, write_id: int) -> bool:
+        """The index names this write on this node, which does not hold it: report it gone, as
+        an eviction is (the index drops the replica only while it names that write). False
+        when it is held after all."""
+        block_id = (key, write_id)
+        if block_id in self._blocks:
+            return False
+        self._to_report[block_id] = None
+        if len(self._to_report) > self._backlog_cap:
+            self._to_report.popitem(last=False)
+            self.counters.dropped_reports += 1
+        self.counters.missing_reported += 1
+        return True
 
     def get_in_memory(
         self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY
@@ -526,6 +573,7 @@ class BlockStore:
         for block in victims:
             self._remove(block)
         self._to_report.clear()
+        self._suspects.clear()
         self.tiers.take_tier_changes(len(victims) + 1)
         return len(victims)
 

@@ -159,6 +159,7 @@ class Counters:
     superseded: int = 0
     deletes: int = 0
     reaped: int = 0
+    missing_reported: int = 0  # replicas the index named that this node never received
     dropped_reports: int = 0
     bad_frames: int = 0
     tiers: dict[TierLevel, TierCounters] = field(

@@ -91,6 +91,14 @@ def node_families(store: BlockStore, registered: bool = True) -> Iterator[Metric
         c.checksum_mismatches,
     )
     yield _one(counter("kvpool_node_no_space", "PUTs refused for lack of room"), c.no_space)
+    yield _one(
+        counter(
+            "kvpool_node_missing_reported",
+            "replicas the index named on this node that it never received (a put committed "
+            "them and its bytes never came), reported gone",
+        ),
+        c.missing_reported,
+    )
     yield _one(counter("kvpool_node_bad_frames", "malformed or foreign frames"), c.bad_frames)
     yield _one(
         counter(

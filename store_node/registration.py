@@ -25,6 +25,10 @@ block store.
 - Warm restart: blocks found on the SSD tier at start are claimed (``ClaimReplicas`` with
   restore) right after the first registration, in batches; the index accepts those it still
   holds with exactly that write, and the node drops the others (``ssd_blocks_restored``).
+- Missing replicas: a read that missed a write this node never held (nor evicted lately) is
+  remembered; ``staged_ttl_s`` later, if the node still lacks it and the index names it on
+  this member, it is reported gone like an eviction (a put committed it while its bytes were
+  on their way, and they never came).
 - Staged reaper: staged blocks older than ``staged_ttl_s`` are looked up in one batch. Indexed with
   the same write id on this member → the client's PUBLISH was lost: publish with the index's
   version. Otherwise → free. Masters unreachable → try later; older than
@@ -516,6 +520,7 @@ class NodeRegistration:
         tick_s = min(1.0, max(self._cfg.staged_ttl_s / 4, 0.01))
         while not await _wait(stop, tick_s):
             await self._guarded("staged_reaper", self.reap_staged_once(), (0, 0))
+            await self._guarded("missing_check", self.check_missing_once(), 0)
 
     async def _guarded(self, what: str, work: Awaitable[T], failed: T) -> T:
         """Run one round of background work; a bug in it is logged, not fatal to the loop."""
@@ -563,6 +568,42 @@ class NodeRegistration:
         freed = sum(self._store.reap(key, write_id, report=False) for key, write_id in free)
         self._log.info("staged_reaped", published=published, freed=freed, forced=False)
         return published, freed
+
+    async def check_missing_once(self) -> int:
+        """Writes a read missed here ``staged_ttl_s`` ago or more, still not held: those the
+        index names on this member are reported gone (a put committed them while its bytes
+        were on their way, and they never came: the client died, or could not take the replica
+        back). Returns how many."""
+        member_id = self.member_id
+        if not member_id:
+            return 0
+        suspects = self._store.expired_suspects(self._clock(), self._cfg.staged_ttl_s, REAP_BATCH)
+        if not suspects:
+            return 0
+        keys = list(dict.fromkeys(key for key, _ in suspects))
+        loop = asyncio.get_running_loop()
+        try:
+            response = await self._masters.call(
+                "Lookup",
+                master_pb2.LookupRequest(keys=keys, internal=True),
+                deadline=loop.time() + self._cfg.request_timeout_s,
+            )
+        except KVPoolError as e:  # forgotten: a later read that misses names it again
+            self._log.warning("missing_check_failed", blocks=len(suspects), error=e.message)
+            return 0
+        if self.member_id != member_id:
+            return 0
+        entries = dict(zip(keys, response.entries, strict=False))
+        reported = 0
+        for key, write_id in suspects:
+            entry = entries.get(key)
+            if entry is None or not entry.found or entry.write_id != write_id:
+                continue
+            if member_id in entry.replicas and self._store.report_missing(key, write_id):
+                reported += 1
+        if reported:
+            self._log.warning("missing_replicas_reported", count=reported, member_id=member_id)
+        return reported
 
 
 async def _wait(stop: asyncio.Event, delay_s: float) -> bool:

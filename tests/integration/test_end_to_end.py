@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvpool import Client
+from kvpool.checksum import block_checksum
 from kvpool.errors import (
     BufferTooSmallError,
     InvalidKeyError,
@@ -27,6 +28,7 @@ from kvpool.proto import PROTOCOL_VERSION
 from kvpool.proto.v1 import master_pb2, master_pb2_grpc
 from kvpool.proto.wire import MAX_KEY_BYTES, Header, Op, Status, unpack_header
 from kvpool.transports.tcp import TcpConnection, parse_tcp_address
+from tests.integration.conftest import ClusterFactory
 
 pytestmark = pytest.mark.integration
 
@@ -359,3 +361,55 @@ def test_a_stale_index_answer_can_only_cause_a_miss(shared_cluster: LocalCluster
         status, _ = asyncio.run(read(address, key, old_write_id, size))
         assert status == Status.MISS
         assert kv.get(key) == b"new!" * 1000
+
+
+def test_a_commit_whose_bytes_never_came_leaves_the_index_after_the_staged_ttl(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """A put commits while its bytes are on their way; a client that dies in between leaves
+    the index naming a block its node never received. Reads miss it (never a wrong block);
+    the node, asked for it, checks the index once ``staged_ttl_s`` has passed and reports it
+    gone, so that ``exists`` and ``prefix_match`` stop counting it."""
+    cluster = cluster_factory(
+        masters=3,
+        nodes=1,
+        extra_node_flags=["--staged-ttl-s", "0.5", "--eviction-report-interval-s", "0.05"],
+    )
+    leader = cluster.wait_for_leader()
+    data = b"never sent" * 100
+
+    async def commit_only(key: str) -> None:
+        """What the dead client got done: the commit, and no byte to the node."""
+        channel = create_channel(leader)
+        try:
+            stub = master_pb2_grpc.MasterStub(channel)
+            members = await unary(
+                stub.GetMembers, master_pb2.GetMembersRequest(), timeout_s=5, address=leader
+            )
+            entry = master_pb2.PutEntry(
+                key=key,
+                write_id=int.from_bytes(os.urandom(8), "little") | 1,
+                size_bytes=len(data),
+                checksum=block_checksum(data),
+                replicas=[members.members[0].member_id],
+            )
+            request = master_pb2.CommitPutsRequest(
+                request_id=os.urandom(16), ring_version=members.ring_version, entries=[entry]
+            )
+            response = await unary(stub.CommitPuts, request, timeout_s=5, address=leader)
+            assert response.results[0].status == master_pb2.PUT_STATUS_COMMITTED
+        finally:
+            await channel.close()
+
+    with Client(cluster.master_addresses, timeout_s=5.0) as kv:
+        assert kv.put("kept", data)
+        asyncio.run(commit_only("phantom"))
+        assert kv.exists("phantom")  # the index names it...
+        assert kv.get("phantom") is None  # ...its node never had it: a miss
+        deadline = time.monotonic() + 15
+        while kv.exists("phantom") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not kv.exists("phantom")
+        assert kv.prefix_match(["phantom"]) == 0
+        assert kv.get("kept") == data  # what was put and read is untouched
+        assert kv.exists("kept")
