@@ -539,15 +539,8 @@ class NodeRegistration:
         member_id = self.member_id
         entries: dict[str, common_pb2.BlockEntry] | None = None
         if member_id:
-            keys = list(dict.fromkeys(block.key for block in candidates))
-            loop = asyncio.get_running_loop()
             try:
-                response = await self._masters.call(
-                    "Lookup",
-                    master_pb2.LookupRequest(keys=keys, internal=True),
-                    deadline=loop.time() + self._cfg.request_timeout_s,
-                )
-                entries = dict(zip(keys, response.entries, strict=False))
+                entries = await self._index_entries(block.key for block in candidates)
             except KVPoolError as e:
                 self._log.warning("staged_check_failed", blocks=len(candidates), error=e.message)
         if entries is None or self.member_id != member_id:
@@ -569,6 +562,16 @@ class NodeRegistration:
         self._log.info("staged_reaped", published=published, freed=freed, forced=False)
         return published, freed
 
+    async def _index_entries(self, keys: Iterable[str]) -> dict[str, common_pb2.BlockEntry]:
+        """The index's entries of ``keys`` (an internal Lookup: the node's own question)."""
+        asked = list(dict.fromkeys(keys))
+        response = await self._masters.call(
+            "Lookup",
+            master_pb2.LookupRequest(keys=asked, internal=True),
+            deadline=asyncio.get_running_loop().time() + self._cfg.request_timeout_s,
+        )
+        return dict(zip(asked, response.entries, strict=False))
+
     async def check_missing_once(self) -> int:
         """Writes a read missed here ``staged_ttl_s`` ago or more, still not held: those the
         index names on this member are reported gone (a put committed them while its bytes
@@ -580,20 +583,13 @@ class NodeRegistration:
         suspects = self._store.expired_suspects(self._clock(), self._cfg.staged_ttl_s, REAP_BATCH)
         if not suspects:
             return 0
-        keys = list(dict.fromkeys(key for key, _ in suspects))
-        loop = asyncio.get_running_loop()
         try:
-            response = await self._masters.call(
-                "Lookup",
-                master_pb2.LookupRequest(keys=keys, internal=True),
-                deadline=loop.time() + self._cfg.request_timeout_s,
-            )
+            entries = await self._index_entries(key for key, _ in suspects)
         except KVPoolError as e:  # forgotten: a later read that misses names it again
             self._log.warning("missing_check_failed", blocks=len(suspects), error=e.message)
             return 0
         if self.member_id != member_id:
             return 0
-        entries = dict(zip(keys, response.entries, strict=False))
         reported = 0
         for key, write_id in suspects:
             entry = entries.get(key)
