@@ -46,6 +46,11 @@ from kvpool.transports import open_blocking
 from kvpool.transports.blocking import BlockingConnection, time_left
 from kvpool.transports.threads import ThreadConnections
 
+ANSWERED_GRACE_S = 0.05
+"""After a put's commit, how long the nodes' answers to its stage are still waited for even
+past the stage's deadline: the nodes answered while the masters committed (an election can
+make that long), and the answers are in the socket."""
+
 
 class BlockingDataPlane:
     """Frames to store nodes from the calling thread: one connection per thread and node."""
@@ -337,11 +342,12 @@ class BlockingDataPlane:
                 put.error = e
                 continue
             sending.append((put, conn, put.plan, started))
+        late = 0.0
         if any(not plan.reserves for _, _, plan, _ in sending):
-            self._while_unread(sending, sent)
+            late = self._while_unread(sending, sent)
         for put, conn, plan, started in sending:
             try:
-                conn.receive(plan.calls, put.deadline)
+                conn.receive(plan.calls, max(put.deadline, late))
             except KVPoolError as e:
                 self.discard(put.address, conn)
                 put.error, put.waited_s = e, time.monotonic() - started
@@ -359,12 +365,11 @@ class BlockingDataPlane:
                 put.plan.commit.error = e
                 continue
             sending.append((put, put.io, put.plan, 0.0))
-        if sending:
-            self._while_unread(sending, sent)
+        late = self._while_unread(sending, sent) if sending else 0.0
         for put, conn, plan, _ in sending:
             assert plan.commit is not None
             try:
-                conn.receive([plan.commit], put.deadline)
+                conn.receive([plan.commit], max(put.deadline, late))
             except KVPoolError as e:
                 self.discard(put.address, conn)
                 plan.commit.error = e
@@ -373,15 +378,18 @@ class BlockingDataPlane:
         self,
         sending: list[tuple[rounds.NodePuts, BlockingConnection, NodeStage, float]],
         work: Callable[[], None],
-    ) -> None:
+    ) -> float:
         """Do ``work`` while the nodes' answers wait; if it raises, those connections are
-        closed (their answers will never be read) and the error goes on."""
+        closed (their answers will never be read) and the error goes on. Returns until when
+        the answers are still read once it is done (:data:`ANSWERED_GRACE_S`): a commit that
+        outlasted the stage's deadline (an election) must not fail a block its node took."""
         try:
             work()
         except BaseException:
             for put, conn, _plan, _started in sending:
                 self.discard(put.address, conn)
             raise
+        return time.monotonic() + ANSWERED_GRACE_S
 
     def send_refs(
         self, op: Op, refs: list[BlockRef], deadline: float, *, wait: bool = True

@@ -357,10 +357,10 @@ class Commit:
 @dataclass(slots=True)
 class Stage:
     """Send every item's bytes to its targets, staged, by ``deadline``, and :class:`Commit`
-    ``commit`` while the node takes them: once the first frames are sent, before their
-    answers are awaited. Answer with one commit outcome per chunk, in order — the
-    CommitAnswer, or the KVPoolError that commit failed with — or None when no frame could be
-    sent (nothing was committed); the items record which replicas acked."""
+    ``commit`` while the nodes take them: once a node has been handed every byte of its
+    blocks, before its answers are awaited. Answer with one commit outcome per chunk, in order
+    — the CommitAnswer, or the KVPoolError that commit failed with — or None when nothing was
+    staged (nothing was committed); the items record which replicas acked."""
 
     items: list[PutItem]
     deadline: float

@@ -213,6 +213,7 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
         self.report_superseded = False
         """Name the write each commit replaces, and where it was (as the real index does)."""
         self.applied_revision: int | None = None  # None: caught up; else a lagging view
+        self.commit_delay_s = 0.0  # a slow commit (an election under way)
 
     def _count(self, method: str, request: Any) -> None:
         self.calls[method] = self.calls.get(method, 0) + 1
@@ -227,6 +228,8 @@ class FakeMaster(master_pb2_grpc.MasterServicer):
 
     async def CommitPuts(self, request: Any, context: Any) -> master_pb2.CommitPutsResponse:
         self._count("CommitPuts", request)
+        if self.commit_delay_s:
+            await asyncio.sleep(self.commit_delay_s)
         if request.request_id in self.seen:
             return self.seen[request.request_id]  # type: ignore[no-any-return]
         if request.ring_version != self.ring_version:
@@ -916,6 +919,31 @@ def test_a_put_commits_while_the_node_takes_the_bytes(client: Client, cluster: F
     assert all(answers)
     assert "ReportEvictions" not in cluster.master.calls
     assert client.get("blk") == b"data"
+
+
+def test_a_commit_that_outlasts_the_stages_deadline_keeps_the_block_the_node_took(
+    client_factory: Callable[..., Client], cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stage has until 3/4 of the call's time; the commit may take longer (an election).
+    The node's answers came meanwhile: they are still read, and the put succeeds."""
+    monkeypatch.setattr(state_module, "MASTER_ATTEMPT_S", 10.0)  # one slow attempt, no retry
+    kv = client_factory(timeout_s=2.0)
+    assert kv.put("warm", b"v")
+    cluster.master.commit_delay_s = 1.7  # past the stage's deadline (1.5 s), before the call's
+    assert kv.put("slow", b"data")
+
+    async def main() -> None:  # the event-loop driver awaits the stage and the commit apart
+        core = ClientCore(make_config([cluster.master_address], timeout_s=2.0))
+        try:
+            assert await core.put("aslow", b"data")
+        finally:
+            await core.close()
+
+    asyncio.run(main())
+    assert cluster.master.index["slow"].replicas != []
+    assert "ReportEvictions" not in cluster.master.calls
+    cluster.master.commit_delay_s = 0.0
+    assert kv.get("slow") == b"data"
 
 
 def test_a_put_no_node_took_is_taken_out_of_the_index_again(
