@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -44,6 +44,7 @@ from kvpool.errors import DeadlineExceededError, KVPoolError
 from kvpool.proto.wire import Op
 from kvpool.transports import open_blocking
 from kvpool.transports.blocking import BlockingConnection, time_left
+from kvpool.transports.calls import Call
 from kvpool.transports.threads import ThreadConnections
 
 ANSWERED_GRACE_S = 0.05
@@ -302,29 +303,18 @@ class BlockingDataPlane:
 
     def stage(self, items: list[PutItem], deadline: float, sent: Callable[[], None]) -> bool:
         """PUT every item to each of its targets: :func:`~kvpool.client.rounds.stage_flow`,
-        carried out in this thread (every node's frames sent before any answer is read).
-        ``sent()`` is called once, as soon as a node has been handed every byte of its blocks
-        (over TCP its PUT frames sent; over shared memory the copies made and the commit
-        sent), before the answers are read — or at the end, when a replica acked only then.
-        False when it was not called (nothing staged)."""
-        called = False
-
-        def once() -> None:
-            nonlocal called
-            if not called:
-                called = True
-                sent()
-
+        carried out in this thread (every node's frames sent before any answer is read), and
+        the commit ``sent()`` started as :class:`~kvpool.client.rounds.CommitStart` says,
+        before the answers are read. Whether it was (False: nothing staged)."""
+        start = rounds.CommitStart(sent)
         for step in rounds.stage_flow(items, deadline, self._rules):
             if isinstance(step, rounds.SendPuts):
-                self._send_puts(step.puts, once)
+                self._send_puts(step.puts, start)
             else:
-                self._commit_puts(step.puts, once)
-        if any(it.acked for it in items):
-            once()
-        return called
+                self._commit_puts(step.puts, start)
+        return start.finish(items)
 
-    def _send_puts(self, puts: list[rounds.NodePuts], sent: Callable[[], None]) -> None:
+    def _send_puts(self, puts: list[rounds.NodePuts], start: rounds.CommitStart) -> None:
         sending: list[tuple[rounds.NodePuts, BlockingConnection, NodeStage, float]] = []
         for put in puts:
             started = time.monotonic()
@@ -344,7 +334,7 @@ class BlockingDataPlane:
             sending.append((put, conn, put.plan, started))
         late = 0.0
         if any(not plan.reserves for _, _, plan, _ in sending):
-            late = self._while_unread(sending, sent)
+            late = self._while_unread(((p.address, c) for p, c, _, _ in sending), start.sent)
         for put, conn, plan, started in sending:
             try:
                 conn.receive(plan.calls, max(put.deadline, late))
@@ -352,42 +342,44 @@ class BlockingDataPlane:
                 self.discard(put.address, conn)
                 put.error, put.waited_s = e, time.monotonic() - started
 
-    def _commit_puts(self, puts: list[rounds.NodePuts], sent: Callable[[], None]) -> None:
-        """The shared-memory commits: every node's sent, then ``sent()``, then the answers."""
-        sending: list[tuple[rounds.NodePuts, BlockingConnection, NodeStage, float]] = []
+    def _commit_puts(self, puts: list[rounds.NodePuts], start: rounds.CommitStart) -> None:
+        """The shared-memory commits: every node's sent, then the index commit started, then
+        the answers."""
+        sending: list[tuple[rounds.NodePuts, BlockingConnection, Call]] = []
         for put in puts:
             assert put.plan is not None
-            assert put.plan.commit is not None
+            commit = put.plan.commit
+            assert commit is not None
             try:
-                put.io.send([put.plan.commit], put.deadline)
+                put.io.send([commit], put.deadline)
             except KVPoolError as e:
                 self.discard(put.address, put.io)
-                put.plan.commit.error = e
+                commit.error = e
                 continue
-            sending.append((put, put.io, put.plan, 0.0))
-        late = self._while_unread(sending, sent) if sending else 0.0
-        for put, conn, plan, _ in sending:
-            assert plan.commit is not None
+            sending.append((put, put.io, commit))
+        late = 0.0
+        if sending:
+            late = self._while_unread(((p.address, c) for p, c, _ in sending), start.sent)
+        for put, conn, commit in sending:
             try:
-                conn.receive([plan.commit], max(put.deadline, late))
+                conn.receive([commit], max(put.deadline, late))
             except KVPoolError as e:
                 self.discard(put.address, conn)
-                plan.commit.error = e
+                commit.error = e
 
     def _while_unread(
-        self,
-        sending: list[tuple[rounds.NodePuts, BlockingConnection, NodeStage, float]],
-        work: Callable[[], None],
+        self, waiting: Iterable[tuple[str, BlockingConnection]], work: Callable[[], None]
     ) -> float:
-        """Do ``work`` while the nodes' answers wait; if it raises, those connections are
-        closed (their answers will never be read) and the error goes on. Returns until when
-        the answers are still read once it is done (:data:`ANSWERED_GRACE_S`): a commit that
-        outlasted the stage's deadline (an election) must not fail a block its node took."""
+        """Do ``work`` while the nodes' answers wait (``waiting``: address, connection); if it
+        raises, those connections are closed (their answers will never be read) and the error
+        goes on. Returns until when the answers are still read once it is done
+        (:data:`ANSWERED_GRACE_S`): a commit that outlasted the stage's deadline (an election)
+        must not fail a block its node took."""
         try:
             work()
         except BaseException:
-            for put, conn, _plan, _started in sending:
-                self.discard(put.address, conn)
+            for address, conn in waiting:
+                self.discard(address, conn)
             raise
         return time.monotonic() + ANSWERED_GRACE_S
 

@@ -237,19 +237,21 @@ class DataPlane:
 
     # --- writes -------------------------------------------------------------------------------
 
-    async def stage(self, items: list[PutItem], deadline: float, sent: Callable[[], None]) -> None:
+    async def stage(self, items: list[PutItem], deadline: float, sent: Callable[[], None]) -> bool:
         """PUT every item to each of its targets: :func:`~kvpool.client.rounds.stage_flow`,
-        carried out on the event loop (every node at once). ``sent()`` is called for each node
-        about to be handed every byte of its blocks (its PUT frames written; over shared
-        memory, the copies made and the commit written) — what it starts runs once those
-        frames are written and their answers awaited; not at all when nothing was sent."""
+        carried out on the event loop (every node at once), and the commit ``sent()`` started
+        as :class:`~kvpool.client.rounds.CommitStart` says — what it starts runs once the
+        frames are written and their answers awaited. Whether it was (False: nothing
+        staged)."""
+        start = rounds.CommitStart(sent)
         for step in rounds.stage_flow(items, deadline, self._rules_now()):
             if isinstance(step, rounds.SendPuts):
-                await _all([self._send_puts(put, sent) for put in step.puts])
+                await _all([self._send_puts(put, start) for put in step.puts])
             else:
-                await _all([self._commit(put, sent) for put in step.puts])
+                await _all([self._commit(put, start) for put in step.puts])
+        return start.finish(items)
 
-    async def _send_puts(self, put: rounds.NodePuts, sent: Callable[[], None]) -> None:
+    async def _send_puts(self, put: rounds.NodePuts, start: rounds.CommitStart) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -260,16 +262,16 @@ class DataPlane:
         put.io, put.plan = conn, NodeStage(put.address, put.group, links.conn_arena(conn))
         calls = put.plan.all_calls()
         if not put.plan.reserves:
-            sent()  # a task it starts runs once this exchange has written the frames and waits
+            start.sent()  # what it starts runs once this exchange has written the frames
         try:
             await conn.exchange(calls, put.deadline - loop.time())
         except KVPoolError as e:
             put.error, put.waited_s = e, loop.time() - started
 
-    async def _commit(self, put: rounds.NodePuts, sent: Callable[[], None]) -> None:
+    async def _commit(self, put: rounds.NodePuts, start: rounds.CommitStart) -> None:
         assert put.plan is not None
         assert put.plan.commit is not None
-        sent()  # the copies are made: the node has every byte once this commit is written
+        start.sent()  # the copies are made: the node has every byte once this commit is written
         try:
             await put.io.exchange(
                 [put.plan.commit], put.deadline - asyncio.get_running_loop().time()

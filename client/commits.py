@@ -132,11 +132,7 @@ def unstaged(
             continue
         if it.error is None:
             it.error = UnavailableError(f"put {it.key!r}: no replica staged it")
-        if result.superseded_write_id:
-            for member_id in result.superseded_replicas:
-                m = member(member_id)
-                if m is not None:
-                    deletes.append(BlockRef(it.key_bytes, result.superseded_write_id, 0, m))
+        deletes += replaced_refs(it, result, member)
     kept_answer = CommitAnswer(results, answer.revision, answer.stale_ring, answer.ring_version)
     return Unstaged(items, kept_answer, drops, deletes)
 
@@ -242,14 +238,23 @@ def superseded(
     for it, result in zip(staged, results, strict=True):
         if not (it.committed and result.superseded_write_id):
             continue
-        kept = set(result.replicas)
-        for member_id in result.superseded_replicas:
-            if member_id in kept:
-                wait = True
-            m = member(member_id)
-            if m is not None:
-                deletes.append(BlockRef(it.key_bytes, result.superseded_write_id, 0, m))
+        deletes += replaced_refs(it, result, member)
+        wait = wait or not set(result.replicas).isdisjoint(result.superseded_replicas)
     return deletes, wait
+
+
+def replaced_refs(
+    it: PutItem, result: master_pb2.PutResult, member: Callable[[int], MemberInfo | None]
+) -> list[BlockRef]:
+    """The blocks of the write ``it``'s commit replaced (none: it replaced none), on every
+    live member the index had them on."""
+    if not result.superseded_write_id:
+        return []
+    return [
+        BlockRef(it.key_bytes, result.superseded_write_id, 0, m)
+        for m in map(member, result.superseded_replicas)
+        if m is not None
+    ]
 
 
 class CommitBatcher:

@@ -204,20 +204,16 @@ class ClientCore(ClientState):
             committing: list[asyncio.Future[list[CommitAnswer | KVPoolError]]] = []
 
             def sent() -> None:  # the node takes the bytes while the masters commit
-                if not committing:
-                    chunks, ring_version = commit.chunks, commit.ring_version
-                    work = self._commit_chunks(chunks, ring_version, deadline)
-                    committing.append(asyncio.ensure_future(work))
+                work = self._commit_chunks(commit.chunks, commit.ring_version, deadline)
+                committing.append(asyncio.ensure_future(work))
 
             try:
-                await self._data.stage(step.items, step.deadline, sent)
+                staged = await self._data.stage(step.items, step.deadline, sent)
             except BaseException:
                 for task in committing:
                     task.add_done_callback(_retrieved)  # it ends on its own, unawaited
                 raise
-            if any(it.acked for it in step.items):
-                sent()  # acked only at the end (a node's inline blocks beside a failed reserve)
-            return await committing[0] if committing else None
+            return await committing[0] if staged else None
         elif isinstance(step, ops.Publish):
             await self._data.send_refs(Op.PUBLISH, step.refs, deadline, wait=step.wait)
         elif isinstance(step, ops.Delete):

@@ -478,6 +478,31 @@ StageStep = SendPuts | CommitPuts
 StageFlow = Generator[StageStep, None, None]
 
 
+class CommitStart:
+    """When a stage starts its put's index commit (``start``, called once): as soon as a
+    node has been handed every byte of its blocks — over TCP its PUT frames sent, over shared
+    memory the copies made and the node's commit sent (:meth:`sent`) — or, at the end, when a
+    replica acked only then (:meth:`finish`: a node's inline blocks beside a failed
+    reservation). Never when nothing was staged."""
+
+    __slots__ = ("_start", "started")
+
+    def __init__(self, start: Callable[[], None]) -> None:
+        self._start = start
+        self.started = False
+
+    def sent(self) -> None:
+        if not self.started:
+            self.started = True
+            self._start()
+
+    def finish(self, items: list[PutItem]) -> bool:
+        """At the stage's end: start if a replica acked and it has not; whether it did."""
+        if any(it.acked for it in items):
+            self.sent()
+        return self.started
+
+
 def stage_flow(items: list[PutItem], deadline: float, rules: PlaneRules) -> StageFlow:
     """PUT every item to each of its targets, every node at once, by ``deadline``:
     ``item.acked`` lists the members that staged it, ``item.error`` the last failure. A node
