@@ -393,12 +393,17 @@ class BlockStore:
         block_id = (key, write_id)
         if block_id in self._blocks:
             return False
+        self._report(block_id)
+        self.counters.missing_reported += 1
+        return True
+
+    def _report(self, block_id: BlockId) -> None:
+        """Queue ``block_id`` to be reported to the index as gone (at most the backlog cap:
+        beyond it the oldest is forgotten)."""
         self._to_report[block_id] = None
         if len(self._to_report) > self._backlog_cap:
             self._to_report.popitem(last=False)
             self.counters.dropped_reports += 1
-        self.counters.missing_reported += 1
-        return True
 
     def get_in_memory(
         self, key: str, write_id: int, max_level: TierLevel = TierLevel.ANY
@@ -695,10 +700,7 @@ class BlockStore:
         if report is None:
             report = evicted
         if report:
-            self._to_report[block_id] = None
-            if len(self._to_report) > self._backlog_cap:
-                self._to_report.popitem(last=False)
-                self.counters.dropped_reports += 1
+            self._report(block_id)
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the table is consistent (tests, debugging)."""
