@@ -898,6 +898,19 @@ def test_node_down_on_put_keeps_the_other_replica(
     assert kv.get("blk") == b"data"
 
 
+def async_put(cluster: FakeCluster, key: str, value: bytes, *, timeout_s: float) -> bool:
+    """One put through the event-loop driver (``ClientCore``, opened and closed for it)."""
+
+    async def main() -> bool:
+        core = ClientCore(make_config([cluster.master_address], timeout_s=timeout_s))
+        try:
+            return await core.put(key, value)
+        finally:
+            await core.close()
+
+    return asyncio.run(main())
+
+
 def test_a_put_commits_while_the_node_takes_the_bytes(client: Client, cluster: FakeCluster) -> None:
     """The commit goes before the PUT's answer is read: a node that answers only once the
     index holds the commit answers at once, for either driver, and the put succeeds."""
@@ -906,14 +919,7 @@ def test_a_put_commits_while_the_node_takes_the_bytes(client: Client, cluster: F
     assert client.put("blk", b"data")
     assert client.batch_put({f"k{i}": b"v" for i in range(16)}) == [True] * 16
 
-    async def main() -> None:
-        core = ClientCore(make_config([cluster.master_address], timeout_s=1.0))
-        try:
-            assert await core.put("ablk", b"data")
-        finally:
-            await core.close()
-
-    asyncio.run(main())
+    assert async_put(cluster, "ablk", b"data", timeout_s=1.0)
     answers = [a for node in cluster.nodes for a in node.answered_after_commit]
     assert len(answers) >= 3
     assert all(answers)
@@ -931,15 +937,8 @@ def test_a_commit_that_outlasts_the_stages_deadline_keeps_the_block_the_node_too
     assert kv.put("warm", b"v")
     cluster.master.commit_delay_s = 1.7  # past the stage's deadline (1.5 s), before the call's
     assert kv.put("slow", b"data")
-
-    async def main() -> None:  # the event-loop driver awaits the stage and the commit apart
-        core = ClientCore(make_config([cluster.master_address], timeout_s=2.0))
-        try:
-            assert await core.put("aslow", b"data")
-        finally:
-            await core.close()
-
-    asyncio.run(main())
+    # The event-loop driver awaits the stage and the commit apart.
+    assert async_put(cluster, "aslow", b"data", timeout_s=2.0)
     assert cluster.master.index["slow"].replicas != []
     assert "ReportEvictions" not in cluster.master.calls
     cluster.master.commit_delay_s = 0.0

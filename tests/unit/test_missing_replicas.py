@@ -17,18 +17,11 @@ from kvpool.store_node.block_store import BlockStore
 from kvpool.store_node.eviction import LruPolicy
 from kvpool.store_node.registration import NodeRegistration
 from kvpool.store_node.tiers.cpu import CpuTier
+from tests.unit.test_block_store import FakeClock
 
 BLOCK = 4096
 MEMBER = 5
 TTL_S = 30.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Masters:
@@ -75,8 +68,8 @@ def put(store: BlockStore, key: str, write_id: int, version: int) -> None:
 
 def setup(
     index: dict[str, tuple[int, list[int]]],
-) -> tuple[BlockStore, NodeRegistration, Masters, Clock]:
-    clock = Clock()
+) -> tuple[BlockStore, NodeRegistration, Masters, FakeClock]:
+    clock = FakeClock()
     store = BlockStore(CpuTier(64 * BLOCK), LruPolicy(), max_block_size=BLOCK, clock=clock)
     masters = Masters(index)
     registration = NodeRegistration(
