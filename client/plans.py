@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvpool.buffers import Parts, copy_bytes
-from kvpool.checksum import block_checksum, copy_checksum
+from kvpool.checksum import AHEAD_MIN_BYTES, block_checksum, copy_checksum, hash_ahead
 from kvpool.client.placement import MemberInfo
 from kvpool.client.stats import strongest_reason
 from kvpool.errors import (
@@ -207,8 +207,8 @@ class PutItem:
     @property
     def checksum(self) -> int:
         """xxh3-64 of the bytes, computed when first needed: a batch sent over TCP hashes
-        each group of blocks just before sending it, while the node reads the group before
-        (:meth:`NodeStage.chunks`)."""
+        each group of blocks just before sending it, while the node reads the group before,
+        with a helper thread hashing ahead (:meth:`NodeStage.chunks`, :func:`with_checksums`)."""
         if self._checksum is None:
             self._checksum = block_checksum(self.payload)
         return self._checksum
@@ -696,6 +696,28 @@ def _chunks(items: list[ReadItem], max_keys: int, max_bytes: int) -> list[list[R
 # --- writes to one node -------------------------------------------------------------------------
 
 
+def with_checksums(items: list[PutItem]) -> Iterator[PutItem]:
+    """``items`` in order, each with its checksum made as it is reached. When two or more
+    blocks of at least :data:`~kvpool.checksum.AHEAD_MIN_BYTES` need hashing, a helper thread
+    hashes them ahead of the caller (:func:`~kvpool.checksum.hash_ahead`): a sender that sends
+    each group before asking for the next finds the next group's blocks hashed; one that asks
+    for all at once shares the hashing with the helper."""
+    todo = [it for it in items if it._checksum is None and it.payload.nbytes >= AHEAD_MIN_BYTES]
+    if len(todo) < 2:
+        yield from items
+        return
+    ahead = hash_ahead([it.payload for it in todo])
+    slots = {id(it): k for k, it in enumerate(todo)}
+    try:
+        for it in items:
+            k = slots.get(id(it))
+            if k is not None:
+                it._checksum = ahead.get(k)
+            yield it
+    finally:
+        ahead.close()  # the helper holds none of these buffers past here
+
+
 class NodeStage:
     """The PUTs of a group of blocks to one node: PUT frames over TCP; over shared memory, for
     blocks of at least :data:`SHM_PUT_MIN_BYTES`, a reservation, the copies into the arena,
@@ -727,7 +749,7 @@ class NodeStage:
         a sender in the caller's thread hashes the next group while the node reads this one."""
         group: list[Call] = []
         size = 0
-        for it, _ in self._inline:
+        for it in with_checksums([it for it, _ in self._inline]):
             group.append(
                 Call(
                     Op.PUT,
@@ -745,7 +767,7 @@ class NodeStage:
         if self._copied:
             records = [
                 (it.key_bytes, it.write_id, it.payload.nbytes, it.checksum)
-                for it, _ in self._copied
+                for it in with_checksums([it for it, _ in self._copied])
             ]
             group.append(
                 Call(

@@ -3,6 +3,7 @@ index, checked by the node on PUT and by the client on every read."""
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -174,10 +175,157 @@ def _helper() -> _Helper:
     return _HELPER
 
 
+AHEAD_MIN_BYTES = 256 * 1024
+"""A block at least this large is worth hashing on :class:`HashAhead`'s helper thread: below it,
+handing the block over costs about what hashing it here does."""
+
+
+def _hash_unlocked(data: Any) -> int:
+    """:func:`block_checksum`, with the GIL released while hashing: xxhash's ``update`` releases
+    it (every version we claim); its one-shot digest does only from 4.1, and only above 64 KiB."""
+    if type(data) is Parts:
+        return block_checksum(data)
+    h = xxhash.xxh3_64()
+    h.update(data)
+    return int(h.intdigest())
+
+
+_FREE, _BUSY, _DONE = 0, 1, 2
+
+
+class HashAhead:
+    """The checksums of a list of blocks, shared between the caller and a helper thread.
+
+    :meth:`get` answers block ``i``'s checksum: hashed in the caller's thread unless the helper
+    has it (then waited for, or taken as done). The helper takes blocks from the front, one at a
+    time, each claimed under a lock, so a caller that asks in order and sends each group before
+    asking for the next finds the later ones hashed while its sends ran: xxhash's ``update`` and
+    the kernel's send both run without the GIL. A batch put of 32 x 1 MiB over TCP hashed 32 MiB
+    in the caller's thread between its sends (``docs/performance.md``, "Hashing a batch ahead of
+    its sends").
+
+    :meth:`close` (always called; :func:`hash_ahead` does) stops the helper taking more and waits
+    for the block it is hashing, so no reference to a caller's buffer outlives the call. The value
+    of every block is the same as :func:`block_checksum`'s, whichever thread hashed it."""
+
+    def __init__(self, blocks: list[Any]) -> None:
+        self._blocks = blocks
+        self._sums: list[int] = [0] * len(blocks)
+        self._state = [_FREE] * len(blocks)
+        self._cond = threading.Condition(threading.Lock())
+        self._cursor = 0  # the helper's next block to look at
+        self._closed = False
+
+    def get(self, i: int) -> int:
+        while True:
+            with self._cond:
+                if self._state[i] == _DONE:
+                    return self._sums[i]
+                mine = i if self._state[i] == _FREE else self._last_free()
+                if mine < 0:  # the helper has block i and every other one is taken
+                    while self._state[i] == _BUSY:
+                        self._cond.wait()
+                    continue
+                self._state[mine] = _BUSY
+            self._hash(mine)  # block i, or, while the helper hashes i, the last free one
+
+    def _last_free(self) -> int:
+        for j in range(len(self._state) - 1, self._cursor - 1, -1):
+            if self._state[j] == _FREE:
+                return j
+        return -1
+
+    def _hash(self, i: int) -> None:
+        """Hash block ``i``, claimed (``_BUSY``) by this thread."""
+        try:
+            value = _hash_unlocked(self._blocks[i])
+        except BaseException:
+            with self._cond:
+                self._state[i] = _FREE
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._sums[i], self._state[i] = value, _DONE
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Take no more blocks into the helper; return once it holds none of them."""
+        with self._cond:
+            self._closed = True
+            while _BUSY in self._state:
+                self._cond.wait()
+            self._blocks = []
+
+    def _help(self) -> bool:
+        """Hash the next free block (on the helper thread); False once none is left."""
+        with self._cond:
+            if self._closed:
+                return False
+            while self._cursor < len(self._state) and self._state[self._cursor] != _FREE:
+                self._cursor += 1
+            i = self._cursor
+            if i >= len(self._state):
+                return False
+            self._state[i] = _BUSY
+            data = self._blocks[i]
+        try:
+            value = _hash_unlocked(data)
+        except Exception:  # the caller hashes it again and meets the error itself
+            del data
+            with self._cond:
+                self._state[i] = _FREE
+                self._cursor = len(self._state)  # the helper takes no more of this list
+                self._cond.notify_all()
+            return False
+        del data
+        with self._cond:
+            self._sums[i], self._state[i] = value, _DONE
+            self._cond.notify_all()
+        return True
+
+
+class _AheadHelper:
+    """The daemon thread that hashes :class:`HashAhead` lists, one list at a time, in the order
+    they came; a caller whose list waits meanwhile hashes its blocks itself."""
+
+    def __init__(self, *, start: bool = True) -> None:
+        self._jobs: collections.deque[HashAhead] = collections.deque()
+        self._go = threading.Semaphore(0)
+        if start:
+            threading.Thread(target=self._run, name="kvpool-hash", daemon=True).start()
+
+    def submit(self, job: HashAhead) -> None:
+        self._jobs.append(job)
+        self._go.release()
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            job = self._jobs.popleft()
+            while job._help():
+                pass
+            del job
+
+
+_AHEAD: _AheadHelper | None = None
+
+
+def hash_ahead(blocks: list[Any]) -> HashAhead:
+    """A :class:`HashAhead` of ``blocks``, handed to the helper thread. Close it when done."""
+    global _AHEAD
+    if _AHEAD is None:
+        with _HELPER_LOCK:
+            if _AHEAD is None:
+                _AHEAD = _AheadHelper()
+    job = HashAhead(blocks)
+    _AHEAD.submit(job)
+    return job
+
+
 def _forget_helper() -> None:
-    """A forked child has no helper thread (only the forking thread survives a fork)."""
-    global _HELPER, _HELPER_LOCK
-    _HELPER, _HELPER_LOCK = None, threading.Lock()
+    """A forked child has no helper threads (only the forking thread survives a fork)."""
+    global _HELPER, _HELPER_LOCK, _AHEAD
+    _HELPER, _HELPER_LOCK, _AHEAD = None, threading.Lock(), None
 
 
 os.register_at_fork(after_in_child=_forget_helper)

@@ -11,7 +11,15 @@ import pytest
 
 from kvpool import checksum
 from kvpool.buffers import Parts, copy_bytes
-from kvpool.checksum import SPLIT_COPY_BYTES, block_checksum, copy_checksum
+from kvpool.checksum import (
+    AHEAD_MIN_BYTES,
+    SPLIT_COPY_BYTES,
+    block_checksum,
+    copy_checksum,
+    hash_ahead,
+)
+from kvpool.client.placement import MemberInfo
+from kvpool.client.plans import NodeStage, PutItem
 from kvpool.client.values import as_into, as_value
 from kvpool.errors import InvalidValueError, ValueTooLargeError
 
@@ -188,3 +196,93 @@ def test_a_forked_child_splits_copies_with_a_helper_of_its_own() -> None:
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _ahead_blocks() -> list[object]:
+    return [
+        memoryview(os.urandom(size)) for size in (AHEAD_MIN_BYTES, 1 << 20, 5, (1 << 20) + 3)
+    ] + [pieces(os.urandom(600_000), [200_000])]
+
+
+@pytest.mark.parametrize("order", ["forward", "backward", "two threads"])
+def test_blocks_hashed_ahead_have_the_checksums_hashed_alone(order: str) -> None:
+    blocks = _ahead_blocks() * 4
+    ahead = hash_ahead(blocks)
+    got: dict[int, int] = {}
+    try:
+        if order == "forward":
+            got = {i: ahead.get(i) for i in range(len(blocks))}
+        elif order == "backward":
+            got = {i: ahead.get(i) for i in reversed(range(len(blocks)))}
+        else:
+            other = threading.Thread(target=lambda: got.update({0: ahead.get(0), 7: ahead.get(7)}))
+            other.start()
+            got.update({i: ahead.get(i) for i in range(len(blocks))})
+            other.join()
+    finally:
+        ahead.close()
+    assert got == {i: block_checksum(b) for i, b in enumerate(blocks)}
+
+
+def test_blocks_whose_helper_never_runs_are_hashed_by_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A helper thread the scheduler has not run (another process on the other core): the caller
+    hashes every block and never waits for it, and closing does not wait either."""
+    monkeypatch.setattr(checksum, "_AHEAD", checksum._AheadHelper(start=False))
+    blocks = _ahead_blocks()
+    ahead = hash_ahead(blocks)
+    assert [ahead.get(i) for i in range(len(blocks))] == [block_checksum(b) for b in blocks]
+    ahead.close()
+
+
+def test_closing_waits_for_the_block_in_the_helper_and_lets_the_caller_have_its_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A put returns only once the helper holds none of its buffers: a caller's bytearray can be
+    resized at once (an exported buffer cannot be)."""
+    in_helper = threading.Event()
+    real = checksum._hash_unlocked
+
+    def slow_in_helper(data: object) -> int:
+        if threading.current_thread().name == "kvpool-hash":
+            in_helper.set()
+            threading.Event().wait(0.1)  # descheduled mid-hash
+        return real(data)
+
+    monkeypatch.setattr(checksum, "_hash_unlocked", slow_in_helper)
+    owned = [bytearray(os.urandom(AHEAD_MIN_BYTES)) for _ in range(3)]
+    ahead = hash_ahead([memoryview(b) for b in owned])
+    assert ahead.get(0) == block_checksum(owned[0])
+    assert in_helper.wait(5)
+    ahead.close()
+    for b in owned:
+        b.extend(b"x")  # raises BufferError while any view of it is still held
+
+
+def test_a_block_that_cannot_be_hashed_fails_in_the_callers_thread() -> None:
+    blocks = _ahead_blocks()
+    gone = memoryview(bytearray(AHEAD_MIN_BYTES))
+    gone.release()
+    blocks.insert(1, gone)
+    ahead = hash_ahead(blocks)
+    try:
+        assert ahead.get(0) == block_checksum(blocks[0])
+        with pytest.raises(ValueError, match="released"):
+            ahead.get(1)
+        assert ahead.get(2) == block_checksum(blocks[2])
+    finally:
+        ahead.close()
+
+
+def test_a_batch_put_frames_every_block_with_its_own_checksum() -> None:
+    """NodeStage hashes big blocks with the helper's help (with_checksums); every PUT frame
+    carries the checksum of its own block, small or big."""
+    payloads = [os.urandom(n) for n in (4096, 1 << 20, AHEAD_MIN_BYTES, 7, (1 << 20) + 1)] * 3
+    items = [PutItem(f"k{i}", f"k{i}".encode(), memoryview(p)) for i, p in enumerate(payloads)]
+    member = MemberInfo(
+        member_id=1, node_id="n1", data_address="127.0.0.1:1", capacity_bytes=1 << 30
+    )
+    calls = NodeStage("127.0.0.1:1", [(it, member) for it in items], None).all_calls()
+    assert [c.checksum for c in calls] == [block_checksum(p) for p in payloads]
+    assert [it.checksum for it in items] == [block_checksum(p) for p in payloads]
