@@ -207,8 +207,9 @@ class PutItem:
     @property
     def checksum(self) -> int:
         """xxh3-64 of the bytes, computed when first needed: a batch sent over TCP hashes
-        each group of blocks just before sending it, while the node reads the group before,
-        with a helper thread hashing ahead (:meth:`NodeStage.chunks`, :func:`with_checksums`)."""
+        each group of blocks just before sending it, while the node reads the group before
+        (:meth:`NodeStage.chunks`); one reserved in a node's shared memory, all of them at
+        once, with a helper thread (:func:`with_checksums`)."""
         if self._checksum is None:
             self._checksum = block_checksum(self.payload)
         return self._checksum
@@ -699,9 +700,11 @@ def _chunks(items: list[ReadItem], max_keys: int, max_bytes: int) -> list[list[R
 def with_checksums(items: list[PutItem]) -> Iterator[PutItem]:
     """``items`` in order, each with its checksum made as it is reached. When two or more
     blocks of at least :data:`~kvpool.checksum.AHEAD_MIN_BYTES` need hashing, a helper thread
-    hashes them ahead of the caller (:func:`~kvpool.checksum.hash_ahead`): a sender that sends
-    each group before asking for the next finds the next group's blocks hashed; one that asks
-    for all at once shares the hashing with the helper."""
+    hashes them with the caller (:func:`~kvpool.checksum.hash_ahead`). For the checksums a
+    shared-memory reservation needs at once: over TCP each group is hashed in the caller's
+    thread while the node reads the group before, and a helper hashing ahead there took CPU
+    from the node on a 2-vCPU machine (``docs/performance.md``, "A batch's checksums made by
+    two threads")."""
     todo = [it for it in items if it._checksum is None and it.payload.nbytes >= AHEAD_MIN_BYTES]
     if len(todo) < 2:
         yield from items
@@ -749,7 +752,7 @@ class NodeStage:
         a sender in the caller's thread hashes the next group while the node reads this one."""
         group: list[Call] = []
         size = 0
-        for it in with_checksums([it for it, _ in self._inline]):
+        for it, _ in self._inline:
             group.append(
                 Call(
                     Op.PUT,

@@ -18,8 +18,7 @@ from kvpool.checksum import (
     copy_checksum,
     hash_ahead,
 )
-from kvpool.client.placement import MemberInfo
-from kvpool.client.plans import NodeStage, PutItem
+from kvpool.client.plans import PutItem, with_checksums
 from kvpool.client.values import as_into, as_value
 from kvpool.errors import InvalidValueError, ValueTooLargeError
 
@@ -275,14 +274,30 @@ def test_a_block_that_cannot_be_hashed_fails_in_the_callers_thread() -> None:
         ahead.close()
 
 
-def test_a_batch_put_frames_every_block_with_its_own_checksum() -> None:
-    """NodeStage hashes big blocks with the helper's help (with_checksums); every PUT frame
-    carries the checksum of its own block, small or big."""
-    payloads = [os.urandom(n) for n in (4096, 1 << 20, AHEAD_MIN_BYTES, 7, (1 << 20) + 1)] * 3
+def test_a_reservations_checksums_are_each_blocks_own_and_a_stopped_one_holds_no_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """with_checksums (the checksums a shared-memory reservation lists, big blocks hashed with
+    the helper's help): each item's is its own block's; a put stopped midway (an error between
+    two items) leaves the helper holding none of the caller's buffers."""
+    sizes = (4096, 1 << 20, AHEAD_MIN_BYTES, 7, (1 << 20) + 1)
+    payloads = [bytearray(os.urandom(n)) for n in sizes * 3]
     items = [PutItem(f"k{i}", f"k{i}".encode(), memoryview(p)) for i, p in enumerate(payloads)]
-    member = MemberInfo(
-        member_id=1, node_id="n1", data_address="127.0.0.1:1", capacity_bytes=1 << 30
-    )
-    calls = NodeStage("127.0.0.1:1", [(it, member) for it in items], None).all_calls()
-    assert [c.checksum for c in calls] == [block_checksum(p) for p in payloads]
-    assert [it.checksum for it in items] == [block_checksum(p) for p in payloads]
+    assert [it.checksum for it in with_checksums(items)] == [block_checksum(p) for p in payloads]
+
+    real = checksum._hash_unlocked
+
+    def slow_in_helper(data: object) -> int:
+        if threading.current_thread().name == "kvpool-hash":
+            threading.Event().wait(0.02)  # a helper with little CPU
+        return real(data)
+
+    monkeypatch.setattr(checksum, "_hash_unlocked", slow_in_helper)
+    fresh = [PutItem(f"k{i}", f"k{i}".encode(), memoryview(p)) for i, p in enumerate(payloads)]
+    walk = with_checksums(fresh)
+    first = next(walk)
+    assert first.checksum == block_checksum(payloads[0])
+    walk.close()
+    del items, fresh, first, walk  # the caller's own views gone: only a helper's would be left
+    for p in payloads:
+        p.extend(b"x")  # raises BufferError while any view of it is still held
