@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvpool.buffers import Parts, copy_bytes
@@ -697,7 +697,7 @@ def _chunks(items: list[ReadItem], max_keys: int, max_bytes: int) -> list[list[R
 # --- writes to one node -------------------------------------------------------------------------
 
 
-def with_checksums(items: list[PutItem]) -> Iterator[PutItem]:
+def with_checksums(items: list[PutItem]) -> Generator[PutItem, None, None]:
     """``items`` in order, each with its checksum made as it is reached. When two or more
     blocks of at least :data:`~kvpool.checksum.AHEAD_MIN_BYTES` need hashing, a helper thread
     hashes them with the caller (:func:`~kvpool.checksum.hash_ahead`). For the checksums a
