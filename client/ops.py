@@ -98,40 +98,43 @@ S = TypeVar("S")
 R = TypeVar("R")
 
 
+def _resume(
+    flow: Generator[S, Any, Any], answer: Any, failure: Exception | None
+) -> tuple[bool, Any]:
+    """(False, the flow's next step) given the last step's answer or failure (thrown in at the
+    step), or (True, its return value) once it returns."""
+    try:
+        return False, flow.send(answer) if failure is None else flow.throw(failure)
+    except StopIteration as done:
+        return True, done.value
+
+
 def drive(flow: Generator[S, Any, R], perform: Callable[[S], Any]) -> R:
     """Carry a flow out in this thread: each step it yields is ``perform``-ed and what that
     answers is sent back — or what it raised is thrown in, at the step (a flow that does not
     catch it ends with it); the flow's return value is the answer."""
-    answer = failure = None
-    while True:
-        try:
-            if failure is None:
-                step = flow.send(answer)
-            else:
-                step, failure = flow.throw(failure), None
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+    done, step = _resume(flow, None, None)
+    while not done:
         try:
             answer = perform(step)
         except Exception as e:
-            failure = e
+            done, step = _resume(flow, None, e)
+        else:
+            done, step = _resume(flow, answer, None)
+    return step  # type: ignore[no-any-return]
 
 
 async def drive_async(flow: Generator[S, Any, R], perform: Callable[[S], Awaitable[Any]]) -> R:
     """:func:`drive` on an event loop: each step's ``perform`` is awaited."""
-    answer = failure = None
-    while True:
-        try:
-            if failure is None:
-                step = flow.send(answer)
-            else:
-                step, failure = flow.throw(failure), None
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+    done, step = _resume(flow, None, None)
+    while not done:
         try:
             answer = await perform(step)
         except Exception as e:
-            failure = e
+            done, step = _resume(flow, None, e)
+        else:
+            done, step = _resume(flow, answer, None)
+    return step  # type: ignore[no-any-return]
 
 
 MAX_PUT_ATTEMPTS = 3
