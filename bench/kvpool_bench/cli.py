@@ -111,8 +111,14 @@ def _parser() -> argparse.ArgumentParser:
         "--engine-batch",
         type=int,
         metavar="KEYS",
-        help="keys per batch in the engine mode [128; fewer where a batch would pass 32 MiB "
-        "or the arena]",
+        help="keys per batch in the engine mode [128; fewer where a batch would pass 128 MiB "
+        "or the arena: 128 x 1 MiB needs --arena 128MiB]",
+    )
+    b.add_argument(
+        "--arena",
+        metavar="SIZE",
+        help="each client process's buffer: the blocks it puts and the buffers it reads into; "
+        "one pass of a cell holds at most this much [64MiB; quick 8MiB]",
     )
     b.add_argument("--peers", help="redis,mooncake [both]; none: kvpool and the limits only")
     b.add_argument(

@@ -80,6 +80,10 @@ ENGINE_BATCH_KEYS = 128
 KVPOOL_APIS = ("auto", "sync", "async", "both")
 BATCH_BYTES = 32 * MiB
 """A batched call carries at most this much (and at most MAX_BATCH_KEYS keys)."""
+ENGINE_BATCH_BYTES = 128 * MiB
+"""An engine batch reads at most this much: issue 13's 128 x 1 MiB (with ``--arena`` large
+enough to hold it)."""
+MIN_ARENA_BYTES = 1 * MiB
 MAX_BATCH_KEYS = 256
 SCHEMA = "kvpool-bench-peers/1"
 
@@ -117,7 +121,8 @@ class PeersOptions:
     single_ops: tuple[int, int] = (16, 128)
     batch_calls: int = 8
     engine_batch_keys: int = ENGINE_BATCH_KEYS
-    """Keys per engine batch (fewer where a batch would pass BATCH_BYTES or the arena)."""
+    """Keys per engine batch (fewer where a batch would pass ENGINE_BATCH_BYTES or the
+    arena)."""
     limit_tcp_bytes: int = 512 * MiB
     limit_memcpy_bytes: int = 64 * MiB
 
@@ -148,6 +153,8 @@ class PeersOptions:
             )
         if self.engine_batch_keys < 1:
             errors.append("engine batch: at least 1 key")
+        if self.arena_bytes < MIN_ARENA_BYTES:
+            errors.append(f"arena: at least {format_size(MIN_ARENA_BYTES)}")
         if self.rounds < 1:
             errors.append("rounds: at least 1")
         if not self.clients or any(c not in (1, 2) for c in self.clients):
@@ -174,7 +181,7 @@ def plan_cell(opts: PeersOptions, size: int, mode: str) -> CellPlan:
     """How many keys a pass holds (it must fit the arena) and how many passes a cell runs."""
     fit = max(1, opts.arena_bytes // size)
     if mode == "engine":
-        batch = max(1, min(opts.engine_batch_keys, BATCH_BYTES // size, fit))
+        batch = max(1, min(opts.engine_batch_keys, ENGINE_BATCH_BYTES // size, fit))
         calls_per_pass = max(1, min(4, fit // batch))
         return CellPlan(batch, batch * calls_per_pass, math.ceil(opts.batch_calls / calls_per_pass))
     if mode in ("single", "first-read", "hand-off"):

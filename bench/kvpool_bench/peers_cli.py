@@ -32,6 +32,11 @@ def options_from_args(args: Any) -> PeersOptions:
             overrides["clients"] = tuple(int(c) for c in _csv(args.clients))
     except ValueError as e:
         raise ConfigError(f"kvpool-bench peers: {e}") from None
+    if getattr(args, "arena", None):
+        try:
+            overrides["arena_bytes"] = parse_size(args.arena)
+        except ValueError as e:
+            raise ConfigError(f"kvpool-bench peers: --arena: {e}") from None
     if args.rounds is not None:
         overrides["rounds"] = args.rounds
     if args.modes:

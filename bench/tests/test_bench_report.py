@@ -183,6 +183,15 @@ def test_every_pass_fits_the_arena(quick: bool) -> None:
             assert batch.batch == 256  # the issue's "256 per call"
 
 
+def test_an_engine_batch_is_128_keys_of_1_mib_where_the_arena_holds_them() -> None:
+    """Issue 13's engine target is 128 x 1 MiB: --arena 128MiB (or more) makes it one batch."""
+    assert plan_cell(PeersOptions(arena_bytes=256 << 20), 1 << 20, "engine").batch == 128
+    assert plan_cell(PeersOptions(arena_bytes=128 << 20), 1 << 20, "engine").batch == 128
+    assert plan_cell(PeersOptions(), 1 << 20, "engine").batch == 64  # the default 64 MiB arena
+    assert plan_cell(PeersOptions(arena_bytes=1 << 30), 4 << 20, "engine").batch == 32  # 128 MiB
+    assert "arena" in " ".join(PeersOptions(arena_bytes=1024).validate())
+
+
 def test_bad_options_are_refused_by_name() -> None:
     bad = PeersOptions(sizes=(8,), rounds=0, clients=(3,), peers=("memcached",))
     errors = " ".join(bad.validate())
@@ -403,3 +412,17 @@ def test_the_engines_table_says_which_system_was_skipped_and_why() -> None:
     assert "mooncake: skipped: libibverbs.so.1 missing (apt-get install libibverbs1)" in text
     assert "kvpool-native-tcp: " not in text  # measured systems are rows, not notes
     assert " 1MiB kvpool-native-tcp" in text
+
+
+def test_the_peers_command_line_takes_the_arena_and_the_engine_batch() -> None:
+    from kvpool_bench.cli import _parser
+    from kvpool_bench.peers_cli import options_from_args
+
+    args = _parser().parse_args(
+        ["peers", "--modes", "engine", "--arena", "256MiB", "--engine-batch", "128"]
+    )
+    opts = options_from_args(args)
+    assert (opts.arena_bytes, opts.engine_batch_keys) == (256 << 20, 128)
+    assert plan_cell(opts, 1 << 20, "engine").batch == 128
+    with pytest.raises(ConfigError, match="arena"):
+        options_from_args(_parser().parse_args(["peers", "--arena", "lots"]))
