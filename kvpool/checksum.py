@@ -215,19 +215,27 @@ class HashAhead:
         self._cond = threading.Condition(threading.Lock())
         self._cursor = 0  # the helper's next block to look at
         self._closed = False
+        self._extra_failed = False  # a block hashed ahead by the caller failed: no more of that
 
     def get(self, i: int) -> int:
         while True:
             with self._cond:
                 if self._state[i] == _DONE:
                     return self._sums[i]
-                mine = i if self._state[i] == _FREE else self._last_free()
-                if mine < 0:  # the helper has block i and every other one is taken
-                    while self._state[i] == _BUSY:
-                        self._cond.wait()
-                    continue
+                mine = i
+                if self._state[i] == _BUSY:  # the helper has it: hash another one meanwhile
+                    mine = -1 if self._extra_failed else self._last_free()
+                    if mine < 0:
+                        while self._state[i] == _BUSY:
+                            self._cond.wait()
+                        continue
                 self._state[mine] = _BUSY
-            self._hash(mine)  # block i, or, while the helper hashes i, the last free one
+            try:
+                self._hash(mine)
+            except Exception:
+                if mine == i:
+                    raise
+                self._extra_failed = True  # that block's error is raised when it is asked for
 
     def _last_free(self) -> int:
         for j in range(len(self._state) - 1, self._cursor - 1, -1):

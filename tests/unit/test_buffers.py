@@ -274,6 +274,36 @@ def test_a_block_that_cannot_be_hashed_fails_in_the_callers_thread() -> None:
         ahead.close()
 
 
+def test_a_block_that_cannot_be_hashed_fails_only_the_call_that_asks_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the helper hashes block 0, the caller asking for it hashes the last free block
+    meanwhile; when that one cannot be hashed, asking for block 0 still answers, and the error
+    comes with the bad block's own turn."""
+    in_helper = threading.Event()
+    real = checksum._hash_unlocked
+
+    def slow_in_helper(data: object) -> int:
+        if threading.current_thread().name == "kvpool-hash":
+            in_helper.set()
+            threading.Event().wait(0.1)
+        return real(data)
+
+    monkeypatch.setattr(checksum, "_hash_unlocked", slow_in_helper)
+    good = [memoryview(os.urandom(AHEAD_MIN_BYTES)) for _ in range(3)]
+    gone = memoryview(bytearray(AHEAD_MIN_BYTES))
+    gone.release()
+    ahead = hash_ahead([*good, gone])
+    try:
+        assert in_helper.wait(5)  # the helper holds block 0
+        assert ahead.get(0) == block_checksum(good[0])
+        assert [ahead.get(i) for i in (1, 2)] == [block_checksum(g) for g in good[1:]]
+        with pytest.raises(ValueError, match="released"):
+            ahead.get(3)
+    finally:
+        ahead.close()
+
+
 def test_a_reservations_checksums_are_each_blocks_own_and_a_stopped_one_holds_no_buffer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
