@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvpool.buffers import Parts, copy_bytes
-from kvpool.checksum import AHEAD_MIN_BYTES, block_checksum, copy_checksum, hash_ahead
+from kvpool.checksum import block_checksum, block_checksums, copy_checksum
 from kvpool.client.placement import MemberInfo
 from kvpool.client.stats import strongest_reason
 from kvpool.errors import (
@@ -209,7 +209,7 @@ class PutItem:
         """xxh3-64 of the bytes, computed when first needed: a batch sent over TCP hashes
         each group of blocks just before sending it, while the node reads the group before
         (:meth:`NodeStage.chunks`); one reserved in a node's shared memory, all of them at
-        once, with a helper thread (:func:`with_checksums`)."""
+        once, with a helper thread (:func:`make_checksums`)."""
         if self._checksum is None:
             self._checksum = block_checksum(self.payload)
         return self._checksum
@@ -697,28 +697,16 @@ def _chunks(items: list[ReadItem], max_keys: int, max_bytes: int) -> list[list[R
 # --- writes to one node -------------------------------------------------------------------------
 
 
-def with_checksums(items: list[PutItem]) -> Generator[PutItem, None, None]:
-    """``items`` in order, each with its checksum made as it is reached. When two or more
-    blocks of at least :data:`~kvpool.checksum.AHEAD_MIN_BYTES` need hashing, a helper thread
-    hashes them with the caller (:func:`~kvpool.checksum.hash_ahead`). For the checksums a
-    shared-memory reservation needs at once: over TCP each group is hashed in the caller's
-    thread while the node reads the group before, and a helper hashing ahead there took CPU
-    from the node on a 2-vCPU machine (``docs/performance.md``, "A batch's checksums made by
-    two threads")."""
-    todo = [it for it in items if it._checksum is None and it.payload.nbytes >= AHEAD_MIN_BYTES]
-    if len(todo) < 2:
-        yield from items
-        return
-    ahead = hash_ahead([it.payload for it in todo])
-    slots = {id(it): k for k, it in enumerate(todo)}
-    try:
-        for it in items:
-            k = slots.get(id(it))
-            if k is not None:
-                it._checksum = ahead.get(k)
-            yield it
-    finally:
-        ahead.close()  # the helper holds none of these buffers past here
+def make_checksums(items: list[PutItem]) -> None:
+    """Every item's checksum, made now: those not made yet, all at once with the helper
+    thread's help (:func:`~kvpool.checksum.block_checksums`) — for the checksums a
+    shared-memory reservation lists. (Over TCP each group of frames is hashed in the caller's
+    thread while the node reads the group before: a helper hashing ahead there took CPU from
+    the node on a 2-vCPU machine; ``docs/performance.md``, "A batch's checksums made by two
+    threads".)"""
+    missing = [it for it in items if it._checksum is None]
+    for it, checksum in zip(missing, block_checksums([it.payload for it in missing]), strict=True):
+        it._checksum = checksum
 
 
 class NodeStage:
@@ -768,9 +756,10 @@ class NodeStage:
                 yield group
                 group, size = [], 0
         if self._copied:
+            make_checksums([it for it, _ in self._copied])
             records = [
                 (it.key_bytes, it.write_id, it.payload.nbytes, it.checksum)
-                for it in with_checksums([it for it, _ in self._copied])
+                for it, _ in self._copied
             ]
             group.append(
                 Call(

@@ -3,10 +3,10 @@ index, checked by the node on PUT and by the client on every read."""
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import xxhash
@@ -29,11 +29,11 @@ it is copying. (Smaller pieces cost more than they share: each is a GIL hand-ove
 threads, and 512 KiB pieces made a 4 MiB copy 1.7x slower than 2 MiB ones.)"""
 
 SPLIT_BACKOFF_COPIES = 32
-"""After a split copy whose caller waited for the helper longer than it took to copy and hash
-its own pieces (the helper had no CPU: another process busy on the other core, or the GIL held
-by another thread), this many copies are made by the caller alone. A reader beside a busy
-process took ~1 ms for a 4 MiB split copy against ~0.27 ms alone (``docs/performance.md``, "A
-split copy that never waits for a busy helper")."""
+"""After a split copy (or shared hashing, :func:`block_checksums`) whose caller waited for the
+helper longer than it took to do its own pieces (the helper had no CPU: another process busy on
+the other core, or the GIL held by another thread), this many are done by the caller alone. A
+reader beside a busy process took ~1 ms for a 4 MiB split copy against ~0.27 ms alone
+(``docs/performance.md``, "A split copy that never waits for a busy helper")."""
 
 
 def block_checksum(data: Any) -> int:
@@ -60,17 +60,78 @@ def copy_checksum(dest: memoryview | Parts, src: memoryview | Parts) -> int:
     thread (:data:`SPLIT_COPY_BYTES`); the value is the same either way."""
     n = src.nbytes
     if n >= SPLIT_COPY_BYTES and _flat(dest) and _flat(src) and dest.nbytes == n:
-        helper = _helper()
-        if helper.busy.acquire(blocking=False):  # else another thread's split copy is running
-            try:
-                if helper.skip:
-                    helper.skip -= 1
-                else:
-                    return helper.copy_checksum(dest, src)  # type: ignore[arg-type]
-            finally:
-                helper.busy.release()
+        count = -(-n // SPLIT_CHUNK_BYTES)
+        h = xxhash.xxh3_64()
+
+        def mine(i: int) -> None:  # the caller's pieces, from the front: copied and hashed
+            to, frm = _piece(dest, src, i)  # type: ignore[arg-type]
+            copy_bytes(to, frm)
+            h.update(to)
+
+        def theirs(i: int) -> None:
+            copy_bytes(*_piece(dest, src, i))  # type: ignore[arg-type]
+
+        done = _shared(count, mine, theirs)
+        if done is not None:
+            for i in range(done, count):  # the helper's pieces, all copied
+                h.update(_piece(dest, src, i)[0])  # type: ignore[arg-type]
+            return int(h.intdigest())
     copy_bytes(dest, src)
     return block_checksum(dest)
+
+
+SHARED_HASH_MIN_BYTES = 256 * 1024
+"""In :func:`block_checksums`, blocks at least this large are hashed with the helper thread's
+help: below it, handing a block over costs about what hashing it here does."""
+
+
+def block_checksums(blocks: list[memoryview | Parts]) -> list[int]:
+    """:func:`block_checksum` of each block. When two or more are at least
+    :data:`SHARED_HASH_MIN_BYTES`, those are shared with the helper thread as a split copy's
+    pieces are (the caller hashes from the front, the helper from the back): xxhash's ``update``
+    runs without the GIL, so the two hash at once. The checksums a shared-memory reservation of
+    32 x 1 MiB lists took 0.6x the time of one thread (``docs/performance.md``, "A batch's
+    checksums made by two threads"). The values are the same either way."""
+    sums = [0] * len(blocks)
+    big = [i for i, b in enumerate(blocks) if b.nbytes >= SHARED_HASH_MIN_BYTES]
+    if len(big) >= 2:
+
+        def one(k: int) -> None:
+            sums[big[k]] = _hash_unlocked(blocks[big[k]])
+
+        if _shared(len(big), one, one) is not None:
+            for i, b in enumerate(blocks):
+                if b.nbytes < SHARED_HASH_MIN_BYTES:
+                    sums[i] = block_checksum(b)
+            return sums
+    return [block_checksum(b) for b in blocks]
+
+
+def _hash_unlocked(data: Any) -> int:
+    """:func:`block_checksum`, with the GIL released while hashing: xxhash's ``update`` releases
+    it (every version we claim); its one-shot digest does only from 4.1, and only above 64 KiB."""
+    if type(data) is Parts:
+        return block_checksum(data)
+    h = xxhash.xxh3_64()
+    h.update(data)
+    return int(h.intdigest())
+
+
+def _shared(count: int, mine: Callable[[int], None], theirs: Callable[[int], None]) -> int | None:
+    """Pieces ``[0, count)`` done with the helper thread (:meth:`_Helper.share`): how many were
+    the caller's. None when they were not shared — another thread's share is running, or the
+    helper is being left out after one that made the caller wait (:data:`SPLIT_BACKOFF_COPIES`)
+    — and the caller does them alone."""
+    helper = _helper()
+    if not helper.busy.acquire(blocking=False):
+        return None
+    try:
+        if helper.skip:
+            helper.skip -= 1
+            return None
+        return helper.share(count, mine, theirs)
+    finally:
+        helper.busy.release()
 
 
 def _flat(view: memoryview | Parts) -> bool:
@@ -78,57 +139,59 @@ def _flat(view: memoryview | Parts) -> bool:
 
 
 class _Helper:
-    """One daemon thread sharing the pieces of a split :func:`copy_checksum`, one split copy at
-    a time (``busy``); idle, it waits on a semaphore. Pieces ``[_next, _end)`` are unclaimed:
-    the caller takes ``_next``, the helper ``_end - 1``, each under ``_cond``. ``skip``: copies
-    left to make without the helper (:data:`SPLIT_BACKOFF_COPIES`)."""
+    """One daemon thread sharing the pieces of one job at a time (``busy``): a split
+    :func:`copy_checksum`, or the blocks of :func:`block_checksums`; idle, it waits on a
+    semaphore. Pieces ``[_next, _end)`` are unclaimed: the caller takes ``_next``, the helper
+    ``_end - 1``, each under ``_cond``. ``skip``: jobs left to do without the helper
+    (:data:`SPLIT_BACKOFF_COPIES`)."""
 
     def __init__(self, *, start: bool = True) -> None:
         self.busy = threading.Lock()
         self.skip = 0
         self._cond = threading.Condition(threading.Lock())
         self._go = threading.Semaphore(0)
-        self._job: tuple[memoryview, memoryview] | None = None
+        self._work: Callable[[int], None] | None = None
         self._next = self._end = 0
-        self._copying = 0  # pieces the helper has claimed and not finished
+        self._working = 0  # pieces the helper has claimed and not finished
         self._error: BaseException | None = None
         if start:
             threading.Thread(target=self._run, name="kvpool-copy", daemon=True).start()
 
     def _run(self) -> None:
         while True:
-            self._go.acquire()  # a release per split copy; one woken late finds nothing left
+            self._go.acquire()  # a release per job; one woken late finds nothing left
             while self._help():
                 pass
 
     def _help(self) -> bool:
-        """Copy the last unclaimed piece of the current split copy; False when none is left."""
+        """Do the last unclaimed piece of the current job; False when none is left."""
         with self._cond:
-            if self._next >= self._end or self._job is None:
+            if self._next >= self._end or self._work is None:
                 return False
             self._end -= 1
-            piece = self._end
-            dest, src = self._job
-            self._copying += 1
+            piece, work = self._end, self._work
+            self._working += 1
         try:
-            copy_bytes(*_piece(dest, src, piece))
+            work(piece)
         except BaseException as e:  # handed to the caller, which raises it
             self._error = e
+        del work  # no reference to the caller's buffers once its job is over
         with self._cond:
-            self._copying -= 1
-            if not self._copying:
+            self._working -= 1
+            if not self._working:
                 self._cond.notify()
         return True
 
-    def copy_checksum(self, dest: memoryview, src: memoryview) -> int:
-        """The split copy (the caller holds ``busy``): returns only once every piece the helper
-        claimed is copied, whatever fails, so nothing writes into ``dest`` after the call."""
-        count = -(-src.nbytes // SPLIT_CHUNK_BYTES)
+    def share(self, count: int, mine: Callable[[int], None], theirs: Callable[[int], None]) -> int:
+        """Pieces ``[0, count)``: ``mine(i)`` in this thread from the front, in order,
+        ``theirs(i)`` on the helper from the back; how many were the caller's (``[0, n)``; the
+        helper did the rest). The caller holds ``busy``. Returns only once every piece the
+        helper claimed is done, whatever fails, so nothing touches the caller's buffers after
+        the call; the helper's error is raised here."""
         with self._cond:
-            self._job, self._next, self._end, self._error = (dest, src), 0, count, None
+            self._work, self._next, self._end, self._error = theirs, 0, count, None
         self._go.release()
-        h = xxhash.xxh3_64()
-        mine = 0  # pieces [0, mine) copied and hashed here
+        done = 0  # pieces [0, done) done here
         start = time.perf_counter()
         try:
             while True:
@@ -136,24 +199,20 @@ class _Helper:
                     if self._next >= self._end:
                         break
                     self._next += 1
-                to, frm = _piece(dest, src, mine)
-                copy_bytes(to, frm)
-                h.update(to)
-                mine += 1
+                mine(done)
+                done += 1
         finally:
             own = time.perf_counter() - start
             with self._cond:
                 self._end = self._next  # nothing more is claimed
-                while self._copying:
+                while self._working:
                     self._cond.wait()
-                self._job = None
+                self._work = None
             if time.perf_counter() - start > 2 * own:
                 self.skip = SPLIT_BACKOFF_COPIES
         if self._error is not None:
             raise self._error
-        for piece in range(mine, count):  # the helper's pieces, all copied
-            h.update(_piece(dest, src, piece)[0])
-        return int(h.intdigest())
+        return done
 
 
 def _piece(dest: memoryview, src: memoryview, i: int) -> tuple[memoryview, memoryview]:
@@ -176,164 +235,10 @@ def _helper() -> _Helper:
     return _HELPER
 
 
-AHEAD_MIN_BYTES = 256 * 1024
-"""A block at least this large is worth hashing on :class:`HashAhead`'s helper thread: below it,
-handing the block over costs about what hashing it here does."""
-
-
-def _hash_unlocked(data: Any) -> int:
-    """:func:`block_checksum`, with the GIL released while hashing: xxhash's ``update`` releases
-    it (every version we claim); its one-shot digest does only from 4.1, and only above 64 KiB."""
-    if type(data) is Parts:
-        return block_checksum(data)
-    h = xxhash.xxh3_64()
-    h.update(data)
-    return int(h.intdigest())
-
-
-_FREE, _BUSY, _DONE = 0, 1, 2
-
-
-class HashAhead:
-    """The checksums of a list of blocks, shared between the caller and a helper thread.
-
-    :meth:`get` answers block ``i``'s checksum: hashed in the caller's thread unless the helper
-    has it (then taken as done). The helper takes blocks from the front, one at a time, each
-    claimed under a lock; a caller asking for a block the helper is hashing hashes the last free
-    one meanwhile, so the two share the list (xxhash's ``update`` runs without the GIL). The 32
-    checksums of a shared-memory reservation of 32 x 1 MiB took 0.6x the time of one thread
-    (``docs/performance.md``, "A batch's checksums made by two threads").
-
-    :meth:`close` (always called; :func:`hash_ahead` does) stops the helper taking more and waits
-    for the block it is hashing, so no reference to a caller's buffer outlives the call. The value
-    of every block is the same as :func:`block_checksum`'s, whichever thread hashed it."""
-
-    def __init__(self, blocks: list[Any]) -> None:
-        self._blocks = blocks
-        self._sums: list[int] = [0] * len(blocks)
-        self._state = [_FREE] * len(blocks)
-        self._cond = threading.Condition(threading.Lock())
-        self._cursor = 0  # the helper's next block to look at
-        self._closed = False
-        self._extra_failed = False  # a block hashed ahead by the caller failed: no more of that
-
-    def get(self, i: int) -> int:
-        while True:
-            with self._cond:
-                if self._state[i] == _DONE:
-                    return self._sums[i]
-                mine = i
-                if self._state[i] == _BUSY:  # the helper has it: hash another one meanwhile
-                    mine = -1 if self._extra_failed else self._last_free()
-                    if mine < 0:
-                        while self._state[i] == _BUSY:
-                            self._cond.wait()
-                        continue
-                self._state[mine] = _BUSY
-            try:
-                self._hash(mine)
-            except Exception:
-                if mine == i:
-                    raise
-                self._extra_failed = True  # that block's error is raised when it is asked for
-
-    def _last_free(self) -> int:
-        for j in range(len(self._state) - 1, self._cursor - 1, -1):
-            if self._state[j] == _FREE:
-                return j
-        return -1
-
-    def _hash(self, i: int) -> None:
-        """Hash block ``i``, claimed (``_BUSY``) by this thread."""
-        try:
-            value = _hash_unlocked(self._blocks[i])
-        except BaseException:
-            with self._cond:
-                self._state[i] = _FREE
-                self._cond.notify_all()
-            raise
-        with self._cond:
-            self._sums[i], self._state[i] = value, _DONE
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """Take no more blocks into the helper; return once it holds none of them."""
-        with self._cond:
-            self._closed = True
-            while _BUSY in self._state:
-                self._cond.wait()
-            self._blocks = []
-
-    def _help(self) -> bool:
-        """Hash the next free block (on the helper thread); False once none is left."""
-        with self._cond:
-            if self._closed:
-                return False
-            while self._cursor < len(self._state) and self._state[self._cursor] != _FREE:
-                self._cursor += 1
-            i = self._cursor
-            if i >= len(self._state):
-                return False
-            self._state[i] = _BUSY
-            data = self._blocks[i]
-        try:
-            value = _hash_unlocked(data)
-        except Exception:  # the caller hashes it again and meets the error itself
-            del data
-            with self._cond:
-                self._state[i] = _FREE
-                self._cursor = len(self._state)  # the helper takes no more of this list
-                self._cond.notify_all()
-            return False
-        del data
-        with self._cond:
-            self._sums[i], self._state[i] = value, _DONE
-            self._cond.notify_all()
-        return True
-
-
-class _AheadHelper:
-    """The daemon thread that hashes :class:`HashAhead` lists, one list at a time, in the order
-    they came; a caller whose list waits meanwhile hashes its blocks itself."""
-
-    def __init__(self, *, start: bool = True) -> None:
-        self._jobs: collections.deque[HashAhead] = collections.deque()
-        self._go = threading.Semaphore(0)
-        if start:
-            threading.Thread(target=self._run, name="kvpool-hash", daemon=True).start()
-
-    def submit(self, job: HashAhead) -> None:
-        self._jobs.append(job)
-        self._go.release()
-
-    def _run(self) -> None:
-        while True:
-            self._go.acquire()
-            job = self._jobs.popleft()
-            while job._help():
-                pass
-            del job
-
-
-_AHEAD: _AheadHelper | None = None
-
-
-def hash_ahead(blocks: list[Any]) -> HashAhead:
-    """A :class:`HashAhead` of ``blocks``, handed to the helper thread. Close it when done."""
-    global _AHEAD
-    if _AHEAD is None:
-        with _HELPER_LOCK:
-            if _AHEAD is None:
-                _AHEAD = _AheadHelper()
-    job = HashAhead(blocks)
-    _AHEAD.submit(job)
-    return job
-
-
 def _forget_helper() -> None:
-    """A forked child has no helper threads (only the forking thread survives a fork)."""
-    global _HELPER, _HELPER_LOCK, _AHEAD
-    _HELPER, _HELPER_LOCK, _AHEAD = None, threading.Lock(), None
+    """A forked child has no helper thread (only the forking thread survives a fork)."""
+    global _HELPER, _HELPER_LOCK
+    _HELPER, _HELPER_LOCK = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_helper)

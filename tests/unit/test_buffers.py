@@ -12,13 +12,13 @@ import pytest
 from kvpool import checksum
 from kvpool.buffers import Parts, copy_bytes
 from kvpool.checksum import (
-    AHEAD_MIN_BYTES,
+    SHARED_HASH_MIN_BYTES,
     SPLIT_COPY_BYTES,
     block_checksum,
+    block_checksums,
     copy_checksum,
-    hash_ahead,
 )
-from kvpool.client.plans import PutItem, with_checksums
+from kvpool.client.plans import PutItem, make_checksums
 from kvpool.client.values import as_into, as_value
 from kvpool.errors import InvalidValueError, ValueTooLargeError
 
@@ -197,137 +197,87 @@ def test_a_forked_child_splits_copies_with_a_helper_of_its_own() -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-def _ahead_blocks() -> list[object]:
+def _big_and_small() -> list[memoryview | Parts]:
     return [
-        memoryview(os.urandom(size)) for size in (AHEAD_MIN_BYTES, 1 << 20, 5, (1 << 20) + 3)
+        memoryview(os.urandom(size))
+        for size in (SHARED_HASH_MIN_BYTES, 1 << 20, 5, (1 << 20) + 3, SHARED_HASH_MIN_BYTES - 1)
     ] + [pieces(os.urandom(600_000), [200_000])]
 
 
-@pytest.mark.parametrize("order", ["forward", "backward", "two threads"])
-def test_blocks_hashed_ahead_have_the_checksums_hashed_alone(order: str) -> None:
-    blocks = _ahead_blocks() * 4
-    ahead = hash_ahead(blocks)
-    got: dict[int, int] = {}
-    try:
-        if order == "forward":
-            got = {i: ahead.get(i) for i in range(len(blocks))}
-        elif order == "backward":
-            got = {i: ahead.get(i) for i in reversed(range(len(blocks)))}
-        else:
-            other = threading.Thread(target=lambda: got.update({0: ahead.get(0), 7: ahead.get(7)}))
-            other.start()
-            got.update({i: ahead.get(i) for i in range(len(blocks))})
-            other.join()
-    finally:
-        ahead.close()
-    assert got == {i: block_checksum(b) for i, b in enumerate(blocks)}
+def test_checksums_shared_with_the_helper_are_those_hashed_alone() -> None:
+    """Two threads at once: one shares its blocks with the helper, the other (finding it busy)
+    hashes alone; every checksum is its block's either way."""
+    lists = [_big_and_small() * 3 for _ in range(2)]
+    out: dict[int, list[int]] = {}
+
+    def run(n: int) -> None:
+        for _ in range(5):
+            out[n] = block_checksums(lists[n])
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == {n: [block_checksum(b) for b in lists[n]] for n in range(2)}
+    assert block_checksums([]) == []
 
 
-def test_blocks_whose_helper_never_runs_are_hashed_by_the_caller(
+def test_checksums_whose_helper_never_runs_are_the_callers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A helper thread the scheduler has not run (another process on the other core): the caller
-    hashes every block and never waits for it, and closing does not wait either."""
-    monkeypatch.setattr(checksum, "_AHEAD", checksum._AheadHelper(start=False))
-    blocks = _ahead_blocks()
-    ahead = hash_ahead(blocks)
-    assert [ahead.get(i) for i in range(len(blocks))] == [block_checksum(b) for b in blocks]
-    ahead.close()
+    hashes every block and never waits for it."""
+    idle = checksum._Helper(start=False)
+    monkeypatch.setattr(checksum, "_HELPER", idle)
+    blocks = _big_and_small()
+    assert block_checksums(blocks) == [block_checksum(b) for b in blocks]
+    assert idle.skip == 0  # it did not wait: no back-off
 
 
-def test_closing_waits_for_the_block_in_the_helper_and_lets_the_caller_have_its_buffer(
+def test_shared_hashing_returns_only_once_the_helper_holds_no_buffer_of_the_caller(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A put returns only once the helper holds none of its buffers: a caller's bytearray can be
     resized at once (an exported buffer cannot be)."""
-    in_helper = threading.Event()
+    helped = []
     real = checksum._hash_unlocked
 
-    def slow_in_helper(data: object) -> int:
-        if threading.current_thread().name == "kvpool-hash":
-            in_helper.set()
-            threading.Event().wait(0.1)  # descheduled mid-hash
+    def slow_in_helper(data: memoryview | Parts) -> int:
+        if threading.current_thread().name == "kvpool-copy":
+            helped.append(data.nbytes)
+            threading.Event().wait(0.05)  # descheduled mid-hash
         return real(data)
 
+    monkeypatch.setattr(checksum, "_HELPER", checksum._Helper())
     monkeypatch.setattr(checksum, "_hash_unlocked", slow_in_helper)
-    owned = [bytearray(os.urandom(AHEAD_MIN_BYTES)) for _ in range(3)]
-    ahead = hash_ahead([memoryview(b) for b in owned])
-    assert ahead.get(0) == block_checksum(owned[0])
-    assert in_helper.wait(5)
-    ahead.close()
+    for _ in range(200):  # until the helper took a block (it may wake after the caller's end)
+        owned = [bytearray(os.urandom(SHARED_HASH_MIN_BYTES)) for _ in range(8)]
+        views = [memoryview(b) for b in owned]
+        assert block_checksums(views) == [block_checksum(b) for b in owned]  # type: ignore[arg-type]
+        checksum._HELPER.skip = 0  # type: ignore[union-attr]
+        if helped:
+            break
+    assert helped
+    del views
     for b in owned:
         b.extend(b"x")  # raises BufferError while any view of it is still held
 
 
-def test_a_block_that_cannot_be_hashed_fails_in_the_callers_thread() -> None:
-    blocks = _ahead_blocks()
-    gone = memoryview(bytearray(AHEAD_MIN_BYTES))
+def test_a_block_that_cannot_be_hashed_raises_and_the_next_call_works() -> None:
+    blocks = _big_and_small()
+    gone = memoryview(bytearray(SHARED_HASH_MIN_BYTES))
     gone.release()
-    blocks.insert(1, gone)
-    ahead = hash_ahead(blocks)
-    try:
-        assert ahead.get(0) == block_checksum(blocks[0])
-        with pytest.raises(ValueError, match="released"):
-            ahead.get(1)
-        assert ahead.get(2) == block_checksum(blocks[2])
-    finally:
-        ahead.close()
+    with pytest.raises(ValueError, match="released"):
+        block_checksums([blocks[0], gone, blocks[1]])
+    assert block_checksums(blocks) == [block_checksum(b) for b in blocks]
 
 
-def test_a_block_that_cannot_be_hashed_fails_only_the_call_that_asks_for_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """While the helper hashes block 0, the caller asking for it hashes the last free block
-    meanwhile; when that one cannot be hashed, asking for block 0 still answers, and the error
-    comes with the bad block's own turn."""
-    in_helper = threading.Event()
-    real = checksum._hash_unlocked
-
-    def slow_in_helper(data: object) -> int:
-        if threading.current_thread().name == "kvpool-hash":
-            in_helper.set()
-            threading.Event().wait(0.1)
-        return real(data)
-
-    monkeypatch.setattr(checksum, "_hash_unlocked", slow_in_helper)
-    good = [memoryview(os.urandom(AHEAD_MIN_BYTES)) for _ in range(3)]
-    gone = memoryview(bytearray(AHEAD_MIN_BYTES))
-    gone.release()
-    ahead = hash_ahead([*good, gone])
-    try:
-        assert in_helper.wait(5)  # the helper holds block 0
-        assert ahead.get(0) == block_checksum(good[0])
-        assert [ahead.get(i) for i in (1, 2)] == [block_checksum(g) for g in good[1:]]
-        with pytest.raises(ValueError, match="released"):
-            ahead.get(3)
-    finally:
-        ahead.close()
-
-
-def test_a_reservations_checksums_are_each_blocks_own_and_a_stopped_one_holds_no_buffer(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """with_checksums (the checksums a shared-memory reservation lists, big blocks hashed with
-    the helper's help): each item's is its own block's; a put stopped midway (an error between
-    two items) leaves the helper holding none of the caller's buffers."""
-    sizes = (4096, 1 << 20, AHEAD_MIN_BYTES, 7, (1 << 20) + 1)
-    payloads = [bytearray(os.urandom(n)) for n in sizes * 3]
+def test_a_reservations_items_get_their_own_blocks_checksums() -> None:
+    """make_checksums (the checksums a shared-memory reservation lists): each item's is its own
+    block's, big or small; one already made is kept."""
+    payloads = [os.urandom(n) for n in (4096, 1 << 20, SHARED_HASH_MIN_BYTES, 7)] * 3
     items = [PutItem(f"k{i}", f"k{i}".encode(), memoryview(p)) for i, p in enumerate(payloads)]
-    assert [it.checksum for it in with_checksums(items)] == [block_checksum(p) for p in payloads]
-
-    real = checksum._hash_unlocked
-
-    def slow_in_helper(data: object) -> int:
-        if threading.current_thread().name == "kvpool-hash":
-            threading.Event().wait(0.02)  # a helper with little CPU
-        return real(data)
-
-    monkeypatch.setattr(checksum, "_hash_unlocked", slow_in_helper)
-    fresh = [PutItem(f"k{i}", f"k{i}".encode(), memoryview(p)) for i, p in enumerate(payloads)]
-    walk = with_checksums(fresh)
-    first = next(walk)
-    assert first.checksum == block_checksum(payloads[0])
-    walk.close()
-    del items, fresh, first, walk  # the caller's own views gone: only a helper's would be left
-    for p in payloads:
-        p.extend(b"x")  # raises BufferError while any view of it is still held
+    assert items[1].checksum == block_checksum(payloads[1])  # made before: kept
+    make_checksums(items)
+    assert [it._checksum for it in items] == [block_checksum(p) for p in payloads]
