@@ -5,7 +5,9 @@ refreshed with ``--watch``, or with ``--json`` for scripts."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -221,13 +223,24 @@ def watch_status(
     rounds: int | None = None,
 ) -> int:
     """Print the status every ``interval_s`` (the screen cleared first on a terminal) until
-    Ctrl-C, which exits 0; ``rounds`` bounds the loop (tests)."""
+    Ctrl-C, which exits 0; ``rounds`` bounds the loop (tests).
+
+    In the main thread Ctrl-C only asks the loop to stop: a round being collected ends first
+    (within ``timeout_s``). Raised inside a round, KeyboardInterrupt could land while
+    ``asyncio.run`` was closing its loop, and the loop, left running, printed a traceback when
+    the interpreter collected it."""
     stream = out if out is not None else sys.stdout
     tty = stream.isatty()
     done = 0
+    stop = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, lambda _signum, _frame: stop.set())
     try:
-        while rounds is None or done < rounds:
+        while (rounds is None or done < rounds) and not stop.is_set():
             doc = collect_status(masters, timeout_s=timeout_s)
+            if stop.is_set():
+                break
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             text = (
                 json.dumps(doc, default=str)
@@ -239,8 +252,13 @@ def watch_status(
             stream.flush()
             done += 1
             if rounds is None or done < rounds:
-                time.sleep(interval_s)
-    except KeyboardInterrupt:
+                stop.wait(interval_s)
+    except KeyboardInterrupt:  # before the handler was in place, or outside the main thread
+        stop.set()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if stop.is_set():
         stream.write("\n")
         stream.flush()
     return 0
