@@ -34,13 +34,16 @@ class LoopPoller:
     """PySyncObj's ``Poller`` (``subscribe``, ``unsubscribe``, ``poll``) on an asyncio loop.
 
     A subscribed descriptor's callback runs from the loop when the descriptor is readable or
-    writable, then ``on_event`` (set by :class:`LoopTicker`) asks for a tick. ``poll`` does
-    nothing: the loop waits for events, not the tick."""
+    writable, then ``on_event`` (set to :meth:`LoopTicker.request`) asks for a tick — unless
+    ``tick_on_events`` says not now (a follower with read leases:
+    :meth:`~kvpool.raft_master.lease.LeasedSyncObj.ticks_on_messages`), when the next timed tick
+    does what the tick would. ``poll`` does nothing: the loop waits for events, not the tick."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._callbacks: dict[Any, Callable[[Any, int], None]] = {}
         self.on_event: Callable[[], None] | None = None
+        self.tick_on_events: Callable[[], bool] = lambda: True
 
     def subscribe(self, descr: Any, callback: Callable[[Any, int], None], eventMask: int) -> None:  # noqa: N803 - PySyncObj's name
         self.unsubscribe(descr)
@@ -64,7 +67,7 @@ class LoopPoller:
         callback = self._callbacks.get(descr)
         if callback is not None:
             callback(descr, event)
-        if self.on_event is not None:
+        if self.on_event is not None and self.tick_on_events():
             self.on_event()
 
 

@@ -355,6 +355,8 @@ class Replicator:
             # of PySyncObj's tick period besides (its timers: heartbeats, elections, the lease).
             ticker = LoopTicker(loop, syncobj._onTick, self._tick_period_s / 10, self._log)
             poller.on_event = ticker.request
+            if isinstance(syncobj, LeasedSyncObj):  # a follower's tick waits for the timer
+                poller.tick_on_events = syncobj.ticks_on_messages
             self._ticker = ticker
             if not peers:
                 self._wake = ticker.request

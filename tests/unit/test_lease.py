@@ -13,6 +13,7 @@ from kvpool.raft_master.lease import (
     FOLLOWER,
     LEADER,
     LeaderLease,
+    LeasedSyncObj,
     LeaseTimes,
     PreVoteRound,
     VotePromise,
@@ -206,6 +207,18 @@ def test_an_append_of_an_older_term_is_answered_and_its_leader_steps_down() -> N
     assert steps_down(my_term=2, told=5)
     assert not steps_down(my_term=5, told=5)
     assert not steps_down(my_term=6, told=5)  # a late answer from before our own election
+
+
+def test_only_a_follower_leaves_its_tick_to_the_timer_after_a_message() -> None:
+    """Ticked on the event loop, a follower's Raft events ask for no tick (it answers appends in
+    the message's handler; applying waits for the timer); a candidate counts votes and a leader
+    acknowledgements at once."""
+    member = LeasedSyncObj.__new__(LeasedSyncObj)  # the state alone: no sockets, no Raft thread
+    ticks = {}
+    for state in (FOLLOWER, CANDIDATE, LEADER):
+        member._SyncObj__raftState = state
+        ticks[state] = member.ticks_on_messages()
+    assert ticks == {FOLLOWER: False, CANDIDATE: True, LEADER: True}
 
 
 def test_a_pre_vote_round_needs_a_majority_with_the_asker() -> None:

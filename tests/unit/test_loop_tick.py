@@ -56,6 +56,43 @@ def test_a_subscribed_socket_is_served_by_the_loop_and_asks_for_a_tick() -> None
     asyncio.run(run())
 
 
+def test_an_event_while_ticks_on_events_are_off_is_served_without_asking_for_a_tick() -> None:
+    """A follower with read leases answers an append inside the message's handler; its tick
+    waits for the timer (``LeasedSyncObj.ticks_on_messages``)."""
+
+    async def run() -> None:
+        poller = LoopPoller(asyncio.get_running_loop())
+        asked: list[int] = []
+        poller.on_event = lambda: asked.append(1)
+        follower = [True]
+        poller.tick_on_events = lambda: not follower[0]
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        seen: list[bytes] = []
+        try:
+            poller.subscribe(a.fileno(), lambda d, e: seen.append(a.recv(16)), POLL_EVENT_TYPE.READ)
+
+            async def deliver(data: bytes) -> None:
+                b.send(data)
+                for _ in range(50):
+                    if seen and seen[-1] == data:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"{data!r} was not served")
+
+            await deliver(b"append")
+            assert asked == []  # served, no tick asked
+            follower[0] = False  # a candidate or a leader
+            await deliver(b"vote")
+            assert asked == [1]
+        finally:
+            poller.unsubscribe(a.fileno())
+            a.close()
+            b.close()
+
+    asyncio.run(run())
+
+
 def test_writable_interest_is_served_and_a_new_subscription_replaces_the_old() -> None:
     async def run() -> None:
         poller = LoopPoller(asyncio.get_running_loop())
