@@ -160,8 +160,14 @@ class DirectoryWriter:
         touched = np.flatnonzero(seen)
         if not touched.size:
             return []
-        counts = np.minimum(seen[touched], MAX_READS_PER_TAKE)
-        hits[touched] = 0  # a read counted since the copy may go uncredited: a hint, no more
+        counted = seen[touched]
+        counts = np.minimum(counted, MAX_READS_PER_TAKE)
+        # Take away what was seen rather than zeroing: a read counted since the copy stays for
+        # the next take. Only a read counted between this gather and scatter may go uncredited
+        # (a hint, no more); the clamp keeps a count a client wrote back from before the last
+        # take (smaller than what was seen) from wrapping around.
+        now = hits[touched]
+        hits[touched] = now - np.minimum(now, counted)
         listed = np.frombuffer(self._used, dtype=np.uint8)[touched].astype(bool)
         slots, counts = touched[listed], counts[listed]
         if slots.size > MAX_SLOTS_PER_TAKE:
