@@ -152,7 +152,8 @@ class DirectoryWriter:
         ALIVE.pack_into(self._map, ALIVE_AT, until)
 
     def take_reads(self) -> list[tuple[int, int]]:
-        """(slot, reads) for every slot clients counted reads on since the last call; resets."""
+        """(slot, reads) for every slot clients counted reads on since the last call; what it
+        answers is taken off the counts."""
         hits = self.hits
         # Clients count into this memory while the node reads it: work on one copy of it
         # (numpy's nonzero counts, then fills, and fails when the count changed in between).

@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvpool.client.commits import AfterCommit, CommitAnswer, PutReceipt, judge_commit, superseded
+from kvpool.client.commits import (
+    AfterCommit,
+    CommitAnswer,
+    CommitBatcher,
+    CommitJob,
+    PutReceipt,
+    judge_commit,
+    superseded,
+)
 from kvpool.client.ops import (
     DELETE_WAIT_S,
     MAX_PUT_ATTEMPTS,
@@ -24,7 +32,13 @@ from kvpool.client.ops import (
 )
 from kvpool.client.placement import MemberInfo, Placement
 from kvpool.client.plans import PutItem
-from kvpool.errors import KVPoolError, NotLeaderError, StaleRingError, UnavailableError
+from kvpool.errors import (
+    InternalError,
+    KVPoolError,
+    NotLeaderError,
+    StaleRingError,
+    UnavailableError,
+)
 from kvpool.proto.v1 import master_pb2
 
 DEADLINE = 10.0
@@ -311,3 +325,33 @@ def test_every_attempt_asks_for_members_first() -> None:
     w = World(commits=[["stale"], ["ok"]])
     w.run(["a"])
     assert [i for i, s in enumerate(w.steps) if isinstance(s, EnsureMembers)] == [0, 2]
+
+
+def committed(n: int) -> list[master_pb2.PutResult]:
+    return [
+        master_pb2.PutResult(status=master_pb2.PUT_STATUS_COMMITTED, version=v, replicas=[1])
+        for v in range(1, n + 1)
+    ]
+
+
+@pytest.mark.parametrize("answered", [2, 4], ids=["too few", "too many"])
+def test_a_commit_answer_with_another_count_of_results_commits_no_put(answered: int) -> None:
+    """Results are matched to puts by position: an answer that does not hold one per entry
+    (a master's bug, or a garbled answer) would hand one key's result to another, so the whole
+    request fails — a put may be lost, it is never acknowledged on another's result."""
+    a = CommitJob(1, [master_pb2.PutEntry(key="a")], DEADLINE)
+    b = CommitJob(1, [master_pb2.PutEntry(key=k) for k in ("b", "c")], DEADLINE)
+    CommitBatcher.split([a, b], master_pb2.CommitPutsResponse(results=committed(answered)))
+    for job in (a, b):
+        assert job.answer is None
+        assert isinstance(job.error, InternalError)
+
+    items = [PutItem(k, k.encode(), memoryview(b"v")) for k in ("a", "b", "c")]
+    for it in items:
+        it.targets = [MEMBERS[0]]
+    receipts: dict[PutItem, PutReceipt] = {}
+    answer = CommitAnswer(committed(answered), revision=9, stale_ring=False, ring_version=1)
+    with pytest.raises(InternalError):
+        judge_commit(items, answer, receipts)
+    assert receipts == {}
+    assert not any(it.committed for it in items)
